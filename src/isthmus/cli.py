@@ -1,0 +1,141 @@
+"""The `isthmus` command line: the one place that writes to the console.
+
+Every user error becomes one line on stderr and exit code 2, before any work starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+from isthmus.errors import ConfigError, IsthmusError
+
+EXIT_USAGE = 2
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the problem (not a usage block)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise IsthmusError(f"{self.prog}: {message}")
+
+
+def shipped_configs_dir() -> Path:
+    return Path(__file__).parent / "configs"
+
+
+def find_config(name: str | None) -> Path:
+    """A config path as given, or the name of a shipped config (``default``, ``tiny``...)."""
+    if name is None:
+        return shipped_configs_dir() / "default.toml"
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = shipped_configs_dir() / (name if name.endswith(".toml") else f"{name}.toml")
+    if shipped.is_file():
+        return shipped
+    available = ", ".join(sorted(p.stem for p in shipped_configs_dir().glob("*.toml")))
+    raise ConfigError("--config", name, f"file not found (shipped configs: {available})")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(
+        prog="isthmus",
+        description="Train transformer language models in parallel, from one CPU to several datacenters.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_ArgumentParser)
+    train = sub.add_parser(
+        "train",
+        allow_abbrev=False,
+        help="train a model (defaults < --config FILE < --section.key VALUE)",
+        description="Train a model. Any config key can be overridden as --section.key VALUE, "
+        "e.g. --model.flavor tiny --train.steps 20 --metrics.jsonl a.jsonl.",
+    )
+    train.add_argument("--config", default=None, help="job config TOML file, or a shipped config name (default: default)")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    gen = sub.add_parser("generate", help="sample text from a trained run", allow_abbrev=False)
+    gen.add_argument("--run", required=True, help="run directory (train.run_dir of the run)")
+    gen.add_argument("--prompt", default="def ", help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=200)
+    gen.add_argument("--temperature", type=float, default=0.8)
+    gen.add_argument("--top-k", type=int, default=40)
+    gen.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
+    from isthmus.config import build_config, parse_overrides
+
+    from isthmus.preflight import preflight
+
+    cfg = build_config(find_config(ns.config), parse_overrides(rest))
+    preflight(cfg)
+    if ns.print_config:
+        sys.stdout.write(cfg.to_toml())
+        return 0
+    from isthmus.log import setup_logging
+    from isthmus.train.trainer import train
+
+    setup_logging()
+    result = train(cfg)
+    _print_summary(result)
+    return 0
+
+
+def _print_summary(result: object) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    r = result
+    table = Table(title="isthmus train: done", show_header=False)
+    table.add_row("steps", str(len(r.losses)))
+    table.add_row("loss first -> last", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
+    if r.val_losses:
+        table.add_row("val loss", "  ".join(f"{s}:{v:.4f}" for s, v in r.val_losses))
+    table.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s, MFU {100 * r.mfu:.1f}%")
+    table.add_row("wall time", f"{r.elapsed_s:.1f} s")
+    table.add_row("run dir", str(r.run_dir))
+    table.add_row("next", f"isthmus generate --run {r.run_dir} --prompt 'def '")
+    Console().print(table)
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from isthmus.generate import generate
+
+    if ns.max_new_tokens < 1:
+        raise ConfigError("--max-new-tokens", ns.max_new_tokens, "must be at least 1")
+    if ns.temperature < 0:
+        raise ConfigError("--temperature", ns.temperature, "must be 0 (greedy) or positive")
+    text = generate(ns.run, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed)
+    sys.stdout.write(text + "\n")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _build_parser()
+    try:
+        if not argv:
+            parser.print_help()
+            return EXIT_USAGE
+        ns, rest = parser.parse_known_args(argv)
+        if ns.command == "train":
+            return _cmd_train(ns, rest)
+        if rest:
+            raise IsthmusError(f"isthmus {ns.command}: unrecognized arguments: {' '.join(rest)}")
+        if ns.command == "generate":
+            return _cmd_generate(ns)
+        parser.print_help()
+        return EXIT_USAGE
+    except IsthmusError as e:
+        sys.stderr.write(f"isthmus: error: {e}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("isthmus: interrupted\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

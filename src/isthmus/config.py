@@ -1,0 +1,378 @@
+"""The job configuration: typed sections, TOML files, ``--section.key VALUE`` overrides.
+
+Precedence is defaults < TOML file < command line. The config is built and validated once, up
+front, before any process starts; every problem a user can cause is a :class:`ConfigError` whose
+one line names the key, the value and the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from isthmus.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    flavor: str = "small"
+    """Named model shape (see `isthmus.models.flavors`): tiny, small, llama3-8b, gpt3-1.7b, ..."""
+    n_layers: int | None = None
+    """Override the flavor's number of transformer blocks."""
+    dim: int | None = None
+    """Override the flavor's hidden size."""
+    n_heads: int | None = None
+    """Override the flavor's number of attention heads."""
+    n_kv_heads: int | None = None
+    """Override the flavor's number of key/value heads (grouped-query attention)."""
+    ffn_dim: int | None = None
+    """Override the flavor's MLP hidden size."""
+    vocab_size: int | None = None
+    """Override the vocabulary size (must cover the tokenizer's vocabulary)."""
+    mlp: Literal["swiglu", "gelu"] | None = None
+    """Override the MLP kind: swiglu (Llama) or gelu (GPT)."""
+    tie_embeddings: bool | None = None
+    """Override whether input embedding and output head share weights."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""
+    """Text file, folder of text files, or pre-tokenised .bin file; empty = the Python standard library's source."""
+    format: Literal["auto", "text", "bin"] = "auto"
+    """How to read data.path: auto (.bin files are pre-tokenised), text, or bin."""
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Token dtype of a pre-tokenised .bin file."""
+    tokenizer: Literal["byte", "bpe"] = "byte"
+    """Tokenizer for text data: byte-level, or BPE trained locally and cached."""
+    bpe_vocab_size: int = 4096
+    """Vocabulary size when training a BPE tokenizer."""
+    max_bytes: int = 4_000_000
+    """Read at most this many bytes of text (0 = no limit)."""
+    val_fraction: float = 0.05
+    """Fraction of the tokens held out for validation."""
+    cache_dir: str = ""
+    """Where tokenised corpora and BPE tokenizers are cached; empty = ~/.cache/isthmus."""
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    """Number of optimizer steps."""
+    seed: int = 0
+    """Seed for initialisation and data order; the same seed gives the same losses."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine decay, as a fraction of train.lr."""
+    warmup_steps: int = 20
+    """Linear warm-up steps before cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    batch_size: int = 16
+    """Global batch: sequences per optimizer step, over all data-parallel ranks."""
+    seq_len: int = 128
+    """Tokens per sequence."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step (gradient accumulation)."""
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    """Compute dtype: fp32, or bf16 autocast (parameters stay fp32)."""
+    val_every: int = 50
+    """Validate every N steps (0 = only at the end)."""
+    val_batches: int = 8
+    """Batches of train.batch_size sequences per validation."""
+    run_dir: str = "runs/default"
+    """Directory for the resolved config, logs, metrics and the final model."""
+    device: str = "auto"
+    """Device: auto (cuda when available, else cpu), cpu or cuda."""
+    threads: int = 0
+    """torch intra-op threads per process (0 = torch's default)."""
+
+
+@dataclass
+class ParallelConfig:
+    nproc: int = 1
+    """Local processes (ranks) to start; 1 trains in this process."""
+    dp_replicate: int = 1
+    """Replicated data-parallel degree (DDP)."""
+    dp_shard: int = 1
+    """Sharded data-parallel degree (ZeRO / FSDP)."""
+    zero_stage: int = 3
+    """What dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout regions along the sequence inside the tensor-parallel group."""
+    cp: int = 1
+    """Context-parallel degree."""
+    cp_impl: Literal["ring", "ulysses"] = "ring"
+    """Context-parallel attention: ring (online softmax) or ulysses (all-to-all)."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    """Pipeline schedule."""
+    microbatches: int = 1
+    """Pipeline microbatches per step."""
+    pp_virtual_stages: int = 1
+    """Pipeline stages per rank (interleaved schedules need 2 or more)."""
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    """Activation recomputation: none, full (every block) or selective (every other block)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend: auto picks nccl on CUDA, gloo on CPU."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = ""
+    """Checkpoint directory; empty = <train.run_dir>/checkpoints."""
+    every: int = 0
+    """Save every N steps (0 = only the final model)."""
+    keep: int = 2
+    """Keep the newest N checkpoints."""
+
+
+@dataclass
+class MetricsConfig:
+    jsonl: str = ""
+    """Write one JSON record per step (and per validation) to this file; empty = <run_dir>/metrics.jsonl."""
+    log_every: int = 10
+    """Log a line to the console every N steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard events to <run_dir>/tb (needs the tensorboard extra)."""
+    progress: bool = True
+    """Show a progress bar on an interactive console."""
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def to_toml(self) -> str:
+        """The resolved config as TOML (None values, i.e. 'use the flavor's', are omitted)."""
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is not None:
+                    lines.append(f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def section_fields(cfg: JobConfig) -> dict[str, dict[str, dataclasses.Field[Any]]]:
+    """Map section name -> key -> dataclass field."""
+    return {
+        s.name: {f.name: f for f in dataclasses.fields(getattr(cfg, s.name))} for s in dataclasses.fields(cfg)
+    }
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp) if a is not type(None))
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(key: str, raw: Any, tp: Any, from_cli: bool) -> Any:
+    """Convert a TOML value or CLI string to the field's type, or raise ConfigError."""
+    origin = get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if raw is None or (from_cli and isinstance(raw, str) and raw.lower() in ("none", "null")):
+            return None
+        assert len(args) == 1, f"unsupported union for {key}"
+        return _coerce(key, raw, args[0], from_cli)
+    if origin is Literal:
+        choices = get_args(tp)
+        value = raw.strip() if isinstance(raw, str) else raw
+        if value not in choices:
+            raise ConfigError(key, raw, f"must be {_type_name(tp)}")
+        return value
+    if tp is bool:
+        if isinstance(raw, bool):
+            return raw
+        if from_cli and isinstance(raw, str) and raw.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return raw.lower() in ("true", "1", "yes")
+        raise ConfigError(key, raw, "must be true or false")
+    if tp is int:
+        if isinstance(raw, bool):
+            raise ConfigError(key, raw, "must be an integer")
+        if isinstance(raw, int):
+            return raw
+        if from_cli and isinstance(raw, str):
+            try:
+                return int(raw.replace("_", ""))
+            except ValueError:
+                pass
+        raise ConfigError(key, raw, "must be an integer")
+    if tp is float:
+        if isinstance(raw, bool):
+            raise ConfigError(key, raw, "must be a number")
+        if isinstance(raw, (int, float)):
+            value = float(raw)
+        elif from_cli and isinstance(raw, str):
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ConfigError(key, raw, "must be a number") from None
+        else:
+            raise ConfigError(key, raw, "must be a number")
+        if not math.isfinite(value):
+            raise ConfigError(key, raw, "must be a finite number")
+        return value
+    if tp is str:
+        if isinstance(raw, str):
+            return raw
+        if from_cli:
+            return str(raw)
+        raise ConfigError(key, raw, "must be a string")
+    raise AssertionError(f"unsupported config type {tp!r} for {key}")
+
+
+def _resolved_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def set_value(cfg: JobConfig, dotted: str, raw: Any, from_cli: bool) -> None:
+    """Set ``section.key`` on cfg from a TOML value or a CLI string, with type checks."""
+    if "." not in dotted:
+        raise ConfigError(dotted, raw, "options are written --section.key VALUE (e.g. --train.steps 100)")
+    section, key = dotted.split(".", 1)
+    fields = section_fields(cfg)
+    if section not in fields:
+        raise ConfigError(dotted, raw, f"unknown section {section!r}; sections are: {', '.join(fields)}")
+    if key not in fields[section]:
+        raise ConfigError(dotted, raw, f"unknown key in [{section}]; keys are: {', '.join(fields[section])}")
+    obj = getattr(cfg, section)
+    tp = _resolved_hints(type(obj))[key]
+    setattr(obj, key, _coerce(dotted, raw, tp, from_cli))
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Read a TOML job file, with one-line errors for a missing or malformed file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("--config", str(path), "file not found")
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError("--config", str(path), f"not valid TOML ({e})") from None
+
+
+def apply_toml(cfg: JobConfig, data: dict[str, Any]) -> None:
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(section, values, "top-level entries must be [sections]")
+        for key, raw in values.items():
+            set_value(cfg, f"{section}.{key}", raw, from_cli=False)
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
+    """Split ``--section.key VALUE`` / ``--section.key=VALUE`` arguments into pairs."""
+    pairs: list[tuple[str, str]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(arg, arg, "expected an option --section.key VALUE")
+        name = arg[2:]
+        if "=" in name:
+            name, value = name.split("=", 1)
+        else:
+            if i + 1 >= len(args) or (args[i + 1].startswith("--") and len(args[i + 1]) > 2 and not _is_number(args[i + 1])):
+                raise ConfigError(f"--{name}", None, "missing value (write --section.key VALUE)")
+            value = args[i + 1]
+            i += 1
+        pairs.append((name, value))
+        i += 1
+    return pairs
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def build_config(config_file: str | Path | None, overrides: list[tuple[str, str]]) -> JobConfig:
+    """Defaults < TOML file < command-line overrides, then validate."""
+    cfg = JobConfig()
+    if config_file is not None:
+        apply_toml(cfg, load_toml(config_file))
+    for dotted, value in overrides:
+        set_value(cfg, dotted, value, from_cli=True)
+    validate(cfg)
+    return cfg
+
+
+def _require(ok: bool, key: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(key, value, rule)
+
+
+def validate(cfg: JobConfig) -> None:
+    """Range and consistency checks that need no model or data (those come in `resolve`)."""
+    t, d, p, m = cfg.train, cfg.data, cfg.parallel, cfg.model
+    for key in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches"):
+        _require(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be at least 1")
+    _require(t.lr > 0, "train.lr", t.lr, "must be positive")
+    _require(0.0 <= t.min_lr_ratio <= 1.0, "train.min_lr_ratio", t.min_lr_ratio, "must be between 0 and 1")
+    _require(t.warmup_steps >= 0, "train.warmup_steps", t.warmup_steps, "must be 0 or more")
+    _require(t.weight_decay >= 0, "train.weight_decay", t.weight_decay, "must be 0 or more")
+    _require(0 <= t.beta1 < 1, "train.beta1", t.beta1, "must be in [0, 1)")
+    _require(0 <= t.beta2 < 1, "train.beta2", t.beta2, "must be in [0, 1)")
+    _require(t.grad_clip >= 0, "train.grad_clip", t.grad_clip, "must be 0 (off) or positive")
+    _require(t.val_every >= 0, "train.val_every", t.val_every, "must be 0 (end only) or positive")
+    _require(t.threads >= 0, "train.threads", t.threads, "must be 0 (default) or positive")
+    _require(t.device in ("auto", "cpu", "cuda"), "train.device", t.device, "must be one of 'auto', 'cpu', 'cuda'")
+    _require(
+        t.batch_size % t.grad_accum == 0,
+        "train.grad_accum", t.grad_accum, f"must divide train.batch_size = {t.batch_size}",
+    )
+    _require(bool(t.run_dir.strip()), "train.run_dir", t.run_dir, "must not be empty")
+    _require(0.0 < d.val_fraction < 0.5, "data.val_fraction", d.val_fraction, "must be in (0, 0.5)")
+    _require(d.max_bytes >= 0, "data.max_bytes", d.max_bytes, "must be 0 (no limit) or positive")
+    _require(d.bpe_vocab_size >= 300, "data.bpe_vocab_size", d.bpe_vocab_size, "must be at least 300 (256 bytes + merges)")
+    if d.path:
+        _require(Path(d.path).exists(), "data.path", d.path, "no such file or folder")
+    for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
+        v = getattr(m, key)
+        _require(v is None or v >= 1, f"model.{key}", v, "must be at least 1")
+    for key in ("nproc", "dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches", "pp_virtual_stages"):
+        _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be at least 1")
+    _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", p.zero_stage, "must be 1, 2 or 3")
+    _require(cfg.checkpoint.every >= 0, "checkpoint.every", cfg.checkpoint.every, "must be 0 (final only) or positive")
+    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, "must be at least 1")
+    _require(cfg.metrics.log_every >= 1, "metrics.log_every", cfg.metrics.log_every, "must be at least 1")

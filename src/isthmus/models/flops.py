@@ -1,0 +1,76 @@
+"""Exact parameter and FLOP counts of the decoder in llama.py, from its ModelArgs alone.
+
+FLOPs follow the convention of Megatron-LM (Narayanan et al. 2021) and PaLM: a
+multiply-add is 2 FLOPs, training is forward + backward = 3 forwards, and attention
+scores/values are counted over the full S x S square (causal masking is not
+subtracted), so numbers compare directly with published MFU figures.
+"""
+
+from __future__ import annotations
+
+from isthmus.models.args import ModelArgs
+
+
+def layer_matmul_params(args: ModelArgs) -> int:
+    """Weights of the Linear layers in one transformer block."""
+    q_dim = args.n_heads * args.head_dim
+    kv_dim = args.n_kv_heads * args.head_dim
+    attention = args.dim * q_dim + 2 * args.dim * kv_dim + q_dim * args.dim
+    n_branches = 3 if args.mlp == "swiglu" else 2
+    return attention + n_branches * args.dim * args.ffn_dim
+
+
+def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
+    """Exact number of parameters of ``build_model(args)``.
+
+    ``include_embedding=False`` leaves out the token-embedding table (and with it a
+    tied head, which is the same matrix); an untied head is a matmul and stays.
+    """
+    per_layer = layer_matmul_params(args) + 2 * args.dim  # two RMSNorm scales
+    total = args.n_layers * per_layer + args.dim  # final norm
+    table = args.vocab_size * args.dim
+    if include_embedding:
+        total += table
+    if not args.tie_embeddings:
+        total += table
+    return total
+
+
+def matmul_params(args: ModelArgs) -> int:
+    """Parameters used in a matmul per token: all Linears and the head (tied or not).
+
+    The embedding is a gather and norms are elementwise, so neither counts.
+    """
+    return args.n_layers * layer_matmul_params(args) + args.vocab_size * args.dim
+
+
+def attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Forward FLOPs per token of QK^T and AV over all layers (2 matmuls x 2 FLOP/MAC)."""
+    return 4 * args.n_layers * seq_len * args.n_heads * args.head_dim
+
+
+def forward_flops_per_token(args: ModelArgs, seq_len: int) -> int:
+    """Forward FLOPs per token: weight matmuls plus attention."""
+    return 2 * matmul_params(args) + attention_flops_per_token(args, seq_len)
+
+
+def flops_per_token(args: ModelArgs, seq_len: int, recompute: bool = False) -> int:
+    """Training FLOPs per token: 3 forwards, plus one forward of the blocks if recomputed.
+
+    Full activation recomputation re-runs each block's forward before its backward;
+    the output head is not recomputed, exactly as Megatron's Eq. 3 counts it.
+    """
+    total = 3 * forward_flops_per_token(args, seq_len)
+    if recompute:
+        total += 2 * args.n_layers * layer_matmul_params(args) + attention_flops_per_token(args, seq_len)
+    return total
+
+
+def megatron_flops_per_iteration(batch: int, seq_len: int, n_layers: int, hidden: int, vocab: int) -> int:
+    """Eq. 3 of Narayanan et al. 2021: 96*B*s*l*h^2 * (1 + s/(6h) + V/(16*l*h)), in integers.
+
+    Expanded so no division happens: 96Bslh^2 + 16Bs^2lh + 6BsVh. It assumes
+    multi-head attention (QKV = 3h^2), a 4h GELU MLP and full recomputation.
+    """
+    b, s, l, h, v = batch, seq_len, n_layers, hidden, vocab
+    return 96 * b * s * l * h * h + 16 * b * s * s * l * h + 6 * b * s * v * h

@@ -1,0 +1,248 @@
+"""A Llama-style decoder laid out for tensor parallel, FSDP2 and pipeline splitting.
+
+The layout follows torchtitan's Llama so the same parallelisation plans apply:
+Linear submodules ``wq wk wv wo`` and ``w1 w2 w3`` (no biases), blocks in an
+``nn.ModuleDict`` keyed by layer index (a pipeline stage deletes blocks and keeps the
+names), and ``tok_embeddings`` / ``norm`` / ``output`` that a splitter may set to
+``None``. No buffers at all: RoPE angles are computed from the positions in every
+forward, so the model builds on the meta device and any position offset (context
+parallel shards, pipeline micro-batches) works without state.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from isthmus.errors import ConfigError
+from isthmus.models.args import ModelArgs
+
+AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+
+# Name components added by wrappers (activation checkpointing, torch.compile, DDP,
+# FSDP1); dropping them gives the name the parameter has in the bare model.
+WRAPPER_PREFIXES = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "module", "_fsdp_wrapped_module"})
+INIT_STD = 0.02
+
+
+def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Default attention kernel: causal softmax attention over [B, H, S, Dh] tensors."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles, each [S, head_dim // 2] in fp32."""
+    # fp32 on purpose: with bf16 angles, positions beyond a few thousand lose the
+    # low-order bits that distinguish neighbouring tokens.
+    exponent = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta**exponent)
+    angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of x [B, S, H, Dh] by the angles.
+
+    Interleaved pairs are Meta's/torchtitan's convention (the real form of their
+    complex multiply), so their checkpoints load without permuting wq/wk.
+    """
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned scale ``weight``."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary positions and a swappable kernel ``sdpa``."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.sdpa: AttentionFn = causal_sdpa
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        # Head counts come from the projected shapes, not from args: under tensor
+        # parallel each rank holds a column shard of wq/wk/wv, hence fewer heads.
+        bsz, seqlen = q.shape[0], q.shape[1]
+        q = apply_rope(q.view(bsz, seqlen, -1, self.head_dim), cos, sin)
+        k = apply_rope(k.view(bsz, seqlen, -1, self.head_dim), cos, sin)
+        v = v.view(bsz, seqlen, -1, self.head_dim)
+        n_rep = q.shape[2] // k.shape[2]
+        # Repeat k/v explicitly so any replacement kernel (ring, Ulysses) sees
+        # equal head counts and need not know about GQA.
+        k = k.repeat_interleave(n_rep, dim=2)
+        v = v.repeat_interleave(n_rep, dim=2)
+        out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (``w2(silu(w1 x) * w3 x)``) or GELU MLP (``w2(gelu(w1 x))``)."""
+
+    def __init__(self, dim: int, ffn_dim: int, mlp: str) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
+        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, ffn_dim, bias=False) if mlp == "swiglu" else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.w3 is None:
+            return self.w2(F.gelu(self.w1(x)))
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.))."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model; any of tok_embeddings/norm/output may be None."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        check_args(args)
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make output.weight the embedding's Parameter when tied and both exist."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    def _apply(self, fn: Any, recurse: bool = True) -> "Transformer":
+        # to_empty()/to() give each module its own new Parameter when the device
+        # changes, which silently unties the head; tie again afterwards.
+        super()._apply(fn, recurse)
+        self.tie_weights()
+        return self
+
+    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
+        """Logits [B, S, V] from tokens [B, S] (or hidden states [B, S, D] for a later stage)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def check_args(args: ModelArgs) -> None:
+    """Raise ConfigError for shapes the attention layout cannot represent."""
+    if args.dim % args.n_heads:
+        raise ConfigError("model.n_heads", args.n_heads, f"must divide model.dim = {args.dim}")
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", args.n_kv_heads, f"must divide model.n_heads = {args.n_heads}")
+    if args.head_dim % 2:
+        raise ConfigError("model.dim", args.dim, f"dim / n_heads = {args.head_dim} must be even for RoPE")
+    if args.mlp not in ("swiglu", "gelu"):
+        raise ConfigError("model.mlp", args.mlp, "choose one of: swiglu, gelu")
+
+
+def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:
+    """Construct the model on ``device`` (meta by default: no memory, no init)."""
+    with torch.device(device):
+        return Transformer(args)
+
+
+def canonical_name(name: str) -> str:
+    """The parameter's name in the bare model, with wrapper components removed."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_PREFIXES)
+
+
+def init_std(name: str, args: ModelArgs) -> float | None:
+    """Std of the normal init for a canonical name; None means 'fill with ones'.
+
+    GPT-2/Megatron scheme: 0.02 everywhere, scaled by 1/sqrt(2 * n_layers) for the
+    two projections that write into the residual stream (wo, w2), so its variance
+    does not grow with depth; an untied head uses dim**-0.5 so initial logits have
+    unit scale (torchtitan's choice). Norm scales start at 1.
+    """
+    module = name.split(".")[-2]
+    if module.endswith("norm"):
+        return None
+    if module in ("wo", "w2"):
+        return INIT_STD / math.sqrt(2 * args.n_layers)
+    if module == "output" and not args.tie_embeddings:
+        return args.dim**-0.5
+    return INIT_STD
+
+
+def param_seed(seed: int, name: str) -> int:
+    """Stable per-parameter seed: zlib.crc32 is fixed across runs, Python's hash is not.
+
+    Seed and name are hashed together because the CPU generator (mt19937) keeps only
+    the low 32 bits of its seed: packing the seed into high bits would be ignored.
+    """
+    return zlib.crc32(f"{seed}/{name}".encode())
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int, args: ModelArgs) -> None:
+    """Fill every parameter from a generator keyed on (seed, canonical name).
+
+    Each full tensor is drawn on CPU and then sliced to this rank's shard, so the
+    values do not depend on how the model was wrapped, sharded or split. The cost is
+    one full-size temporary per parameter, freed before the next.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for raw_name, p in model.named_parameters():
+        name = canonical_name(raw_name)
+        if args.tie_embeddings and name == "output.weight":
+            # A tied head on a stage without the embedding must match the embedding.
+            name = "tok_embeddings.weight"
+        std = init_std(name, args)
+        if std is None:
+            full = torch.ones(p.shape)
+        else:
+            gen = torch.Generator().manual_seed(param_seed(seed, name))
+            full = torch.randn(p.shape, generator=gen).mul_(std)
+        if isinstance(p, DTensor):
+            # src_data_rank=None: every rank slices its own copy, no communication.
+            shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.to_local().copy_(shard.to_local())
+        else:
+            p.copy_(full)

@@ -1,0 +1,33 @@
+"""From the `[model]` config section (a flavor plus overrides) to a checked `ModelArgs`."""
+
+from __future__ import annotations
+
+from isthmus.config import ModelConfig
+from isthmus.errors import ConfigError
+from isthmus.models.args import ModelArgs
+from isthmus.models.flavors import get_flavor
+
+_SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "mlp", "tie_embeddings")
+
+
+def resolve_model_args(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> ModelArgs:
+    """The flavor's shape with the config's overrides applied, checked for consistency.
+
+    For training, ``tokenizer_vocab`` is the data's vocabulary: without an explicit
+    ``model.vocab_size`` the model's vocabulary follows the tokenizer (a flavor's own vocabulary
+    is what it was published with; the tokenizer decides what the data needs).
+    """
+    base = get_flavor(cfg.flavor)
+    overrides = {k: getattr(cfg, k) for k in _SHAPE_KEYS}
+    if tokenizer_vocab is not None and cfg.vocab_size is None:
+        overrides["vocab_size"] = tokenizer_vocab
+    args = base.with_overrides(**overrides)
+    if args.dim % args.n_heads:
+        raise ConfigError("model.dim", args.dim, f"must be divisible by model.n_heads = {args.n_heads}")
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", args.n_kv_heads, f"must divide model.n_heads = {args.n_heads}")
+    if args.head_dim % 2:
+        raise ConfigError("model.dim", args.dim, f"head dim {args.head_dim} (dim / n_heads) must be even for rotary embeddings")
+    if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab:
+        raise ConfigError("model.vocab_size", args.vocab_size, f"must be at least the tokenizer's vocabulary ({tokenizer_vocab})")
+    return args

@@ -1,0 +1,50 @@
+"""Checks that need more than the config itself, run once before any work or process starts."""
+
+from __future__ import annotations
+
+from isthmus.config import JobConfig
+from isthmus.errors import ConfigError
+from isthmus.models.args import ModelArgs
+from isthmus.models.resolve import resolve_model_args
+
+
+def expected_vocab(cfg: JobConfig) -> int | None:
+    """The tokenizer vocabulary known before reading data (None for pre-tokenised files)."""
+    d = cfg.data
+    if d.format == "bin" or (d.format == "auto" and d.path.endswith(".bin")):
+        return None
+    return 256 if d.tokenizer == "byte" else d.bpe_vocab_size
+
+
+def preflight(cfg: JobConfig) -> ModelArgs:
+    """Validate model shape against data before anything is built; returns the model's shape."""
+    vocab = expected_vocab(cfg)
+    args = resolve_model_args(cfg.model, vocab)
+    if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
+        _check_fits_in_memory(cfg, args)
+    return args
+
+
+def _cuda_visible() -> bool:
+    import os
+
+    return bool(os.environ.get("CUDA_VISIBLE_DEVICES", "")) or os.path.exists("/dev/nvidia0")
+
+
+def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs) -> None:
+    """fp32 weights + gradients + two AdamW moments are 16 bytes a parameter; refuse what cannot fit."""
+    import os
+
+    from isthmus.models.flops import count_params
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    p = cfg.parallel
+    shards = p.dp_shard * p.tp * p.pp
+    # All local ranks share this machine's memory; sharding divides each rank's part.
+    need = 16 * count_params(args) / shards * p.nproc
+    if need > ram:
+        raise ConfigError(
+            "model.flavor", cfg.model.flavor,
+            f"needs about {need / 2**30:.0f} GiB for weights, gradients and optimizer state on this machine's "
+            f"{ram / 2**30:.0f} GiB; use `isthmus plan` for large models or a smaller flavor",
+        )

@@ -1,0 +1,129 @@
+"""Training metrics in one place: progress bar, console lines, JSON lines, TensorBoard.
+
+Only the rank chosen by the trainer (rank 0) creates a :class:`MetricsLogger` that writes; the
+cross-rank loss reduction happens in the trainer and only on steps that are logged.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from isthmus.config import MetricsConfig
+from isthmus.log import get_logger
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA allocator peak, or the resident-set high-water mark on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    # ru_maxrss is KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+@dataclass
+class ThroughputModel:
+    """What turns a step time into tokens/s and MFU."""
+
+    tokens_per_step: int
+    flops_per_token: int
+    peak_flops_total: float
+    """Sum of the peak FLOP/s of all devices in the run."""
+
+
+class MetricsLogger:
+    """Writes every step's record; shows a progress bar on a terminal and a line every log_every steps."""
+
+    def __init__(
+        self,
+        cfg: MetricsConfig,
+        run_dir: Path,
+        total_steps: int,
+        throughput: ThroughputModel,
+        device: torch.device,
+        start_step: int = 0,
+    ) -> None:
+        self.cfg, self.throughput, self.device = cfg, throughput, device
+        self.total_steps = total_steps
+        self.start_time = time.perf_counter()
+        path = Path(cfg.jsonl) if cfg.jsonl else run_dir / "metrics.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._jsonl = path.open("w")
+        self._tb = self._open_tensorboard(run_dir) if cfg.tensorboard else None
+        self._progress = None
+        self._task = None
+        if cfg.progress and sys.stderr.isatty():
+            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("step {task.completed}/{task.total}"),
+                BarColumn(),
+                TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
+                TimeRemainingColumn(),
+                transient=False,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss=float("nan"), tps=0.0)
+            self._progress.start()
+
+    @staticmethod
+    def _open_tensorboard(run_dir: Path) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            get_logger().warning("metrics.tensorboard = true but tensorboard is not installed (pip install 'isthmus[tensorboard]')")
+            return None
+        return SummaryWriter(str(run_dir / "tb"))
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+
+    def log_step(self, step: int, loss: float, lr: float, step_time_s: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Record optimizer step ``step`` (1-based) that took ``step_time_s``."""
+        tp = self.throughput
+        tokens_per_s = tp.tokens_per_step / step_time_s if step_time_s > 0 else 0.0
+        mfu = tokens_per_s * tp.flops_per_token / tp.peak_flops_total if tp.peak_flops_total > 0 else 0.0
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "tokens_per_s": tokens_per_s,
+            "mfu": mfu,
+            "peak_mem_gb": peak_memory_gb(self.device),
+            "step_time_s": step_time_s,
+            "elapsed_s": time.perf_counter() - self.start_time,
+            **(extra or {}),
+        }
+        self._write(record)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, loss=loss, tps=tokens_per_s)
+        if step % self.cfg.log_every == 0 or step == self.total_steps:
+            get_logger().info(
+                "step %d/%d  loss %.4f  lr %.2e  %.0f tok/s  mfu %.1f%%  mem %.2f GB",
+                step, self.total_steps, loss, lr, tokens_per_s, 100 * mfu, record["peak_mem_gb"],
+            )
+        return record
+
+    def log_val(self, step: int, val_loss: float) -> dict[str, Any]:
+        record = {"step": step, "val_loss": val_loss, "elapsed_s": time.perf_counter() - self.start_time}
+        self._write(record)
+        get_logger().info("step %d  val_loss %.4f", step, val_loss)
+        return record
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
