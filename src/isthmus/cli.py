@@ -6,6 +6,7 @@ Every user error becomes one line on stderr and exit code 2, before any work sta
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn, Sequence
@@ -75,12 +76,13 @@ def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
     if ns.print_config:
         sys.stdout.write(cfg.to_toml())
         return 0
+    from isthmus.launch.local import launch, launched_externally
     from isthmus.log import setup_logging
-    from isthmus.train.trainer import train
 
     setup_logging()
-    result = train(cfg)
-    _print_summary(result)
+    result = launch(cfg)
+    if not launched_externally() or os.environ.get("RANK") == "0":
+        _print_summary(result)
     return 0
 
 
@@ -90,7 +92,7 @@ def _print_summary(result: object) -> None:
 
     r = result
     table = Table(title="isthmus train: done", show_header=False)
-    table.add_row("steps", str(len(r.losses)))
+    table.add_row("steps", f"{len(r.losses)} on {r.world_size} rank(s)")
     table.add_row("loss first -> last", f"{r.losses[0]:.4f} -> {r.losses[-1]:.4f}")
     if r.val_losses:
         table.add_row("val loss", "  ".join(f"{s}:{v:.4f}" for s, v in r.val_losses))

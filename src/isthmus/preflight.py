@@ -20,6 +20,14 @@ def preflight(cfg: JobConfig) -> ModelArgs:
     """Validate model shape against data before anything is built; returns the model's shape."""
     vocab = expected_vocab(cfg)
     args = resolve_model_args(cfg.model, vocab)
+    import os
+
+    from isthmus.parallel.dims import check_layout
+
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+    check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers, world_size=world)
+    if cfg.model.tie_embeddings and cfg.parallel.pp > 1:
+        raise ConfigError("model.tie_embeddings", True, "cannot be combined with parallel.pp > 1 (embedding and head live on different stages)")
     if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
         _check_fits_in_memory(cfg, args)
     return args

@@ -18,10 +18,39 @@ MODEL_FILE = "model.pt"
 ARGS_FILE = "model_args.json"
 
 
-def save_final_model(model: nn.Module, args: ModelArgs, directory: Path) -> Path:
-    """Write ``model.pt`` and ``model_args.json`` into ``directory`` (written aside, then renamed)."""
+def gather_full_state(modules: list[nn.Module], world_size: int) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, unsharded, by canonical parameter name (complete on rank 0).
+
+    Every rank takes the full tensors of its own parts (DTensors gathered over their mesh); pipeline
+    stages hold different layers, so rank 0 then collects the parts of every rank. Meant for the
+    final model of modest size; large runs save distributed checkpoints instead.
+    """
+    from isthmus.models.llama import canonical_name
+
+    state: dict[str, torch.Tensor] = {}
+    for module in modules:
+        for name, value in module.state_dict().items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            state[canonical_name(name)] = full.detach().cpu()
+    if world_size == 1:
+        return state
+    import torch.distributed as dist
+
+    parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(world_size)] if dist.get_rank() == 0 else None
+    # Only ranks whose state rank 0 lacks need to send; sending all keeps this one simple collective.
+    dist.gather_object(state, parts, dst=0)
+    if parts is None:
+        return {}
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, value in part.items():
+            merged.setdefault(name, value)
+    return merged
+
+
+def save_final_model(state: dict[str, torch.Tensor], args: ModelArgs, directory: Path) -> Path:
+    """Write ``model.pt`` (a full state dict) and ``model_args.json`` into ``directory`` (written aside, then renamed)."""
     directory.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     tmp = directory / (MODEL_FILE + ".tmp")
     torch.save(state, tmp)
     tmp.replace(directory / MODEL_FILE)

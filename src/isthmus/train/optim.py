@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from isthmus.config import TrainConfig
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+
+def param_groups(modules: list[nn.Module], weight_decay: float) -> list[dict]:
     """Decay matrices of linear layers; leave norms and embeddings undecayed (as GPT-2/Llama recipes do)."""
     decay, no_decay = [], []
     seen: set[int] = set()
-    for name, p in model.named_parameters():
+    named = [item for m in modules for item in m.named_parameters()]
+    for name, p in named:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
@@ -29,19 +34,23 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW over the model's (local) parameters.
+def build_optimizer(
+    modules: nn.Module | list[nn.Module], cfg: TrainConfig, zero1_group: "ProcessGroup | None" = None
+) -> torch.optim.Optimizer:
+    """AdamW over this rank's (local) parameters.
 
     ``foreach=False``: the single-tensor path gives bit-identical updates whether a parameter is
-    whole or a shard of one, which the layout-equivalence tests rely on.
+    whole or a shard of one, which the layout-equivalence tests rely on. With ``zero1_group``
+    (ZeRO-1) torch's ZeroRedundancyOptimizer keeps each rank's share of the AdamW state only and
+    broadcasts the updated parameters.
     """
-    return torch.optim.AdamW(
-        param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=1e-8,
-        foreach=False,
-    )
+    groups = param_groups(modules if isinstance(modules, list) else [modules], cfg.weight_decay)
+    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False)
+    if zero1_group is not None:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, **kwargs)
+    return torch.optim.AdamW(groups, **kwargs)
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:

@@ -1,32 +1,36 @@
 """The training loop: one optimizer step read top to bottom in `Trainer.train_step`.
 
-The trainer never decides a layout; it receives the model it is given and the data-parallel
-rank/size that decide which slice of each global batch this process computes.
+The trainer never decides a layout: `parallelize` gives it this rank's model parts, and the mesh
+tells it which slice of each global batch (data-parallel rank) and which sequence chunks
+(context-parallel rank) this process computes. The same code runs one process or many.
 """
 
 from __future__ import annotations
 
-import json
 import math
+import os
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from isthmus.config import JobConfig
 from isthmus.data.corpus import prepare_data
 from isthmus.data.loader import BatchSampler, val_batches
 from isthmus.log import get_logger
 from isthmus.models.flops import count_params, flops_per_token
-from isthmus.models.llama import build_model, init_weights
+from isthmus.models.llama import build_model
 from isthmus.models.resolve import resolve_model_args
-from isthmus.train.checkpoint import save_final_model
+from isthmus.parallel.dims import ParallelDims, check_layout
+from isthmus.parallel.parallelize import ParallelModel, parallelize
+from isthmus.train.checkpoint import gather_full_state, save_final_model
 from isthmus.train.device import peak_flops, resolve_device
+from isthmus.train.grad import clip_grad_norm
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
 
@@ -37,16 +41,29 @@ class TrainResult:
 
     run_dir: Path
     losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    """Global gradient norm before clipping, per step."""
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     elapsed_s: float = 0.0
     n_params: int = 0
+    world_size: int = 1
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss; fp32 logits so bf16 runs reduce in full precision."""
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
+def init_distributed(backend: str, device: torch.device) -> int:
+    """Join the process group the launcher prepared (RANK/WORLD_SIZE in the environment); returns world size."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend)
+    return world
 
 
 class Trainer:
@@ -55,68 +72,146 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.log = get_logger()
-        t = cfg.train
+        t, p = cfg.train, cfg.parallel
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.device = resolve_device(t.device)
+        self.device = resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0")))
+        self.world = init_distributed(p.backend, self.device)
+        self.rank = dist.get_rank() if self.world > 1 else 0
         self.run_dir = Path(t.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(cfg.to_toml())
 
-        self.data = prepare_data(cfg.data, t.seq_len)
+        # Rank 0 tokenises and fills the cache first; the others then read it instead of redoing it.
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+            self.data = prepare_data(cfg.data, t.seq_len)
+        self._barrier()
+        if self.rank != 0:
+            self.data = prepare_data(cfg.data, t.seq_len)
         self.model_args = resolve_model_args(cfg.model, self.data.tokenizer.vocab_size)
-        self.data.tokenizer.save(self.run_dir)
-        (self.run_dir / "model_args.json").write_text(json.dumps(self.model_args.__dict__, indent=1))
+        if self.rank == 0:
+            self.data.tokenizer.save(self.run_dir)
 
-        self.model = build_model(self.model_args, device="meta")
-        self.model.to_empty(device=self.device)
-        init_weights(self.model, t.seed, self.model_args)
-        self.optimizer = build_optimizer(self.model, t)
+        a = self.model_args
+        self.dims: ParallelDims = check_layout(cfg, a.n_heads, a.n_kv_heads, a.n_layers, world_size=self.world)
+        self.mesh = self.dims.build_mesh(self.device.type) if self.world > 1 else None
+        self.pm: ParallelModel = parallelize(
+            build_model(a, device="meta"), a, self.dims, self.mesh, p, self.device, t.seed, t.seq_len,
+            loss_fn=cross_entropy,
+        )
+        zero1_group = self.mesh["dp_cp"].get_group() if self.pm.dp_kind == "zero1" else None
+        self.optimizer = build_optimizer(self.pm.modules, t, zero1_group)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
         self.sampler = BatchSampler(self.data.train, t.seq_len, t.seed)
-        self.dp_rank, self.dp_size = 0, 1
+        self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
         self.step = 0
-        self.autocast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16) if t.dtype == "bf16" else nullcontext()
-        )
-        self.n_params = count_params(self.model_args)
+        self.n_params = count_params(a)
         self.log.info(
-            "model %s: %s parameters (%s), data: %s train / %s val tokens (%s tokenizer, vocab %d)",
-            cfg.model.flavor, f"{self.n_params:,}", _shape_str(self.model_args), f"{len(self.data.train):,}",
+            "model %s: %s parameters (%s); %s train / %s val tokens (%s tokenizer, vocab %d); layout %s over %d rank(s)",
+            cfg.model.flavor, f"{self.n_params:,}", _shape_str(a), f"{len(self.data.train):,}",
             f"{len(self.data.val):,}", self.data.tokenizer.kind, self.data.tokenizer.vocab_size,
+            _layout_str(self.dims, cfg), self.world,
         )
 
+    # --- helpers --------------------------------------------------------------------------
+    def _barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        if self.cfg.train.dtype == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _loss_context(self) -> AbstractContextManager[Any]:
+        """Vocab-sharded logits (tensor parallel) need loss-parallel cross-entropy, forward and backward."""
+        if self.pm.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return nullcontext()
+
+    def _local_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's sequence chunks (context parallel), on the device."""
+        if self.dims.cp_enabled:
+            from isthmus.parallel.context import cp_shard
+
+            inputs = cp_shard(inputs, 1, self.cp_rank, self.dims.cp)
+            targets = cp_shard(targets, 1, self.cp_rank, self.dims.cp)
+        return inputs.to(self.device), targets.to(self.device)
+
+    def _grad_sync(self, enabled: bool) -> AbstractContextManager[Any]:
+        """Skip gradient communication on all but the last micro-step of an accumulation."""
+        module = self.pm.modules[0]
+        if self.pm.dp_kind in ("ddp", "zero1") and not enabled:
+            return module.no_sync()
+        if self.pm.dp_kind == "fsdp" and self.pm.schedule is None:
+            module.set_requires_gradient_sync(enabled)
+        return nullcontext()
+
+    def _mean_over_ranks(self, local: torch.Tensor | None) -> float:
+        """Average a per-rank loss over the ranks that computed one (last pipeline stage; every dp/cp rank)."""
+        if self.world == 1:
+            assert local is not None
+            return float(local)
+        value = torch.zeros(2, dtype=torch.float64)
+        if local is not None:
+            value[0], value[1] = float(local), 1.0
+        dist.all_reduce(value)
+        return float(value[0] / value[1])
+
     # --- one optimizer step -------------------------------------------------------------
-    def train_step(self) -> float:
-        """Forward/backward over grad_accum micro-batches, clip, step. Returns the step's mean loss."""
+    def train_step(self) -> tuple[float, float]:
+        """Forward/backward over grad_accum micro-batches, clip, step. Returns (mean loss, gradient norm)."""
         t = self.cfg.train
-        inputs, targets = self.sampler.next_batch(t.batch_size, self.dp_rank, self.dp_size)
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
-        total = torch.zeros((), device=self.device)
-        # Equal-sized micro-batches, each loss scaled by 1/accum: the accumulated gradient is the
-        # gradient of the mean loss over the whole batch, exactly as without accumulation.
-        for x, y in zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)):
-            with self.autocast:
-                loss = cross_entropy(self.model(x), y) / t.grad_accum
-            loss.backward()
-            total += loss.detach()
-        if t.grad_clip > 0:
-            nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip, foreach=False)
+        inputs, targets = self._local_batch(*self.sampler.next_batch(t.batch_size, self.dp_rank, self.dims.dp))
+        losses: list[torch.Tensor] = []
+        chunks = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
+        for i, (x, y) in enumerate(chunks):
+            with self._grad_sync(i == len(chunks) - 1), self._loss_context(), self._autocast():
+                if self.pm.schedule is not None:
+                    from isthmus.parallel.pipeline import pipeline_step
+
+                    # The schedule averages over its micro-batches; scale for accumulation on top.
+                    loss = pipeline_step(self.pm.schedule, x, y, self.pm.has_first_stage, self.pm.has_last_stage)
+                else:
+                    # Equal-sized micro-batches, each loss scaled by 1/accum: the accumulated gradient is
+                    # the gradient of the mean loss over the whole batch, exactly as without accumulation.
+                    loss = cross_entropy(self.pm.model(x), y)
+                    (loss / t.grad_accum).backward()
+            if loss is not None:
+                losses.append(loss.detach())
+        if self.pm.schedule is not None and t.grad_accum > 1:
+            # Each schedule step averages over its micro-batches; average over the accumulation too.
+            _scale_grads(self.pm.parameters(), 1.0 / t.grad_accum)
+        pp_group = self.mesh["pp"].get_group() if self.dims.pp_enabled else None
+        grad_norm = clip_grad_norm(self.pm.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf, pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.step += 1
-        return float(total)
+        local = torch.stack(losses).mean() if losses else None
+        return self._mean_over_ranks(local), grad_norm
 
     @torch.no_grad()
     def validate(self) -> float:
         t = self.cfg.train
-        self.model.eval()
+        for m in self.pm.modules:
+            m.eval()
         losses = []
-        for x, y in val_batches(self.data.val, t.seq_len, t.batch_size, t.val_batches, self.dp_rank, self.dp_size):
-            with self.autocast:
-                losses.append(float(cross_entropy(self.model(x.to(self.device)), y.to(self.device))))
-        self.model.train()
+        for x, y in val_batches(self.data.val, t.seq_len, t.batch_size, t.val_batches, self.dp_rank, self.dims.dp):
+            x, y = self._local_batch(x, y)
+            with self._loss_context(), self._autocast():
+                if self.pm.schedule is not None:
+                    from isthmus.parallel.pipeline import pipeline_eval
+
+                    loss = pipeline_eval(self.pm.schedule, x, y, self.pm.has_first_stage, self.pm.has_last_stage)
+                else:
+                    loss = cross_entropy(self.pm.model(x), y)
+            losses.append(self._mean_over_ranks(loss))
+        for m in self.pm.modules:
+            m.train()
         return sum(losses) / len(losses)
 
     # --- the loop -----------------------------------------------------------------------
@@ -125,41 +220,71 @@ class Trainer:
         throughput = ThroughputModel(
             tokens_per_step=t.batch_size * t.seq_len,
             flops_per_token=flops_per_token(self.model_args, t.seq_len),
-            peak_flops_total=peak_flops(self.device, t.dtype),
+            peak_flops_total=peak_flops(self.device, t.dtype) * self.world,
         )
-        metrics = MetricsLogger(self.cfg.metrics, self.run_dir, t.steps, throughput, self.device, self.step)
-        result = TrainResult(run_dir=self.run_dir, n_params=self.n_params)
+        metrics = (
+            MetricsLogger(self.cfg.metrics, self.run_dir, t.steps, throughput, self.device, self.step)
+            if self.rank == 0 else None
+        )
+        result = TrainResult(run_dir=self.run_dir, n_params=self.n_params, world_size=self.world)
         step_times: list[float] = []
         start = time.perf_counter()
         try:
             while self.step < t.steps:
                 step_start = time.perf_counter()
                 lr = self.scheduler.get_last_lr()[0]
-                loss = self.train_step()
+                loss, grad_norm = self.train_step()
                 step_times.append(time.perf_counter() - step_start)
                 if not math.isfinite(loss):
                     raise FloatingPointError(f"loss became {loss} at step {self.step}; lower train.lr or use fp32")
-                metrics.log_step(self.step, loss, lr, step_times[-1])
                 result.losses.append(loss)
+                result.grad_norms.append(grad_norm)
+                if metrics is not None:
+                    metrics.log_step(self.step, loss, lr, step_times[-1], {"grad_norm": grad_norm})
                 if (t.val_every and self.step % t.val_every == 0) or self.step == t.steps:
                     val = self.validate()
-                    metrics.log_val(self.step, val)
                     result.val_losses.append((self.step, val))
+                    if metrics is not None:
+                        metrics.log_val(self.step, val)
         finally:
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
         result.elapsed_s = time.perf_counter() - start
-        # The first step warms up the allocator and kernels: leave it out of the throughput summary.
+        # The first step warms up the allocator and kernels (and pipeline shape inference): leave it out.
         timed = step_times[1:] or step_times
         result.tokens_per_s = throughput.tokens_per_step * len(timed) / sum(timed)
         result.mfu = result.tokens_per_s * throughput.flops_per_token / throughput.peak_flops_total
-        save_final_model(self.model, self.model_args, self.run_dir / "final")
+        state = gather_full_state(self.pm.modules, self.world)
+        if self.rank == 0:
+            save_final_model(state, self.model_args, self.run_dir / "final")
+        self._barrier()
         return result
+
+
+def _scale_grads(params: list[torch.nn.Parameter], factor: float) -> None:
+    for p in params:
+        if p.grad is not None:
+            p.grad.mul_(factor)
 
 
 def _shape_str(args: Any) -> str:
     return f"dim {args.dim}, {args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} heads, ffn {args.ffn_dim}, {args.mlp}"
 
 
+def _layout_str(dims: ParallelDims, cfg: JobConfig) -> str:
+    parts = [f"{name}={getattr(dims, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(dims, name) > 1]
+    if dims.dp_shard_enabled:
+        parts.append(f"zero={cfg.parallel.zero_stage}")
+    if dims.pp_enabled:
+        parts.append(cfg.parallel.pp_schedule)
+    return ",".join(parts) or "single"
+
+
 def train(cfg: JobConfig) -> TrainResult:
-    """Train one run described by ``cfg`` in this process."""
-    return Trainer(cfg).fit()
+    """Train one run described by ``cfg`` in this process (one rank of it, when launched with several)."""
+    trainer = Trainer(cfg)
+    try:
+        return trainer.fit()
+    finally:
+        if trainer.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()

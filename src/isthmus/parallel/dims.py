@@ -1,0 +1,157 @@
+"""`ParallelDims`: the one source of truth for the parallel degrees of a run, and its device mesh.
+
+Mesh dims, outermost first: ``pp, dp_replicate, dp_shard, cp, tp``. Tensor parallelism is
+innermost because it communicates every layer (it should stay inside a node); pipeline parallelism
+is outermost because it only sends activations between neighbours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from isthmus.config import JobConfig, ParallelConfig
+from isthmus.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    cp: int
+    tp: int
+    pp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in MESH_DIMS:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"parallel.{name}", getattr(self, name), "must be at least 1")
+        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+        if product != self.world_size:
+            raise ConfigError(
+                "parallel.nproc", self.world_size,
+                f"must equal dp_replicate*dp_shard*cp*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.cp}"
+                f"*{self.tp}*{self.pp} = {product}",
+            )
+
+    @classmethod
+    def from_config(cls, p: ParallelConfig, world_size: int | None = None) -> "ParallelDims":
+        return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.nproc if world_size is None else world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different slices of each global batch are computed."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def grad_sync_degree(self) -> int:
+        """Ranks that hold replicas of the same parameters and must average gradients (dp x cp)."""
+        return self.dp * self.cp
+
+    def build_mesh(self, device_type: str) -> "Meshes":
+        """One named mesh over all ranks, plus flattened views used by data parallelism and the loss.
+
+        - ``dp``: (dp_replicate, dp_shard), which batch slice a rank computes;
+        - ``dp_shard_cp``: (dp_shard, cp), what FSDP shards over (context-parallel ranks hold the
+          same parameters, so they share the shards and the gradient reduction);
+        - ``dp_cp``: (dp_replicate, dp_shard, cp), the ranks a loss is averaged over.
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        flat = {
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
+        return Meshes(mesh, flat)
+
+
+class Meshes:
+    """The run's root mesh and its flattened views, looked up by name.
+
+    torch asks callers to keep flattened meshes themselves rather than slice them from the root.
+    A 2-D view over (dp_replicate, dp_shard_cp) for HSDP is sliced from the root mesh.
+    """
+
+    def __init__(self, root: "DeviceMesh", flat: dict[str, "DeviceMesh"]) -> None:
+        self.root, self.flat = root, flat
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> "DeviceMesh":
+        if isinstance(names, str) and names in self.flat:
+            return self.flat[names]
+        return self.root[names]
+
+
+def check_layout(
+    cfg: JobConfig, n_heads: int, n_kv_heads: int, n_layers: int, world_size: int | None = None
+) -> ParallelDims:
+    """Every layout rule that needs no process, with the numbers in the message.
+
+    ``world_size`` is the launcher's (under torchrun); by default ``parallel.nproc``.
+    """
+    p, t = cfg.parallel, cfg.train
+    dims = ParallelDims.from_config(p, world_size)
+    if n_heads % p.tp:
+        raise ConfigError("parallel.tp", p.tp, f"must divide model.n_heads = {n_heads}")
+    if n_kv_heads % p.tp:
+        raise ConfigError("parallel.tp", p.tp, f"must divide model.n_kv_heads = {n_kv_heads}")
+    if p.pp * p.pp_virtual_stages > n_layers:
+        raise ConfigError(
+            "parallel.pp", p.pp,
+            f"pp * pp_virtual_stages = {p.pp * p.pp_virtual_stages} stages is more than model.n_layers = {n_layers}",
+        )
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError("parallel.cp", p.cp, f"2*cp = {2 * p.cp} must divide train.seq_len = {t.seq_len} (load-balanced chunks)")
+    if p.cp_impl == "ulysses" and dims.cp_enabled and (n_heads // p.tp) % p.cp:
+        raise ConfigError("parallel.cp", p.cp, f"ulysses needs cp to divide the heads per tensor-parallel rank, n_heads/tp = {n_heads // p.tp}")
+    if p.sequence_parallel and not dims.tp_enabled:
+        raise ConfigError("parallel.sequence_parallel", True, "needs parallel.tp > 1")
+    if p.sequence_parallel and t.seq_len % (p.tp * p.cp):
+        raise ConfigError("parallel.sequence_parallel", True, f"tp*cp = {p.tp * p.cp} must divide train.seq_len = {t.seq_len}")
+    micro = dims.dp * t.grad_accum * (p.microbatches if dims.pp_enabled else 1)
+    if t.batch_size % micro:
+        raise ConfigError(
+            "train.batch_size", t.batch_size,
+            f"must be divisible by dp ({dims.dp}) x grad_accum ({t.grad_accum})"
+            + (f" x microbatches ({p.microbatches})" if dims.pp_enabled else "") + f" = {micro}",
+        )
+    if p.zero_stage == 1 and dims.dp_shard_enabled and (dims.tp_enabled or dims.pp_enabled or dims.cp_enabled or dims.dp_replicate_enabled):
+        raise ConfigError("parallel.zero_stage", 1, "ZeRO-1 composes with dp_shard alone; use zero_stage 2 or 3 with tp, pp, cp or dp_replicate")
+    if dims.pp_enabled:
+        from isthmus.parallel.pipeline import check_schedule
+
+        check_schedule(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual_stages)
+    elif p.pp_virtual_stages > 1:
+        raise ConfigError("parallel.pp_virtual_stages", p.pp_virtual_stages, "needs parallel.pp > 1")
+    return dims

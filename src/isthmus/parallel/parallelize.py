@@ -1,0 +1,139 @@
+"""`parallelize`: turn a model built on the meta device into this rank's parallel model.
+
+Order, fixed (each step needs the one before it):
+1. pipeline split (pp): this rank keeps only its stages' layers;
+2. tensor + sequence parallel (tp): DTensor plans on each stage;
+3. context parallel (cp): the attention kernel becomes ring or Ulysses attention;
+4. activation checkpointing: wraps blocks, after TP so recomputation replays the sharded ops;
+5. FSDP2 (dp_shard, HSDP, or replication next to tp/pp): wraps blocks, after AC so each
+   block's gather/reshard brackets its recomputation too;
+6. materialise only the local shards (`to_empty`) and initialise them to exactly the values of
+   the single-process model of the same seed;
+7. DDP / ZeRO-1 (dp without tp/pp): wraps the materialised model (DDP broadcasts real tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from isthmus.config import ParallelConfig
+from isthmus.models.args import ModelArgs
+from isthmus.models.llama import Transformer, init_weights
+from isthmus.parallel.ac import apply_ac
+from isthmus.parallel.data_parallel import DataParallelKind, apply_ddp, apply_fsdp, data_parallel_kind, fsdp_mesh
+from isthmus.parallel.dims import Meshes, ParallelDims
+from isthmus.parallel.tp import apply_tp
+
+
+@dataclass
+class ParallelModel:
+    """What `parallelize` hands the training loop."""
+
+    modules: list[nn.Module]
+    """This rank's model parts: one module, or its pipeline stages in stage order."""
+    dims: ParallelDims
+    dp_kind: DataParallelKind
+    schedule: Any = None
+    """The pipeline schedule when pp > 1 (a `torch.distributed.pipelining` schedule)."""
+    has_first_stage: bool = True
+    has_last_stage: bool = True
+    loss_parallel: bool = False
+    """Logits are vocab-sharded DTensors: compute the loss under `torch.distributed.tensor.parallel.loss_parallel`."""
+
+    @property
+    def model(self) -> nn.Module:
+        """The single module of a non-pipelined run."""
+        assert len(self.modules) == 1 and self.schedule is None
+        return self.modules[0]
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for m in self.modules:
+            for p in m.parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+
+def _inject_cp_positions(module: nn.Module, cp_rank: int, cp_size: int) -> None:
+    """Give the model the global positions of its load-balanced sequence chunks (for RoPE).
+
+    A forward pre-hook rather than an argument: pipeline stages are called by torch's schedule
+    with the activation alone, and this keeps the trainer and the stage calls layout-agnostic.
+    """
+    from isthmus.parallel.context import cp_positions
+
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if kwargs.get("positions") is None:
+            local = args[0].shape[1]
+            kwargs["positions"] = cp_positions(local * cp_size, cp_rank, cp_size).to(args[0].device)
+        return args, kwargs
+
+    module.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _shard_stage(
+    module: Transformer, mesh: Meshes | None, dims: ParallelDims, p: ParallelConfig, dp_kind: DataParallelKind
+) -> Transformer:
+    """Steps 2-5 on one module (the whole model, or one pipeline stage)."""
+    if dims.tp_enabled:
+        assert mesh is not None
+        apply_tp(module, mesh["tp"], p.sequence_parallel)
+    if dims.cp_enabled:
+        from isthmus.parallel.context import apply_cp
+
+        assert mesh is not None
+        apply_cp(module, mesh["cp"].get_group(), p.cp_impl)
+        _inject_cp_positions(module, mesh["cp"].get_local_rank(), dims.cp)
+    apply_ac(module, p.activation_checkpoint)
+    if dp_kind == "fsdp":
+        assert mesh is not None
+        apply_fsdp(module, fsdp_mesh(mesh, dims), p.zero_stage)
+    return module
+
+
+def parallelize(
+    model: Transformer,
+    args: ModelArgs,
+    dims: ParallelDims,
+    mesh: Meshes | None,
+    parallel: ParallelConfig,
+    device: torch.device,
+    seed: int,
+    seq_len: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+) -> ParallelModel:
+    """Apply ``parallel``'s layout to ``model`` (built on meta) on this rank; see the module doc for the order.
+
+    ``loss_fn(logits, targets)`` (mean over its micro-batch) is needed only for pp > 1, where the
+    schedule computes the loss on the last stage.
+    """
+    dp_kind = data_parallel_kind(dims, parallel.zero_stage)
+    loss_parallel = dims.tp_enabled
+
+    def materialise(module: Transformer) -> Transformer:
+        module = _shard_stage(module, mesh, dims, parallel, dp_kind)
+        module.to_empty(device=device)
+        init_weights(module, seed, args)
+        return module
+
+    if dims.pp_enabled:
+        from isthmus.parallel.pipeline import build_pipeline
+
+        assert mesh is not None and loss_fn is not None
+        pp_mesh = mesh["pp"]
+        schedule, stages, has_first, has_last = build_pipeline(
+            model, args, pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp, parallel.pp_schedule,
+            parallel.microbatches, parallel.pp_virtual_stages, loss_fn, device, seq_len,
+            prepare_stage=materialise, seed=seed,
+        )
+        return ParallelModel(list(stages), dims, dp_kind, schedule, has_first, has_last, loss_parallel)
+
+    module: nn.Module = materialise(model)
+    if dp_kind in ("ddp", "zero1"):
+        assert mesh is not None
+        module = apply_ddp(module, mesh["dp_cp"])
+    return ParallelModel([module], dims, dp_kind, loss_parallel=loss_parallel)
