@@ -139,6 +139,8 @@ class Transformer(nn.Module):
         super().__init__()
         check_args(args)
         self.args = args
+        self.hidden_seq_shards = 1
+        """Sequence shards of the hidden states this module receives (set by sequence parallelism)."""
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
@@ -157,11 +159,18 @@ class Transformer(nn.Module):
         self.tie_weights()
         return self
 
+    def input_seq_len(self, tokens: Tensor) -> int:
+        """This rank's sequence length, from its input: token ids, or hidden states between pipeline
+        stages, which are sequence-sharded ``hidden_seq_shards`` ways under sequence parallelism."""
+        if self.tok_embeddings is not None:
+            return tokens.shape[1]
+        return tokens.shape[1] * self.hidden_seq_shards
+
     def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
         """Logits [B, S, V] from tokens [B, S] (or hidden states [B, S, D] for a later stage)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
+            positions = torch.arange(self.input_seq_len(tokens), device=h.device)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta)
         for layer in self.layers.values():
             h = layer(h, cos, sin)

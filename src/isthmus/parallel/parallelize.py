@@ -58,7 +58,7 @@ class ParallelModel:
         return list(seen.values())
 
 
-def _inject_cp_positions(module: nn.Module, cp_rank: int, cp_size: int) -> None:
+def _inject_cp_positions(module: Transformer, cp_rank: int, cp_size: int) -> None:
     """Give the model the global positions of its load-balanced sequence chunks (for RoPE).
 
     A forward pre-hook rather than an argument: pipeline stages are called by torch's schedule
@@ -66,9 +66,9 @@ def _inject_cp_positions(module: nn.Module, cp_rank: int, cp_size: int) -> None:
     """
     from isthmus.parallel.context import cp_positions
 
-    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:  # noqa: ANN001
         if kwargs.get("positions") is None:
-            local = args[0].shape[1]
+            local = module.input_seq_len(args[0])
             kwargs["positions"] = cp_positions(local * cp_size, cp_rank, cp_size).to(args[0].device)
         return args, kwargs
 

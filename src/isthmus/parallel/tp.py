@@ -34,6 +34,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
         top["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
     if top:
         parallelize_module(model, tp_mesh, top)
+    if sequence_parallel:
+        model.hidden_seq_shards = tp_mesh.size()
 
     for block in model.layers.values():
         plan: dict[str, object] = {

@@ -14,18 +14,27 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
     pipeline stages hold disjoint parameters, so their squared norms are summed over ``pp_group``
     (torch's ``clip_grad_norm_`` knows nothing of stages, hence this wrapper).
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    if grads:
-        total = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
-    else:  # a pipeline stage can, in principle, own no trainable parameter
-        total = torch.zeros(())
     from torch.distributed.tensor import DTensor
 
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # Gradients may live on different meshes (with FSDP + TP, norm weights that TP leaves alone are
+    # on the data-parallel mesh only), and DTensor ops refuse to mix meshes: one norm per mesh.
+    by_mesh: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    sq = torch.zeros((), dtype=torch.float64)
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        sq = sq + norm.detach().double().cpu() ** 2
+    total = sq.sqrt().float()
     if pp_group is not None:
-        sq = total.detach().double() ** 2
         dist.all_reduce(sq, group=pp_group)
-        total = sq.sqrt().to(total.dtype)
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
-    return float(total)
+        total = sq.sqrt().float()
+    norm = float(total)
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:  # a Python float scales DTensor and plain gradients alike
+        for grads in by_mesh.values():
+            for g in grads:
+                g.mul_(coef)
+    return norm
