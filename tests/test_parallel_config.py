@@ -1,0 +1,37 @@
+"""Layout mistakes are one-line errors (exit 2) before any process starts, naming the numbers."""
+
+from __future__ import annotations
+
+import pytest
+
+from isthmus.cli import main
+
+TINY = ["--model.flavor", "tiny", "--train.batch_size", "8", "--train.seq_len", "32"]
+
+BAD_LAYOUTS = [
+    (["--parallel.nproc", "4", "--parallel.dp_shard", "2"], "must equal dp_replicate*dp_shard*cp*tp*pp = 1*2*1*1*1 = 2"),
+    (["--parallel.nproc", "3", "--parallel.tp", "3"], "must divide model.n_heads = 4"),
+    (["--parallel.nproc", "4", "--parallel.tp", "4"], "must divide model.n_kv_heads = 2"),
+    (["--parallel.nproc", "8", "--parallel.pp", "8"], "8 stages is more than model.n_layers = 4"),
+    (["--parallel.nproc", "2", "--parallel.cp", "2", "--train.seq_len", "30"], "2*cp = 4 must divide train.seq_len = 30"),
+    (["--parallel.nproc", "2", "--parallel.dp_replicate", "2", "--train.batch_size", "3"], "divisible by dp (2) x grad_accum (1) = 2"),
+    (["--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.microbatches", "3"], "microbatches (3) = 3"),
+    (["--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b", "--parallel.microbatches", "2"], "pp_virtual_stages"),
+    (["--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.pp_schedule", "gpipe", "--parallel.pp_virtual_stages", "2", "--parallel.microbatches", "2"], "pp_virtual_stages"),
+    (["--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--parallel.microbatches", "1"], "microbatches"),
+    (["--parallel.pp_virtual_stages", "2"], "needs parallel.pp > 1"),
+    (["--parallel.sequence_parallel", "true"], "needs parallel.tp > 1"),
+    (["--parallel.nproc", "4", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1"], "ZeRO-1 composes with dp_shard alone"),
+    (["--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.microbatches", "2", "--model.tie_embeddings", "true"], "tie_embeddings"),
+    (["--parallel.nproc", "8", "--parallel.cp", "8", "--parallel.cp_impl", "ulysses"], "ulysses needs cp to divide the heads per tensor-parallel rank, n_heads/tp = 4"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_LAYOUTS, ids=[" ".join(a[2:] if len(a) > 2 else a) for a, _ in BAD_LAYOUTS])
+def test_bad_layout_is_one_line_before_any_process(args: list[str], needle: str, capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    assert main(["train", *TINY, "--train.run_dir", str(run_dir), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("isthmus: error:"), err
+    assert needle in err[0], err[0]
+    assert not run_dir.exists()  # nothing started: no run directory, no logs
