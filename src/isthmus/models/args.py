@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from isthmus.errors import ConfigError
+
 MlpKind = Literal["swiglu", "gelu"]
 
 
@@ -40,3 +42,15 @@ class ModelArgs:
     def with_overrides(self, **kw: object) -> "ModelArgs":
         """A copy with the given fields replaced (None values are ignored)."""
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+def check_args(args: ModelArgs) -> None:
+    """Raise ConfigError for shapes the attention layout cannot represent."""
+    if args.dim % args.n_heads:
+        raise ConfigError("model.n_heads", args.n_heads, f"must divide model.dim = {args.dim}")
+    if args.n_heads % args.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", args.n_kv_heads, f"must divide model.n_heads = {args.n_heads}")
+    if args.head_dim % 2:
+        raise ConfigError("model.dim", args.dim, f"dim / n_heads = {args.head_dim} must be even for RoPE")
+    if args.mlp not in ("swiglu", "gelu"):
+        raise ConfigError("model.mlp", args.mlp, "choose one of: swiglu, gelu")

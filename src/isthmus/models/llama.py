@@ -20,8 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from isthmus.errors import ConfigError
-from isthmus.models.args import ModelArgs
+from isthmus.models.args import ModelArgs, check_args
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 
@@ -176,18 +175,6 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
-
-
-def check_args(args: ModelArgs) -> None:
-    """Raise ConfigError for shapes the attention layout cannot represent."""
-    if args.dim % args.n_heads:
-        raise ConfigError("model.n_heads", args.n_heads, f"must divide model.dim = {args.dim}")
-    if args.n_heads % args.n_kv_heads:
-        raise ConfigError("model.n_kv_heads", args.n_kv_heads, f"must divide model.n_heads = {args.n_heads}")
-    if args.head_dim % 2:
-        raise ConfigError("model.dim", args.dim, f"dim / n_heads = {args.head_dim} must be even for RoPE")
-    if args.mlp not in ("swiglu", "gelu"):
-        raise ConfigError("model.mlp", args.mlp, "choose one of: swiglu, gelu")
 
 
 def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from isthmus.config import ModelConfig
 from isthmus.errors import ConfigError
-from isthmus.models.args import ModelArgs
+from isthmus.models.args import ModelArgs, check_args
 from isthmus.models.flavors import get_flavor
 
 _SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "mlp", "tie_embeddings")
@@ -22,12 +22,7 @@ def resolve_model_args(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> 
     if tokenizer_vocab is not None and cfg.vocab_size is None:
         overrides["vocab_size"] = tokenizer_vocab
     args = base.with_overrides(**overrides)
-    if args.dim % args.n_heads:
-        raise ConfigError("model.dim", args.dim, f"must be divisible by model.n_heads = {args.n_heads}")
-    if args.n_heads % args.n_kv_heads:
-        raise ConfigError("model.n_kv_heads", args.n_kv_heads, f"must divide model.n_heads = {args.n_heads}")
-    if args.head_dim % 2:
-        raise ConfigError("model.dim", args.dim, f"head dim {args.head_dim} (dim / n_heads) must be even for rotary embeddings")
+    check_args(args)
     if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab:
         raise ConfigError("model.vocab_size", args.vocab_size, f"must be at least the tokenizer's vocabulary ({tokenizer_vocab})")
     return args
