@@ -164,26 +164,26 @@ def test_pipeline_split_matches_full() -> None:
     torch.testing.assert_close(last(hidden), model(x))
 
 
-def test_dtensor_init_single_rank(tmp_path) -> None:
-    import torch.distributed as dist
+def _init_sharded(seed: int) -> dict[str, torch.Tensor]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    if dist.is_initialized():
-        pytest.skip("a process group is already active in this process")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        model = build_model(TINY, device="cpu")
-        wq = model.layers["0"].attention.wq
-        wq.weight = torch.nn.Parameter(distribute_tensor(wq.weight.detach(), mesh, [Shard(0)]))
-        init_weights(model, 5, TINY)
-        got = params(model)
-        got["layers.0.attention.wq.weight"] = wq.weight.full_tensor().detach()
-        want = params(make(seed=5))
+    mesh = init_device_mesh("cpu", (2,))
+    model = build_model(TINY, device="cpu")
+    for block in model.layers.values():
+        for lin in (block.attention.wq, block.feed_forward.w2):
+            lin.weight = torch.nn.Parameter(distribute_tensor(lin.weight.detach(), mesh, [Shard(0)]))
+    init_weights(model, seed, TINY)
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.named_parameters()}
+
+
+def test_dtensor_init_matches_single_process_on_two_ranks() -> None:
+    from multirank import run_ranks
+
+    want = params(make(seed=5))
+    for got in run_ranks(_init_sharded, 2, 5):
+        assert got.keys() == want.keys()
         assert all(torch.equal(got[k], want[k]) for k in want)
-    finally:
-        dist.destroy_process_group()
 
 
 def test_bad_shapes_raise_config_error() -> None:
