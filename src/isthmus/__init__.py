@@ -17,6 +17,8 @@ _LAZY = {
     "init_weights": "isthmus.models.llama",
     "train": "isthmus.train.trainer",
     "IsthmusError": "isthmus.errors",
+    "parallelize": "isthmus.api",
+    "ParallelDims": "isthmus.parallel.dims",
 }
 
 

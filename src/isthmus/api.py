@@ -1,0 +1,196 @@
+"""The Python API for your own training loop: one call turns a model into this rank's parallel model.
+
+    pm = isthmus.parallelize(build_model(args, "meta"), dims)
+    for inputs, targets in batches:                       # this rank's data-parallel slice
+        inputs, targets = shard_batch(pm, inputs, targets, mesh)
+        loss = step(pm, inputs, targets)                  # forward + backward, any layout
+        clip_grad_norm(pm, 1.0, mesh)
+        optimizer.step(); optimizer.zero_grad()
+
+The loop never branches on the layout: the helpers below hide what differs between a plain module,
+tensor parallelism (loss-parallel cross-entropy), context parallelism (sequence chunks) and a
+pipeline schedule. They call the same functions as `isthmus.train.trainer`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from isthmus.config import JobConfig, ParallelConfig, TrainConfig
+from isthmus.errors import ConfigError
+from isthmus.models.llama import Transformer, build_model
+from isthmus.parallel.dims import MESH_DIMS, Meshes, ParallelDims, check_layout
+from isthmus.parallel.parallelize import ParallelModel
+from isthmus.parallel.parallelize import parallelize as _parallelize
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+__all__ = ["ParallelModel", "clip_grad_norm", "loss_context", "parallelize", "shard_batch", "step"]
+
+
+def parallelize(
+    model: Transformer,
+    dims: ParallelDims,
+    *,
+    parallel: ParallelConfig | None = None,
+    seed: int = 0,
+    seq_len: int | None = None,
+    loss_fn: LossFn | None = None,
+    device: torch.device | str | None = None,
+    mesh: Meshes | None = None,
+) -> ParallelModel:
+    """This rank's part of ``model`` laid out as ``dims`` says, with its local shards initialised.
+
+    ``model`` is best built on the meta device (``build_model(args, "meta")``): only this rank's
+    shards are ever allocated. A model with real weights is accepted, but its weights are not
+    used: a meta copy is built from ``model.args``, and every layout (one process included) starts
+    from the weights that ``seed`` gives, exactly those of the single-process model of that seed.
+
+    - ``dims.world_size > 1`` needs the default process group (run under torchrun and call
+      ``torch.distributed.init_process_group()`` first). ``mesh`` defaults to ``dims.build_mesh``;
+      build it yourself and pass it when the loop needs it too (the dp rank, cp, pp).
+    - ``parallel`` sets what ``dims`` does not: zero_stage, sequence_parallel, cp_impl,
+      pp_schedule, microbatches, pp_virtual_stages, activation_checkpoint (defaults when None). Its
+      degree fields must be left at 1 or agree with ``dims``.
+    - ``seq_len`` is required for pp > 1 (stages are balanced by their cost at that length); when
+      given, the sequence rules of context/sequence parallelism are checked up front.
+    - ``loss_fn(logits, targets)``, the mean over its batch, is what the pipeline schedule computes
+      on its last stage (pp > 1 only; default: next-token cross-entropy).
+    - ``device``: default CUDA device ``LOCAL_RANK`` when there is a GPU, else the CPU.
+
+    With pp > 1 the result's ``schedule`` runs the stages in ``modules``; run it with :func:`step`.
+    """
+    if not isinstance(model, Transformer):
+        raise ConfigError("model", type(model).__name__, "isthmus.parallelize takes an isthmus Transformer (isthmus.build_model)")
+    if dims.world_size > 1 and not dist.is_initialized():
+        raise ConfigError(
+            "dims.world_size", dims.world_size,
+            "needs the default process group: run under torchrun and call torch.distributed.init_process_group() first",
+        )
+    if dist.is_initialized() and dist.get_world_size() != dims.world_size:
+        raise ConfigError("dims.world_size", dims.world_size, f"must equal the process group's size, {dist.get_world_size()}")
+    args = model.args
+    p = _with_degrees(parallel or ParallelConfig(), dims)
+    if dims.pp_enabled and seq_len is None:
+        raise ConfigError("seq_len", None, "is needed for pp > 1: the pipeline balances its stages by their cost at this length")
+    # check_layout holds every layout rule; the batch fields are placeholders that satisfy the
+    # batch rule, because a custom loop's batch size is not known here (pipeline_step checks it).
+    micro = dims.dp * (p.microbatches if dims.pp_enabled else 1)
+    checked_len = seq_len if seq_len is not None else 2 * dims.cp * dims.tp
+    check_layout(
+        JobConfig(parallel=p, train=TrainConfig(seq_len=checked_len, batch_size=micro, grad_accum=1)),
+        args.n_heads, args.n_kv_heads, args.n_layers, world_size=dims.world_size,
+    )
+    if any(t.device.type != "meta" for t in model.parameters()):
+        model = build_model(args, device="meta")
+    device = _resolve_device(device)
+    if mesh is None and dims.world_size > 1:
+        mesh = dims.build_mesh(device.type)
+    if loss_fn is None:
+        from isthmus.train.trainer import cross_entropy
+
+        loss_fn = cross_entropy
+    return _parallelize(model, args, dims, mesh, p, device, seed, checked_len, loss_fn)
+
+
+def shard_batch(
+    pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, mesh: Meshes | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's sequence chunks of a [B, S] batch under context parallelism; the batch itself otherwise.
+
+    Pass this rank's data-parallel slice (``mesh["dp"].get_local_rank()`` of ``dims.dp``); every
+    rank of a tensor-, context- or pipeline-parallel group passes the same one.
+    """
+    if not pm.dims.cp_enabled:
+        return inputs, targets
+    from isthmus.parallel.context import cp_shard
+
+    if mesh is None:
+        raise ConfigError("mesh", None, "context parallelism needs the mesh that parallelize used (dims.build_mesh)")
+    cp_rank, cp = mesh["cp"].get_local_rank(), pm.dims.cp
+    return cp_shard(inputs, 1, cp_rank, cp), cp_shard(targets, 1, cp_rank, cp)
+
+
+def loss_context(pm: ParallelModel) -> AbstractContextManager[Any]:
+    """Wrap the loss and its backward: tensor parallelism leaves vocab-sharded logits that need
+    torch's loss-parallel cross-entropy; a no-op for every other layout."""
+    if pm.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return nullcontext()
+
+
+def step(
+    pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn | None = None
+) -> torch.Tensor | None:
+    """Forward and backward of one local batch; gradients are left in ``.grad``.
+
+    Returns the detached loss (a plain tensor) of this rank's batch (the mean over its micro-batches under pp), or
+    None on a pipeline rank without the last stage. ``loss_fn`` defaults to next-token
+    cross-entropy; under pp the schedule computes the loss with the one given to
+    :func:`parallelize`, so pass that one or None.
+    """
+    if pm.schedule is not None:
+        from isthmus.parallel.pipeline import pipeline_step
+
+        if loss_fn is not None and loss_fn is not pm.schedule._loss_fn:
+            name = getattr(loss_fn, "__name__", loss_fn)
+            raise ConfigError("loss_fn", name, "under pp the schedule computes the loss: give it to parallelize, None here")
+        with loss_context(pm):
+            loss = pipeline_step(pm.schedule, inputs, targets, pm.has_first_stage, pm.has_last_stage)
+        return None if loss is None else _plain(loss)
+    if loss_fn is None:
+        from isthmus.train.trainer import cross_entropy
+
+        loss_fn = cross_entropy
+    with loss_context(pm):
+        loss = loss_fn(pm.model(inputs), targets)
+        loss.backward()
+    return _plain(loss.detach())
+
+
+def clip_grad_norm(pm: ParallelModel, max_norm: float, mesh: Meshes | None) -> float:
+    """Clip to ``max_norm`` by the norm over the whole model (every shard and stage); returns that norm.
+
+    torch's ``clip_grad_norm_`` sees only this rank's stages and refuses gradients on several meshes.
+    """
+    from isthmus.train.grad import clip_grad_norm as _clip
+
+    pp_group = None
+    if pm.dims.pp_enabled:
+        if mesh is None:
+            raise ConfigError("mesh", None, "pipeline parallelism needs the mesh that parallelize used (dims.build_mesh)")
+        pp_group = mesh["pp"].get_group()
+    return _clip(pm.parameters(), max_norm, pp_group)
+
+
+def _plain(loss: torch.Tensor) -> torch.Tensor:
+    """A loss-parallel loss is a replicated DTensor (so ``full_tensor`` communicates nothing); hand back a plain one."""
+    from torch.distributed.tensor import DTensor
+
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+
+def _with_degrees(parallel: ParallelConfig, dims: ParallelDims) -> ParallelConfig:
+    """``parallel`` with the degrees of ``dims``; a degree set to something else is an error."""
+    for name in MESH_DIMS:
+        value = getattr(parallel, name)
+        if value not in (1, getattr(dims, name)):
+            raise ConfigError(f"parallel.{name}", value, f"must be 1 or equal dims.{name} = {getattr(dims, name)}")
+    degrees = {name: getattr(dims, name) for name in MESH_DIMS}
+    return dataclasses.replace(parallel, nproc=dims.world_size, **degrees)
+
+
+def _resolve_device(device: torch.device | str | None) -> torch.device:
+    from isthmus.train.device import resolve_device
+
+    if device is None or (isinstance(device, str) and device in ("auto", "cpu", "cuda")):
+        return resolve_device(device or "auto", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(device)
