@@ -1,0 +1,505 @@
+"""Emulated datacenters on one machine: one network namespace per datacenter, WAN links shaped by tc.
+
+`isthmus emulate --topology FILE -- train ...` lands here. The picture for N datacenters::
+
+    ist-<id>-dc0 [wan0 10.213.0.100] ──veth──┐
+    ist-<id>-dc1 [wan0 10.213.0.101] ──veth──┤ br0 in ist-<id>-wan
+    ...                                      ┘
+
+Each datacenter's ranks run inside its namespace, with gloo bound to ``wan0``. Traffic between
+ranks of one datacenter goes to the namespace's own address and stays on its loopback: unshaped.
+Traffic to another datacenter leaves through ``wan0``, whose egress qdisc limits it to the WAN
+rate (``tbf``; ``htb`` with one class per destination when rates differ per pair). Latency is NOT
+emulated: ``tc netem`` is unavailable on the kernel this was built on, so only bandwidth is.
+
+Everything made here (namespaces, bridge, veths, qdiscs) is removed on exit, on an exception, on
+SIGINT / SIGTERM / SIGHUP; a run killed with SIGKILL leaves namespaces that the next run (or
+:func:`isthmus.launch.netns.cleanup_stale`) removes. The root namespace is never touched.
+
+What a rank reads to know where it runs (set by :func:`launch_emulated` for every rank):
+
+- ``ISTHMUS_DC_INDEX``: this rank's datacenter, 0..N-1 (authoritative).
+- ``ISTHMUS_N_DC``: N; ``ISTHMUS_DC_NAME``: the datacenter's name.
+- ``ISTHMUS_DC_RANKS``: ranks in this datacenter; ``ISTHMUS_DC_LAYOUT``: ranks of every
+  datacenter in order, comma-separated (``"2,2"``).
+
+torchrun's c10d rendezvous sorts nodes by their ``--local-addr``; the addresses here sort in
+datacenter order, so ``GROUP_RANK == ISTHMUS_DC_INDEX`` and the global ranks of datacenter ``i``
+are the contiguous block starting at ``sum(layout[:i])``: ``RANK = start + LOCAL_RANK``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from isthmus.errors import ConfigError
+from isthmus.launch import netns
+from isthmus.log import get_logger
+
+LATENCY_NOTE = (
+    "latency is NOT emulated (tc netem is unavailable on this kernel): "
+    "only the bandwidth between datacenters is shaped"
+)
+
+# These addresses live only inside the namespaces made here: no route to or from the root
+# namespace or any other network exists, so nothing outside can be reached or collide with them.
+SUBNET = "10.213.0"
+_FIRST_HOST = 100  # three-digit host parts: address strings sort in datacenter order (see top)
+MAX_DATACENTERS = 154
+DC_IFNAME = "wan0"
+"""The veth inside each datacenter's namespace (bind gloo here: GLOO_SOCKET_IFNAME)."""
+BRIDGE = "br0"
+RDZV_PORT = 29400
+PROBE_PORT = 5201
+
+
+@dataclass
+class EmulatedDatacenter:
+    """One datacenter to emulate."""
+
+    name: str
+    """Its name in logs and ``ISTHMUS_DC_NAME``."""
+    ranks: int
+    """Ranks (worker processes) it runs."""
+
+
+@dataclass
+class EmulatedNetwork:
+    """Datacenters and the WAN between them, in plain numbers (the topology file maps onto this)."""
+
+    datacenters: list[EmulatedDatacenter]
+    """In order: datacenter i is torchrun node i and gets address 10.213.0.(100+i)."""
+    wan_mbit: float
+    """Bandwidth of every inter-datacenter link, each direction, Mbit/s."""
+    wan_mbit_per_pair: dict[tuple[int, int], float] | None = None
+    """Overrides for traffic from datacenter i to j; (i, j) alone also sets j -> i."""
+
+    def __post_init__(self) -> None:
+        n = len(self.datacenters)
+        if not 1 <= n <= MAX_DATACENTERS:
+            raise ConfigError("emulate.datacenters", n, f"between 1 and {MAX_DATACENTERS} datacenters")
+        for dc in self.datacenters:
+            if dc.ranks < 1:
+                raise ConfigError(f"emulate.datacenters.{dc.name}.ranks", dc.ranks, "must be >= 1")
+        if not self.wan_mbit > 0:
+            raise ConfigError("emulate.wan_mbit", self.wan_mbit, "must be > 0 Mbit/s")
+        for (i, j), rate in (self.wan_mbit_per_pair or {}).items():
+            if not (0 <= i < n and 0 <= j < n and i != j):
+                raise ConfigError("emulate.wan_mbit_per_pair", (i, j), f"needs two different datacenter indices in 0..{n - 1}")
+            if not rate > 0:
+                raise ConfigError(f"emulate.wan_mbit_per_pair[{i},{j}]", rate, "must be > 0 Mbit/s")
+
+    def rate_mbit(self, src: int, dst: int) -> float:
+        """The shaped rate of traffic from datacenter ``src`` to ``dst``."""
+        pairs = self.wan_mbit_per_pair or {}
+        return pairs.get((src, dst), pairs.get((dst, src), self.wan_mbit))
+
+    @property
+    def world_size(self) -> int:
+        return sum(dc.ranks for dc in self.datacenters)
+
+
+@dataclass(frozen=True)
+class DatacenterNamespace:
+    """A datacenter as made: where its ranks run and how they reach the others."""
+
+    index: int
+    name: str
+    ranks: int
+    namespace: str
+    ifname: str
+    address: str
+
+
+def _dc_address(i: int) -> str:
+    return f"{SUBNET}.{_FIRST_HOST + i}"
+
+
+@dataclass
+class Emulation:
+    """A live emulated network; made and removed by :func:`emulated_network`."""
+
+    network: EmulatedNetwork
+    run_id: str
+    dcs: list[DatacenterNamespace]
+    _children: list[subprocess.Popen[Any]] = field(default_factory=list, repr=False)
+
+    @property
+    def prefix(self) -> str:
+        """Every namespace of this run starts with this (``ist-<id>-``)."""
+        return netns.run_prefix(self.run_id)
+
+    @property
+    def bridge_namespace(self) -> str:
+        return f"{self.prefix}wan"
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.bridge_namespace, *(dc.namespace for dc in self.dcs)]
+
+    def dc_env(self, dc_index: int) -> dict[str, str]:
+        """What every rank of datacenter ``dc_index`` gets: its interface and where it is."""
+        dc = self.dcs[dc_index]
+        return {
+            "GLOO_SOCKET_IFNAME": dc.ifname,
+            "ISTHMUS_DC_INDEX": str(dc.index),
+            "ISTHMUS_N_DC": str(len(self.dcs)),
+            "ISTHMUS_DC_NAME": dc.name,
+            "ISTHMUS_DC_RANKS": str(dc.ranks),
+            "ISTHMUS_DC_LAYOUT": ",".join(str(d.ranks) for d in self.dcs),
+        }
+
+    def run_in(self, dc_index: int, argv: Sequence[str], env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen[Any]:
+        """Start ``argv`` inside datacenter ``dc_index``'s namespace; ``env`` adds to this process's.
+
+        The child gets its own session (a Ctrl-C at the terminal reaches only this process, which
+        then stops the children in order) and is stopped at teardown if still running.
+        """
+        popen.setdefault("start_new_session", True)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.dcs[dc_index].namespace, *argv], env={**os.environ, **(env or {})}, **popen
+        )
+        self._children.append(proc)
+        return proc
+
+    def close(self) -> None:
+        """Stop the children, then remove every namespace of this run (veths and qdiscs go with them)."""
+        stop_process_groups(self._children, grace_s=3.0)
+        netns.delete_prefix(self.prefix)
+        netns.unregister_run(self.run_id)
+
+
+def stop_process_groups(procs: Sequence[subprocess.Popen[Any]], grace_s: float) -> None:
+    """SIGTERM each child's process group, SIGKILL what is left after ``grace_s``; reap the children."""
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        running = [p for p in procs if p.poll() is None]
+        if not running:
+            return
+        for p in running:
+            try:
+                if os.getpgid(p.pid) == p.pid:  # its own group (run_in's default): reach its children too
+                    os.killpg(p.pid, sig)
+                else:
+                    p.send_signal(sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+        deadline = time.monotonic() + wait_s
+        for p in running:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+
+
+@contextmanager
+def _signals_raise() -> Iterator[None]:
+    """Turn SIGINT into KeyboardInterrupt and SIGTERM/SIGHUP into SystemExit(128+sig), so finally runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+@contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """Teardown runs to the end: a second Ctrl-C must not leave half the namespaces behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _rate(mbit: float) -> str:
+    return f"{int(mbit * 1e6)}bit"
+
+
+def _burst_bytes(mbit: float) -> int:
+    # At least 2 ms of traffic (a 1000 Hz kernel refills tokens per tick) and a few full frames;
+    # small enough that a multi-megabyte transfer sees the configured rate, not the burst.
+    return max(32 * 1024, int(mbit * 1e6 / 8 * 0.002))
+
+
+def _shape(net: EmulatedNetwork, dc: DatacenterNamespace, dcs: list[DatacenterNamespace]) -> None:
+    """Limit what leaves ``dc`` for other datacenters to the WAN rate (egress of its veth)."""
+    ns, dev = dc.namespace, dc.ifname
+    others = [d for d in dcs if d.index != dc.index]
+    rates = {d.index: net.rate_mbit(dc.index, d.index) for d in others}
+    if not others:
+        return
+    if all(r == net.wan_mbit for r in rates.values()):
+        burst = _burst_bytes(net.wan_mbit)
+        netns.sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
+                 "rate", _rate(net.wan_mbit), "burst", str(burst), "latency", "100ms")
+        return
+    netns.sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
+    classes = [(1, net.wan_mbit, None)] + [(10 + d.index, rates[d.index], d.address) for d in others]
+    for minor, mbit, dst in classes:
+        burst = str(_burst_bytes(mbit))
+        quantum = str(min(200_000, max(1514, int(mbit * 1e6 / 8 / 10))))
+        netns.sh("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{minor:x}", "htb",
+                 "rate", _rate(mbit), "ceil", _rate(mbit), "burst", burst, "cburst", burst, "quantum", quantum)
+        if dst is not None:
+            netns.sh("tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                     "u32", "match", "ip", "dst", f"{dst}/32", "flowid", f"1:{minor:x}")
+
+
+def _build(em: Emulation) -> None:
+    wan = em.bridge_namespace
+    netns.add_namespace(wan)
+    netns.sh("ip", "-n", wan, "link", "add", BRIDGE, "type", "bridge")
+    netns.sh("ip", "-n", wan, "link", "set", BRIDGE, "up")
+    for dc in em.dcs:
+        netns.add_namespace(dc.namespace)
+        # Both ends are made inside our namespaces: nothing appears in the root namespace.
+        port = f"dc{dc.index}"
+        netns.sh("ip", "-n", wan, "link", "add", port, "type", "veth", "peer", "name", dc.ifname, "netns", dc.namespace)
+        netns.sh("ip", "-n", wan, "link", "set", port, "master", BRIDGE, "up")
+        netns.sh("ip", "-n", dc.namespace, "addr", "add", f"{dc.address}/24", "dev", dc.ifname)
+        netns.sh("ip", "-n", dc.namespace, "link", "set", dc.ifname, "up")
+        _shape(em.network, dc, em.dcs)
+
+
+@contextmanager
+def emulated_network(net: EmulatedNetwork, clean_stale: bool = True) -> Iterator[Emulation]:
+    """Make the namespaces, bridge, veths and qdiscs of ``net``; remove them all on the way out.
+
+    ``clean_stale`` first removes namespaces left by emulator runs whose process is gone.
+    """
+    netns.require_root()
+    if clean_stale:
+        netns.cleanup_stale()
+    run_id = netns.new_run_id()
+    prefix = netns.run_prefix(run_id)
+    dcs = [
+        DatacenterNamespace(i, dc.name, dc.ranks, f"{prefix}dc{i}", DC_IFNAME, _dc_address(i))
+        for i, dc in enumerate(net.datacenters)
+    ]
+    em = Emulation(net, run_id, dcs)
+    log = get_logger()
+    with _signals_raise():
+        try:
+            netns.register_run(run_id)
+            _build(em)
+            log.info(
+                "emulated %d datacenter(s) in namespaces %s*: %s; WAN %s Mbit/s",
+                len(dcs), prefix, ", ".join(f"{d.name}={d.address} x{d.ranks}" for d in dcs), f"{net.wan_mbit:g}",
+            )
+            log.warning(LATENCY_NOTE)
+            yield em
+        finally:
+            with _signals_ignored():
+                em.close()
+
+
+# A bounded one-connection TCP sink and source; stdlib only, each ends by its own deadline.
+_PROBE_SERVER = r"""
+import json, socket, sys, time
+addr, port, n, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+deadline = time.monotonic() + limit
+srv = socket.socket()
+srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+srv.bind((addr, port)); srv.listen(1); srv.settimeout(limit)
+print("ready", flush=True)
+got = first = 0; t0 = t1 = 0.0
+try:
+    conn, _ = srv.accept()
+    while got < n and time.monotonic() < deadline:
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        b = conn.recv(1 << 20)
+        if not b:
+            break
+        now = time.monotonic()
+        if not got:
+            t0, first = now, len(b)
+        got += len(b); t1 = now
+except (socket.timeout, OSError):
+    pass
+print(json.dumps({"bytes": got, "first": first, "seconds": t1 - t0}), flush=True)
+"""
+
+_PROBE_CLIENT = r"""
+import socket, sys, time
+addr, port, n, limit = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+deadline = time.monotonic() + limit
+buf = bytes(1 << 16); sent = 0
+try:
+    c = socket.create_connection((addr, port), timeout=limit)
+    while sent < n and time.monotonic() < deadline:
+        c.settimeout(max(0.01, deadline - time.monotonic()))
+        k = min(len(buf), n - sent); c.sendall(buf[:k]); sent += k
+    c.close()
+except (socket.timeout, OSError):
+    pass
+"""
+
+
+def throughput_probe(em: Emulation, src_dc: int, dst_dc: int, n_bytes: int = 5_000_000,
+                     time_limit_s: float = 10.0, port: int = PROBE_PORT) -> float:
+    """Bits/s of one TCP transfer of ``n_bytes`` from datacenter ``src_dc`` to ``dst_dc``.
+
+    Timed at the receiver from the first chunk to the last (the first chunk's bytes are not
+    counted: they arrived at the start instant). Bounded by ``time_limit_s``: a slower link gives
+    the rate of what got through in that time. ``src_dc == dst_dc`` measures the namespace's own
+    (loopback) path.
+    """
+    dst = em.dcs[dst_dc].address
+    args = [dst, str(port), str(n_bytes), str(time_limit_s)]
+    server = em.run_in(dst_dc, [sys.executable, "-c", _PROBE_SERVER, *args], stdout=subprocess.PIPE, text=True)
+    client = None
+    try:
+        assert server.stdout is not None
+        ready, _, _ = select.select([server.stdout], [], [], 10.0)
+        if not ready or server.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"throughput probe: no listener in {em.dcs[dst_dc].namespace}")
+        client = em.run_in(src_dc, [sys.executable, "-c", _PROBE_CLIENT, *args])
+        out, _ = server.communicate(timeout=time_limit_s + 10)
+        client.wait(timeout=10)
+    finally:
+        stop_process_groups([p for p in (server, client) if p is not None], grace_s=1.0)
+    result = json.loads(out.strip().splitlines()[-1])
+    counted, seconds = result["bytes"] - result["first"], result["seconds"]
+    if counted <= 0 or seconds <= 0:
+        raise RuntimeError(f"throughput probe dc{src_dc} -> dc{dst_dc}: too little arrived to time ({result})")
+    return counted * 8 / seconds
+
+
+def torchrun_argv(em: Emulation, dc_index: int, train_argv: Sequence[str], script: str | None = None,
+                  rdzv_port: int = RDZV_PORT) -> list[str]:
+    """The elastic agent of datacenter ``dc_index``: node ``dc_index`` of an N-node c10d job.
+
+    The c10d store listens on dc0's address (``is_host`` says which agent hosts it: inside a
+    namespace the hostname heuristic cannot tell). ``--local-addr`` makes the workers' MASTER_ADDR
+    dc0's address and orders the nodes (see the module docstring). ``--node-rank`` is not passed:
+    c10d ignores it.
+    """
+    dc, dc0 = em.dcs[dc_index], em.dcs[0]
+    target = ["-m", "isthmus"] if script is None else [script]
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", str(len(em.dcs)),
+        "--nproc-per-node", str(dc.ranks),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{dc0.address}:{rdzv_port}",
+        "--rdzv-id", f"isthmus-{em.run_id}",
+        "--rdzv-conf", f"is_host={int(dc_index == 0)}",
+        "--local-addr", dc.address,
+        "--max-restarts", "0",
+        *target, *train_argv,
+    ]
+
+
+def _wait_first_failure(procs: list[subprocess.Popen[Any]], timeout_s: float | None, grace_s: float) -> int:
+    """Wait for every agent; on the first non-zero exit, Ctrl-C, SIGTERM or timeout stop the rest."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    rc = 0
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                rc = failed[0]
+                break
+            if all(c == 0 for c in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                get_logger().error("emulated run passed its %ss limit: stopping every datacenter", timeout_s)
+                rc = 124
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        rc = 128 + signal.SIGINT
+    except SystemExit as e:  # SIGTERM / SIGHUP through _signals_raise
+        rc = e.code if isinstance(e.code, int) else 1
+    with _signals_ignored():
+        stop_process_groups(procs, grace_s)
+    return rc
+
+
+def launch_emulated(
+    net: EmulatedNetwork,
+    train_argv: Sequence[str],
+    *,
+    script: str | None = None,
+    env: dict[str, str] | None = None,
+    log_dir: str | Path | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 10.0,
+    rdzv_port: int = RDZV_PORT,
+) -> int:
+    """Run ``isthmus <train_argv>`` (or ``script``) on emulated datacenters; return the exit code.
+
+    One torch elastic agent per datacenter, in its namespace, ``nproc_per_node`` = its ranks. The
+    first non-zero exit (or Ctrl-C: 130, SIGTERM: 143, ``timeout_s``: 124) stops the others;
+    the network is removed in every case. ``log_dir`` takes each agent's output as
+    ``<log_dir>/dc<i>.log``; without it, output goes to this process's console.
+    """
+    log = get_logger()
+    with emulated_network(net) as em:
+        files: list[IO[str]] = []
+        procs: list[subprocess.Popen[Any]] = []
+        try:
+            for dc in em.dcs:
+                out: IO[str] | None = None
+                if log_dir is not None:
+                    Path(log_dir).mkdir(parents=True, exist_ok=True)
+                    out = open(Path(log_dir) / f"dc{dc.index}.log", "w")
+                    files.append(out)
+                argv = torchrun_argv(em, dc.index, train_argv, script, rdzv_port)
+                procs.append(em.run_in(dc.index, argv, env={**em.dc_env(dc.index), **(env or {})},
+                                       stdout=out, stderr=subprocess.STDOUT if out else None, text=True))
+            log.info("started %d rank(s) in %d emulated datacenter(s)", net.world_size, len(em.dcs))
+            rc = _wait_first_failure(procs, timeout_s, grace_s)
+        except KeyboardInterrupt:  # while starting
+            rc = 128 + signal.SIGINT
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else 1
+        finally:
+            for f in files:
+                f.close()
+    if rc:
+        where = f"; see {log_dir}" if log_dir is not None else ""
+        log.error("emulated run ended with exit code %d%s", rc, where)
+    return rc
+
+
+__all__ = [
+    "LATENCY_NOTE",
+    "DatacenterNamespace",
+    "EmulatedDatacenter",
+    "EmulatedNetwork",
+    "Emulation",
+    "emulated_network",
+    "launch_emulated",
+    "throughput_probe",
+    "torchrun_argv",
+]
