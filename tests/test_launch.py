@@ -62,3 +62,18 @@ def test_torchrun_world_size_must_match_nproc(tmp_path: Path) -> None:
     assert "isthmus: error: parallel.nproc = 4" in proc.stderr
     # Each rank stops with our one line before training; torchrun then reports the failed ranks itself.
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_user_error_inside_ranks_is_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "ck" / "step-000002"
+    bad.mkdir(parents=True)
+    (bad / "isthmus.json").write_text("not json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "isthmus", "train", *ARGS, "--parallel.nproc", "2", "--train.run_dir", str(tmp_path / "r"),
+         "--data.cache_dir", str(tmp_path / "cache"), "--checkpoint.resume", str(bad)],
+        capture_output=True, text=True, timeout=300, env=_env(tmp_path),
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert errors == [f"isthmus: error: {bad / 'isthmus.json'}: not a valid checkpoint manifest "
+                      "(JSONDecodeError: Expecting value: line 1 column 1 (char 0)) (rank0)"], proc.stderr

@@ -6,7 +6,7 @@ import pytest
 
 from isthmus.cli import main
 
-TINY = ["--model.flavor", "tiny", "--train.batch_size", "8", "--train.seq_len", "32"]
+TINY = ["--config", "tiny", "--train.batch_size", "8", "--train.seq_len", "32"]
 
 BAD_LAYOUTS = [
     (["--parallel.nproc", "4", "--parallel.dp_shard", "2"], "must equal dp_replicate*dp_shard*cp*tp*pp = 1*2*1*1*1 = 2"),

@@ -138,9 +138,13 @@ class CheckpointConfig:
     dir: str = ""
     """Checkpoint directory; empty = <train.run_dir>/checkpoints."""
     every: int = 0
-    """Save every N steps (0 = only the final model)."""
+    """Save a resumable checkpoint every N steps and after the last one (0 = only the final model)."""
     keep: int = 2
-    """Keep the newest N checkpoints."""
+    """Keep the newest N checkpoints; older ones are deleted after each save."""
+    resume: str = "none"
+    """none (start fresh), auto (the newest good checkpoint in checkpoint.dir, else fresh), or a checkpoint's path."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues (the state is copied to memory first)."""
 
 
 @dataclass
@@ -263,10 +267,15 @@ def _resolved_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+
+
 def set_value(cfg: JobConfig, dotted: str, raw: Any, from_cli: bool) -> None:
     """Set ``section.key`` on cfg from a TOML value or a CLI string, with type checks."""
     if "." not in dotted:
         raise ConfigError(dotted, raw, "options are written --section.key VALUE (e.g. --train.steps 100)")
+    # `async` is a Python keyword, so the field is async_save; both spellings are accepted.
+    dotted = _ALIASES.get(dotted, dotted)
     section, key = dotted.split(".", 1)
     fields = section_fields(cfg)
     if section not in fields:
@@ -373,6 +382,10 @@ def validate(cfg: JobConfig) -> None:
     for key in ("nproc", "dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches", "pp_virtual_stages"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be at least 1")
     _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", p.zero_stage, "must be 1, 2 or 3")
-    _require(cfg.checkpoint.every >= 0, "checkpoint.every", cfg.checkpoint.every, "must be 0 (final only) or positive")
-    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", cfg.checkpoint.keep, "must be at least 1")
+    c = cfg.checkpoint
+    _require(c.every >= 0, "checkpoint.every", c.every, "must be 0 (final only) or positive")
+    _require(c.keep >= 1, "checkpoint.keep", c.keep, "must be at least 1")
+    _require(bool(c.resume.strip()), "checkpoint.resume", c.resume, "must be none, auto or a checkpoint directory")
+    if c.resume not in ("none", "auto"):
+        _require(Path(c.resume).is_dir(), "checkpoint.resume", c.resume, "no such checkpoint directory (or use none or auto)")
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", cfg.metrics.log_every, "must be at least 1")

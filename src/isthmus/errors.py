@@ -21,3 +21,7 @@ class ConfigError(IsthmusError):
 
 class DataError(IsthmusError):
     """Training data that cannot be read or used."""
+
+
+class CheckpointError(IsthmusError):
+    """A training checkpoint that is missing, incomplete, damaged or saved for another model."""

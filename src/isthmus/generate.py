@@ -9,7 +9,7 @@ import torch
 from isthmus.data.tokenizer import load_tokenizer
 from isthmus.errors import IsthmusError
 from isthmus.models.llama import build_model
-from isthmus.train.checkpoint import load_final_state, load_model_args
+from isthmus.train.final_model import load_final_state, load_model_args
 
 
 @torch.no_grad()

@@ -50,7 +50,12 @@ def run_rank(cfg: JobConfig) -> TrainResult:
     torch.set_num_threads(_threads_per_rank(cfg, local_world))
     if rank != 0:
         cfg.metrics.progress = False
-    return train(cfg)
+    try:
+        return train(cfg)
+    except IsthmusError as e:
+        # The launcher reports a rank's user error as the one line it is, not as a traceback.
+        (log_dir / f"rank{rank}.error").write_text(str(e))
+        raise SystemExit(2) from None
 
 
 def launch(cfg: JobConfig) -> TrainResult:
@@ -69,6 +74,8 @@ def launch(cfg: JobConfig) -> TrainResult:
 
     run_dir = Path(cfg.train.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / "logs").glob("rank*.error"):
+        stale.unlink()
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -81,13 +88,19 @@ def launch(cfg: JobConfig) -> TrainResult:
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
     )
+    # The agent logs every failed worker with its own traceback; the one line below says it better
+    # and names the per-rank logs, which keep everything.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, run_rank)(cfg)
     except ChildFailedError as e:
+        errors = sorted((run_dir / "logs").glob("rank*.error"))
+        if errors:
+            raise IsthmusError(f"{errors[0].read_text().strip()} ({errors[0].stem})") from None
         first = min(e.failures)
         failure = e.failures[first]
         raise IsthmusError(
-            f"rank {failure.rank} failed ({failure.message.splitlines()[0] if failure.message else 'exit code ' + str(failure.exitcode)}); "
+            f"rank {failure.local_rank} failed ({failure.message.splitlines()[0] if failure.message else 'exit code ' + str(failure.exitcode)}); "
             f"see {run_dir / 'logs'}"
         ) from None
     return results[0]

@@ -1,78 +1,384 @@
-"""The final model of a run: a plain state dict plus its shape, loadable by one process.
+"""Resumable training checkpoints with torch.distributed.checkpoint (DCP), loadable under any layout.
 
-Loading never unpickles arbitrary objects: ``torch.load(weights_only=True)``.
+What goes where:
+- DCP files (every rank writes its own): ``model.<fqn>`` (parameters), ``optim.<fqn>.<name>``
+  (the optimizer's per-parameter state, e.g. AdamW's step / exp_avg / exp_avg_sq) and
+  ``rng.rank<r>`` (each rank's RNG states). Keys are canonical full-model names, so a tensor is
+  found by name whatever layout saved or loads it: DTensors (FSDP2, TP) reshard on load, pipeline
+  stages ask only for their own layers, plain tensors (DDP, one process) are read whole.
+- ``isthmus.json`` (rank 0; see `checkpoint_manifest`): step, model shape, layout, config, the
+  data-loader position and the LR-scheduler state, and checksums of every file.
+
+The optimizer state is keyed by parameter name here rather than through DCP's
+``get_optimizer_state_dict``: that helper maps one optimizer to one module, while a pipeline rank
+has one optimizer over several stage modules, and it does not know ZeroRedundancyOptimizer. ZeRO-1
+keeps each parameter's state on one rank (its local ``optim``); that rank alone saves it under the
+parameter's name, so a ZeRO-1 checkpoint is an ordinary checkpoint that any layout loads, and a
+ZeRO-1 run loads any checkpoint by asking only for its partition's names.
+
+Commit protocol: all ranks write ``step-N.partial``; DCP returns on rank 0 after every rank's data
+and ``.metadata`` are written; rank 0 then checksums the files, writes the manifest and renames the
+directory. With ``checkpoint.async_save`` that tail runs in a background thread after DCP's own
+background save, on a separate gloo group so it never interleaves with training collectives.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import random
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from isthmus.errors import IsthmusError
+from isthmus.config import CheckpointConfig
+from isthmus.data.loader import BatchSampler
+from isthmus.errors import CheckpointError
+from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
+from isthmus.models.llama import canonical_name
+from isthmus.train.checkpoint_manifest import (
+    PARTIAL_SUFFIX,
+    Manifest,
+    commit,
+    committed_checkpoints,
+    find_latest_good,
+    prune,
+    remove_partials,
+    step_dir_name,
+    verify_checkpoint,
+    write_manifest,
+)
 
-MODEL_FILE = "model.pt"
-ARGS_FILE = "model_args.json"
+StateTree = dict[str, Any]
 
 
-def gather_full_state(modules: list[nn.Module], world_size: int) -> dict[str, torch.Tensor]:
-    """The whole model's state dict, unsharded, by canonical parameter name (complete on rank 0).
+@dataclass
+class TrainState:
+    """The objects a checkpoint saves and restores (besides the step counter)."""
 
-    Every rank takes the full tensors of its own parts (DTensors gathered over their mesh); pipeline
-    stages hold different layers, so rank 0 then collects the parts of every rank. Meant for the
-    final model of modest size; large runs save distributed checkpoints instead.
+    modules: list[nn.Module]
+    """This rank's model parts (one module, or its pipeline stages)."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: BatchSampler
+
+
+@dataclass
+class ResumePoint:
+    """A verified checkpoint to resume from."""
+
+    path: Path
+    manifest: Manifest
+
+
+# --- model and optimizer state, keyed by canonical names -------------------------------------------
+def model_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """This rank's parameters by full-model name (DCP's helper strips DDP and checkpoint-wrapper prefixes)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {k: v for m in modules for k, v in get_model_state_dict(m).items()}
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this rank's state: ZeRO-1's local partition, or the optimizer itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def _local_params(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every parameter this rank's optimizer steps."""
+    names = {id(p): canonical_name(n) for m in modules for n, p in m.named_parameters()}
+    local = _local_optimizer(optimizer)
+    return [(names[id(p)], p) for group in local.param_groups for p in group["params"]]
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> dict[str, dict[str, torch.Tensor]]:
+    """Per-parameter optimizer state by parameter name; under ZeRO-1 only this rank's partition."""
+    local = _local_optimizer(optimizer)
+    return {name: dict(local.state[p]) for name, p in _local_params(optimizer, modules) if local.state.get(p)}
+
+
+def _optimizer_targets(
+    optimizer: torch.optim.Optimizer, modules: list[nn.Module], saved: dict[str, Any], path: Path
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Empty tensors, laid out like this rank's parameters, for the optimizer state the checkpoint holds.
+
+    Driven by the checkpoint's metadata, not by the optimizer class: a state entry shaped like its
+    parameter is laid out like it (a DTensor for a sharded parameter), a scalar (AdamW's step) is a
+    plain tensor. DCP fills them in place.
     """
-    from isthmus.models.llama import canonical_name
-
-    state: dict[str, torch.Tensor] = {}
-    for module in modules:
-        for name, value in module.state_dict().items():
-            full = value.full_tensor() if hasattr(value, "full_tensor") else value
-            state[canonical_name(name)] = full.detach().cpu()
-    if world_size == 1:
-        return state
-    import torch.distributed as dist
-
-    parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(world_size)] if dist.get_rank() == 0 else None
-    # Only ranks whose state rank 0 lacks need to send; sending all keeps this one simple collective.
-    dist.gather_object(state, parts, dst=0)
-    if parts is None:
-        return {}
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        for name, value in part.items():
-            merged.setdefault(name, value)
-    return merged
-
-
-def save_final_model(state: dict[str, torch.Tensor], args: ModelArgs, directory: Path) -> Path:
-    """Write ``model.pt`` (a full state dict) and ``model_args.json`` into ``directory`` (written aside, then renamed)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / (MODEL_FILE + ".tmp")
-    torch.save(state, tmp)
-    tmp.replace(directory / MODEL_FILE)
-    (directory / ARGS_FILE).write_text(json.dumps(args.__dict__, indent=1))
-    return directory / MODEL_FILE
+    by_param: dict[str, dict[str, Any]] = {}
+    for key, meta in saved.items():
+        if key.startswith("optim."):
+            fqn, _, entry = key[len("optim.") :].rpartition(".")
+            by_param.setdefault(fqn, {})[entry] = meta
+    targets: dict[str, dict[str, torch.Tensor]] = {}
+    for name, p in _local_params(optimizer, modules):
+        entries = by_param.get(name)
+        if not entries:
+            raise CheckpointError(f"{path}: holds no optimizer state for parameter {name}")
+        state = {}
+        for entry, meta in entries.items():
+            if tuple(meta.size) == tuple(p.shape):
+                state[entry] = torch.zeros_like(p, dtype=meta.properties.dtype)
+            elif len(meta.size) == 0:
+                state[entry] = torch.zeros((), dtype=meta.properties.dtype)
+            else:
+                raise CheckpointError(
+                    f"{path}: optimizer state {name}.{entry} has shape {tuple(meta.size)}, the parameter {tuple(p.shape)}"
+                )
+        targets[name] = state
+    return targets
 
 
-def load_model_args(directory: Path) -> ModelArgs:
-    path = directory / ARGS_FILE
-    try:
-        return ModelArgs(**json.loads(path.read_text()))
-    except FileNotFoundError:
-        raise IsthmusError(f"{path}: missing; is this a finished isthmus run?") from None
-    except (ValueError, TypeError) as e:
-        raise IsthmusError(f"{path}: not a valid model description ({e})") from None
+# --- RNG states ------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    """This process's torch (CPU and current CUDA device), numpy and Python RNG states, as JSON values."""
+    np_state, py_state = np.random.get_state(), random.getstate()
+    state: dict[str, Any] = {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    return state
 
 
-def load_final_state(directory: Path) -> dict[str, torch.Tensor]:
-    path = directory / MODEL_FILE
-    if not path.is_file():
-        raise IsthmusError(f"{path}: missing; is this a finished isthmus run?")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several unrelated types for a damaged file
-        raise IsthmusError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["torch"])), dtype=torch.uint8))
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(state["cuda"])), dtype=torch.uint8))
+
+
+def _rng_tensor(state: dict[str, Any]) -> torch.Tensor:
+    # JSON bytes in a uint8 tensor: DCP stores it as data, and loading never unpickles anything.
+    return torch.frombuffer(bytearray(json.dumps(state).encode()), dtype=torch.uint8)
+
+
+def _rng_from_tensor(t: torch.Tensor) -> dict[str, Any]:
+    return json.loads(t.numpy().tobytes().decode())
+
+
+# --- the checkpointer the trainer drives -------------------------------------------------------------
+class Checkpointer:
+    """Saves every ``checkpoint.every`` steps (and at the last step), restores on ``checkpoint.resume``."""
+
+    def __init__(
+        self, cfg: CheckpointConfig, run_dir: Path, model_args: ModelArgs, layout: dict[str, Any], config_toml: str,
+        world: int,
+    ) -> None:
+        self.cfg = cfg
+        self.root = Path(cfg.dir) if cfg.dir else run_dir / "checkpoints"
+        self.model = dict(model_args.__dict__)
+        self.layout, self.config_toml, self.world = layout, config_toml, world
+        self.rank = dist.get_rank() if world > 1 else 0
+        self.enabled = cfg.every > 0 or cfg.resume != "none"
+        if world == 1:
+            # DCP warns on every single-process save and load (also in its async thread) that it
+            # assumes one process; that is the intent here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        # A CPU group of its own: DCP's collectives may run in a background thread (async save),
+        # and on CUDA the training group is NCCL, which DCP's object collectives should not use.
+        self.group = dist.new_group(backend="gloo") if world > 1 and self.enabled else None
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: tuple[int, Future[None]] | None = None
+        self._abandoned = False
+        self.log = get_logger()
+
+    # --- resume ---------------------------------------------------------------------------------
+    def find_resume(self) -> ResumePoint | None:
+        """Rank 0 verifies the checkpoint ``checkpoint.resume`` names and tells every rank; None = start fresh.
+
+        Also deletes the ``.partial`` leftovers of saves that crashed, before any new save starts.
+        """
+        if not self.enabled:
+            return None
+        verdict: list[Any] = [None, None, None]  # path, manifest, error line
+        if self.rank == 0:
+            for leftover in remove_partials(self.root):
+                self.log.info("checkpoint: removed %s, left by a save that did not finish", leftover)
+            try:
+                verdict[:2] = self._choose()
+            except CheckpointError as e:
+                verdict[2] = str(e)
+        if self.world > 1:
+            dist.broadcast_object_list(verdict, src=0, group=self.group)
+        path, manifest, error = verdict
+        if error is not None:
+            raise CheckpointError(error)
+        return ResumePoint(Path(path), manifest) if path is not None else None
+
+    def _choose(self) -> tuple[str | None, Manifest | None]:
+        mode = self.cfg.resume
+        if mode == "none":
+            existing = committed_checkpoints(self.root)
+            if existing:
+                self.log.warning(
+                    "checkpoint: %s already holds checkpoints up to step %d; checkpoint.resume = none starts fresh "
+                    "(resume = auto would continue from them)", self.root, existing[0][0],
+                )
+            return None, None
+        if mode == "auto":
+            found = find_latest_good(self.root, self.model)
+            if found is None:
+                self.log.info("checkpoint: no good checkpoint in %s; starting fresh", self.root)
+                return None, None
+            path, manifest = found
+        else:
+            path = Path(mode)
+            manifest = verify_checkpoint(path, self.model)
+        self.log.info("checkpoint: resuming from %s (step %d)", path, manifest.step)
+        return str(path), manifest
+
+    def load(self, point: ResumePoint, state: TrainState) -> int:
+        """Restore ``state`` (in place) from a verified checkpoint; returns its step.
+
+        The sampler and scheduler come from the manifest; tensors from DCP, each rank asking only
+        for the names it holds, laid out as it holds them.
+        """
+        start = time.perf_counter()
+        path, manifest = point.path, point.manifest
+        state.sampler.load_state_dict(manifest.sampler)
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        same_layout = manifest.layout == self.layout
+        rng_key = f"rank{self.rank}" if same_layout else "rank0"
+        parts = [model_state([m]) for m in state.modules]
+        model = {k: v for part in parts for k, v in part.items()}
+        optim = _optimizer_targets(state.optimizer, state.modules, saved, path)
+        rng_meta = saved.get(f"rng.{rng_key}")
+        tree: StateTree = {"model": model, "optim": optim}
+        if rng_meta is not None:
+            tree["rng"] = {rng_key: torch.empty(tuple(rng_meta.size), dtype=torch.uint8)}
+        try:
+            dcp.load(tree, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1)
+        except Exception as e:  # DCP wraps each rank's failure in its own types; one line is what a user needs
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise CheckpointError(f"{path}: cannot be loaded into this model ({type(e).__name__}: {first})") from None
+
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        for m, part in zip(state.modules, parts, strict=True):
+            set_model_state_dict(m, {k: model[k] for k in part})
+        local = _local_optimizer(state.optimizer)
+        for name, p in _local_params(state.optimizer, state.modules):
+            local.state[p] = optim[name]
+        state.scheduler.load_state_dict(manifest.scheduler)
+        # The scheduler sets each group's lr only when it steps: put back the lr of the next step.
+        for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
+        if "rng" in tree:
+            set_rng_state(_rng_from_tensor(tree["rng"][rng_key]))
+        if not same_layout:
+            self.log.info(
+                "checkpoint: saved under layout %s, loaded under %s (resharded; every rank takes rank 0's RNG states)",
+                manifest.layout.get("summary"), self.layout.get("summary"),
+            )
+        self.log.info("checkpoint: loaded step %d in %.1f s", manifest.step, time.perf_counter() - start)
+        return manifest.step
+
+    # --- save -----------------------------------------------------------------------------------
+    def due(self, step: int, last: bool) -> bool:
+        every = self.cfg.every
+        return every > 0 and (step % every == 0 or last)
+
+    def save(self, step: int, state: TrainState) -> None:
+        """Save the state after ``step``; with async_save, return once the state is copied aside."""
+        self.wait()  # one save in flight at a time
+        partial = self.root / (step_dir_name(step) + PARTIAL_SUFFIX)
+        manifest = Manifest(
+            step=step, model=self.model, layout=self.layout, config=self.config_toml,
+            sampler=state.sampler.state_dict(), scheduler=_json_safe(state.scheduler.state_dict()),
+        )
+        tree: StateTree = {
+            "model": model_state(state.modules),
+            "optim": optimizer_state(state.optimizer, state.modules),
+            "rng": {f"rank{self.rank}": _rng_tensor(rng_state())},
+        }
+        writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True, thread_count=1)
+        start = time.perf_counter()
+        if not self.cfg.async_save:
+            dcp.save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
+            self._finish(partial, manifest, start)
+            return
+        # DCP copies the tensors aside before returning; training may then change them.
+        written = dcp.async_save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isthmus-checkpoint")
+        self._pending = (step, self._executor.submit(self._finish_async, written, partial, manifest, start))
+
+    def _finish_async(self, written: Future[Any], partial: Path, manifest: Manifest, start: float) -> None:
+        written.result()
+        self._finish(partial, manifest, start)
+
+    def _finish(self, partial: Path, manifest: Manifest, start: float) -> None:
+        """Rank 0, after every rank's files are written: manifest with checksums, rename, prune."""
+        if self.rank != 0 or self._abandoned:
+            return
+        write_manifest(partial, manifest)
+        final = commit(partial)
+        size = sum(e["bytes"] for e in manifest.files.values())
+        elapsed = time.perf_counter() - start
+        self.log.info("checkpoint: saved step %d to %s (%.1f MB, %.1f s)", manifest.step, final, size / 1e6, elapsed)
+        for old in prune(self.root, self.cfg.keep, protect=final):
+            self.log.info("checkpoint: removed %s (checkpoint.keep = %d)", old, self.cfg.keep)
+
+    def poll(self) -> None:
+        """Surface a finished async save (its error, if it failed); never blocks."""
+        if self._pending is not None and self._pending[1].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed."""
+        if self._pending is not None:
+            _, future = self._pending
+            self._pending = None
+            future.result()
+
+    def abandon(self) -> None:
+        """After a failed step: never commit the save in flight (the next start deletes its files)."""
+        self._abandoned = True
+        if self._pending is not None and not self._pending[1].done():
+            self.log.warning("checkpoint: the save of step %d was still being written; it stays uncommitted", self._pending[0])
+        self._pending = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+
+
+def _json_safe(state: dict[str, Any]) -> dict[str, Any]:
+    """A scheduler state dict as JSON values (LambdaLR keeps None for its lambdas; all else is numbers)."""
+    return json.loads(json.dumps(state))
+
+
+# --- reading a checkpoint without training ----------------------------------------------------------
+def load_model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The full model state dict (canonical names, whole tensors) of a checkpoint, in one process.
+
+    Verifies the checkpoint first. Reads only the model entries, whatever layout saved them; meant
+    for export and inspection, not for resuming.
+    """
+    verify_checkpoint(path)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    model = {
+        key[len("model.") :]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        for key, meta in saved.items() if key.startswith("model.")
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+    return model

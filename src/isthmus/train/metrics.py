@@ -20,6 +20,19 @@ from isthmus.config import MetricsConfig
 from isthmus.log import get_logger
 
 
+def _open_records(path: Path, start_step: int) -> Any:
+    """A fresh file, or for a resumed run the old records up to ``start_step`` and then append.
+
+    Records past ``start_step`` were written after the checkpoint the run resumed from (by a run
+    that then died): they are dropped, so every step appears once.
+    """
+    if start_step > 0 and path.is_file():
+        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start_step]
+        path.write_text("".join(line + "\n" for line in kept))
+        return path.open("a")
+    return path.open("w")
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocator peak, or the resident-set high-water mark on CPU."""
     if device.type == "cuda":
@@ -55,7 +68,7 @@ class MetricsLogger:
         self.start_time = time.perf_counter()
         path = Path(cfg.jsonl) if cfg.jsonl else run_dir / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._jsonl = path.open("w")
+        self._jsonl = _open_records(path, start_step)
         self._tb = self._open_tensorboard(run_dir) if cfg.tensorboard else None
         self._progress = None
         self._task = None

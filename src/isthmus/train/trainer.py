@@ -28,7 +28,9 @@ from isthmus.models.llama import build_model
 from isthmus.models.resolve import resolve_model_args
 from isthmus.parallel.dims import ParallelDims, check_layout
 from isthmus.parallel.parallelize import ParallelModel, parallelize
-from isthmus.train.checkpoint import gather_full_state, save_final_model
+from isthmus.errors import ConfigError
+from isthmus.train.checkpoint import Checkpointer, TrainState
+from isthmus.train.final_model import gather_full_state, save_final_model
 from isthmus.train.device import peak_flops, resolve_device
 from isthmus.train.grad import clip_grad_norm
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
@@ -95,6 +97,14 @@ class Trainer:
         a = self.model_args
         self.dims: ParallelDims = check_layout(cfg, a.n_heads, a.n_kv_heads, a.n_layers, world_size=self.world)
         self.mesh = self.dims.build_mesh(self.device.type) if self.world > 1 else None
+        # Verified (on rank 0) before the model exists: a bad checkpoint fails in seconds, not minutes.
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, self.run_dir, a, _layout(self.dims, cfg), cfg.to_toml(), self.world
+        )
+        resume = self.checkpointer.find_resume()
+        if resume is not None and resume.manifest.step >= t.steps:
+            at = resume.manifest.step
+            raise ConfigError("train.steps", t.steps, f"the checkpoint {resume.path} is at step {at} already; raise it to train on")
         self.pm: ParallelModel = parallelize(
             build_model(a, device="meta"), a, self.dims, self.mesh, p, self.device, t.seed, t.seq_len,
             loss_fn=cross_entropy,
@@ -105,7 +115,8 @@ class Trainer:
         self.sampler = BatchSampler(self.data.train, t.seq_len, t.seed)
         self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
         self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
-        self.step = 0
+        self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler)
+        self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
         self.n_params = count_params(a)
         self.log.info(
             "model %s: %s parameters (%s); %s train / %s val tokens (%s tokenizer, vocab %d); layout %s over %d rank(s)",
@@ -246,9 +257,16 @@ class Trainer:
                     result.val_losses.append((self.step, val))
                     if metrics is not None:
                         metrics.log_val(self.step, val)
+                self.checkpointer.poll()
+                if self.checkpointer.due(self.step, last=self.step == t.steps):
+                    self.checkpointer.save(self.step, self.train_state)
+        except BaseException:
+            self.checkpointer.abandon()
+            raise
         finally:
             if metrics is not None:
                 metrics.close()
+        self.checkpointer.wait()
         result.elapsed_s = time.perf_counter() - start
         # The first step warms up the allocator and kernels (and pipeline shape inference): leave it out.
         timed = step_times[1:] or step_times
@@ -278,6 +296,17 @@ def _layout_str(dims: ParallelDims, cfg: JobConfig) -> str:
     if dims.pp_enabled:
         parts.append(cfg.parallel.pp_schedule)
     return ",".join(parts) or "single"
+
+
+def _layout(dims: ParallelDims, cfg: JobConfig) -> dict[str, Any]:
+    """The layout a checkpoint records; any other loads it, an equal one also restores per-rank RNG states."""
+    p = cfg.parallel
+    return {
+        "summary": _layout_str(dims, cfg), "world_size": dims.world_size, "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard, "zero_stage": p.zero_stage, "tp": dims.tp, "sequence_parallel": p.sequence_parallel,
+        "cp": dims.cp, "cp_impl": p.cp_impl, "pp": dims.pp, "pp_schedule": p.pp_schedule,
+        "pp_virtual_stages": p.pp_virtual_stages, "microbatches": p.microbatches,
+    }
 
 
 def train(cfg: JobConfig) -> TrainResult:

@@ -1,0 +1,131 @@
+"""`isthmus plan`: search every layout of a model on a topology and print the ranked result.
+
+    isthmus plan --model gpt3-145.6b --model.n_layers 96 --topology geo-3dc-h100 \\
+                 --global-batch 1536 --seq-len 2048 --top 5
+
+Anything not fixed on the command line (training shape, any parallel degree, the schedule, the
+cross-datacenter placement and strategy) is left to the search. cli.py wires this in with
+``add_plan_parser(subparsers)`` and ``run_plan(ns)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+
+from isthmus.errors import ConfigError
+
+_SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
+    ("n_layers", int), ("dim", int), ("n_heads", int), ("n_kv_heads", int), ("ffn_dim", int), ("vocab_size", int),
+)
+_POSITIVE = ("global_batch", "seq_len", "micro_batch", "top", "gpus", "tp", "pp", "cp", "dp_shard", "virtual_stages",
+             "diloco_h", "max_batch_tokens")
+
+
+def _bool(text: str) -> bool:
+    if text.lower() in ("true", "1", "yes"):
+        return True
+    if text.lower() in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Add the ``plan`` sub-command; the parser class (one-line errors) comes from ``subparsers``."""
+    p = subparsers.add_parser(
+        "plan", allow_abbrev=False,
+        help="rank every parallel layout of a model on a topology (no GPU needed)",
+        description="Search data/tensor/sequence/context/pipeline parallelism, ZeRO stage, microbatching, "
+        "recomputation and cross-datacenter placement; print the ranked layouts and why the best one wins.",
+    )
+    p.add_argument("--model", required=True, metavar="FLAVOR", help="model flavor (e.g. gpt3-145.6b, llama3-70b)")
+    for key, typ in _SHAPE_FLAGS:
+        p.add_argument(f"--model.{key}", dest=f"model_{key}", type=typ, default=None, metavar="N", help=f"override the flavor's {key}")
+    p.add_argument("--model.mlp", dest="model_mlp", choices=("swiglu", "gelu"), default=None, help="override the MLP kind")
+    p.add_argument("--model.tie_embeddings", dest="model_tie_embeddings", type=_bool, default=None, metavar="BOOL",
+                   help="override whether embedding and head share weights")
+    p.add_argument("--topology", default="local", metavar="FILE|PRESET", help="topology TOML file or preset (default: local)")
+    p.add_argument("--gpus", type=int, default=None, metavar="N", help="use only the first N devices of the topology")
+    p.add_argument("--wan-bandwidth", type=float, default=None, metavar="GB/S", help="replace every WAN link's bandwidth")
+    p.add_argument("--global-batch", type=int, default=None, metavar="N", help="sequences per step (default: searched)")
+    p.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sequence (default: searched)")
+    p.add_argument("--micro-batch", type=int, default=None, metavar="N", help="sequences per microbatch (default: searched)")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default=None, help="activation recomputation")
+    p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
+                   help="tokens per step when --global-batch is searched (default: 4,194,304)")
+    for flag, meta in (("--tp", "N"), ("--pp", "N"), ("--cp", "N"), ("--dp-shard", "N"), ("--virtual-stages", "N")):
+        p.add_argument(flag, type=int, default=None, metavar=meta, help=f"fix {flag[2:]}")
+    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None, help="fix the ZeRO stage")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"), default=None, help="fix the pipeline schedule")
+    p.add_argument("--dc-axis", choices=("none", "dp", "pp"), default=None,
+                   help="what crosses datacenters: none (use one), dp replicas or pp stages")
+    p.add_argument("--geo", default=None, metavar="LIST", help="cross-datacenter strategies to consider "
+                   "(comma list of flat, hierarchical, compressed, diloco; default: all)")
+    p.add_argument("--diloco-h", type=int, default=100, metavar="H", help="inner steps between DiLoCo syncs (default: 100)")
+    p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16", "fp8"), default=None,
+                   help="matmul dtype (default: the devices' own, bf16 on GPUs, fp32 on CPUs)")
+    p.add_argument("--runtime", choices=("isthmus", "megatron-2021"), default="isthmus",
+                   help="software assumptions: isthmus (default) or Megatron-LM as in its 2021 paper")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default: 10)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p
+
+
+def _check(ns: argparse.Namespace) -> None:
+    for key in _POSITIVE:
+        value = getattr(ns, key, None)
+        if value is not None and value < 1:
+            raise ConfigError("--" + key.replace("_", "-"), value, "must be at least 1")
+    for key, _ in _SHAPE_FLAGS:
+        value = getattr(ns, f"model_{key}")
+        if value is not None and value < 1:
+            raise ConfigError(f"--model.{key}", value, "must be at least 1")
+    if ns.wan_bandwidth is not None and not ns.wan_bandwidth > 0:
+        raise ConfigError("--wan-bandwidth", ns.wan_bandwidth, "must be positive (GB/s)")
+
+
+def run_plan(ns: argparse.Namespace) -> int:
+    """Run the search for a parsed ``plan`` command and print the result; 0 on success."""
+    from isthmus.config import ModelConfig
+    from isthmus.models.resolve import resolve_model_args
+    from isthmus.planner.explain import explain, format_table, result_json
+    from isthmus.planner.layout import GEO_STRATEGIES, RUNTIMES
+    from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace, search
+    from isthmus.topology import load_topology
+
+    _check(ns)
+    overrides = {key: getattr(ns, f"model_{key}") for key, _ in _SHAPE_FLAGS}
+    model = ModelConfig(flavor=ns.model, mlp=ns.model_mlp, tie_embeddings=ns.model_tie_embeddings, **overrides)
+    args = resolve_model_args(model)
+    topo = load_topology(ns.topology)
+    if ns.gpus is not None:
+        topo = topo.subset(ns.gpus)
+    if ns.wan_bandwidth is not None:
+        topo = topo.with_wan(bandwidth_gb_s=ns.wan_bandwidth)
+    geo = GEO_STRATEGIES
+    if ns.geo is not None:
+        geo = tuple(g.strip() for g in ns.geo.split(",") if g.strip())
+        for g in geo:
+            if g not in GEO_STRATEGIES:
+                raise ConfigError("--geo", g, f"choose from: {', '.join(GEO_STRATEGIES)}")
+    space = SearchSpace(
+        global_batch=ns.global_batch, seq_len=ns.seq_len, micro_batch=ns.micro_batch, recompute=ns.recompute,
+        tp=ns.tp, pp=ns.pp, cp=ns.cp, dp_shard=ns.dp_shard, zero_stage=ns.zero_stage, schedule=ns.schedule,
+        virtual_stages=ns.virtual_stages, dc_axis=ns.dc_axis, geo=geo, diloco_h=ns.diloco_h,
+        max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
+    )
+    dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
+    result = search(args, topo, space, RUNTIMES[ns.runtime], top=ns.top, dtype=dtype)
+    if ns.json:
+        sys.stdout.write(json.dumps(result_json(result, topo, ns.top), indent=2) + "\n")
+        return 0
+    best = result.best.work
+    sys.stdout.write(
+        f"isthmus plan: {ns.model} on {topo.name} ({topo.n_devices:,} devices), global batch {best.global_batch} x "
+        f"{best.seq_len} tokens; {result.considered:,} layouts considered, {result.pruned_memory:,} over memory\n\n"
+    )
+    sys.stdout.write(format_table(result, ns.top) + "\n\n")
+    sys.stdout.write(textwrap.fill(explain(result, topo), width=100) + "\n")
+    return 0

@@ -1,0 +1,181 @@
+"""Compute time of each operator of a transformer block on one device, from exact shapes.
+
+A GEMM of shape (m, n, k) runs at ``gemm_fraction`` of the device's peak, a saturating curve in
+each dimension with the device kind's two calibrated constants, and never faster than its operands
+stream through memory. Elementwise kernels (norms, softmax, dropout, activations, residual adds)
+are memory-bound: bytes moved / (memory bandwidth x achievable fraction). FLOPs follow
+``isthmus.models.flops`` exactly: the sum of GEMM FLOPs over one block equals the block's share of
+``flops_per_token``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from isthmus.models.args import ModelArgs
+from isthmus.planner.layout import Runtime
+from isthmus.topology import DeviceKind
+
+ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+FLASH_EFFICIENCY = 0.7
+"""Fused attention reaches this fraction of the GEMM curve at its (s, s, head_dim) shape (assumed)."""
+FLASH_BACKWARD_FACTOR = 2.5
+"""Fused attention backward costs this many forwards (it recomputes the scores)."""
+CAUSAL_SKIP = 0.5
+"""Fraction of the S x S square a causal fused kernel computes (masked tiles are skipped)."""
+OPTIMIZER_BYTES_PER_PARAM = 32
+"""Adam step, gradient-norm and zeroing traffic per local parameter (fp32 master, m, v, grad)."""
+
+
+@dataclass(frozen=True)
+class Op:
+    """One operator of one microbatch on one device."""
+
+    name: str
+    phase: str
+    """'fwd', 'bwd' (input gradient) or 'wgrad' (weight gradient, separable for zero-bubble)."""
+    flops: float
+    nbytes: float
+    seconds: float
+
+
+def gemm_fraction(kind: DeviceKind, m: float, n: float, k: float) -> float:
+    """Achievable fraction of peak of an (m x k) @ (k x n) GEMM: saturates as each dim grows."""
+    d0 = kind.gemm_half_dim
+    return kind.gemm_max_fraction * (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
+
+
+def gemm_time(kind: DeviceKind, dtype: str, m: float, n: float, k: float, batch: float = 1) -> float:
+    """Seconds for ``batch`` GEMMs of (m, n, k): compute at the curve, bounded below by memory traffic."""
+    e = ELEM_BYTES[dtype]
+    compute = 2 * m * n * k * batch / (kind.peak(dtype) * gemm_fraction(kind, m, n, k))
+    memory = e * (m * k + k * n + m * n) * batch / (kind.memory_bandwidth * kind.memory_bw_fraction)
+    return kind.kernel_launch_s + max(compute, memory)
+
+
+def memory_time(kind: DeviceKind, nbytes: float, kernels: int = 1) -> float:
+    """Seconds for elementwise kernels moving ``nbytes`` through device memory."""
+    return kernels * kind.kernel_launch_s + nbytes / (kind.memory_bandwidth * kind.memory_bw_fraction)
+
+
+def _gemm_ops(kind: DeviceKind, dtype: str, name: str, m: float, n: float, k: float, batch: float = 1) -> list[Op]:
+    """Forward GEMM and its two backward GEMMs: dX = dY W^T (m, k, n) and dW = X^T dY (k, n, m)."""
+    e, f = ELEM_BYTES[dtype], 2 * m * n * k * batch
+    return [
+        Op(name, "fwd", f, e * (m * k + k * n + m * n) * batch, gemm_time(kind, dtype, m, n, k, batch)),
+        Op(name + ".dgrad", "bwd", f, e * (m * n + n * k + m * k) * batch, gemm_time(kind, dtype, m, k, n, batch)),
+        Op(name + ".wgrad", "wgrad", f, e * (m * k + m * n + k * n) * batch, gemm_time(kind, dtype, k, n, m, batch)),
+    ]
+
+
+def _mem_ops(kind: DeviceKind, name: str, fwd_bytes: float, kernels: int = 1) -> list[Op]:
+    """An elementwise op; its backward reads the saved input and the gradient and writes one: ~2x."""
+    return [
+        Op(name, "fwd", 0.0, fwd_bytes, memory_time(kind, fwd_bytes, kernels)),
+        Op(name + ".bwd", "bwd", 0.0, 2 * fwd_bytes, memory_time(kind, 2 * fwd_bytes, kernels)),
+    ]
+
+
+def layer_ops(
+    kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int,
+    tp: int, cp: int, sp: bool, runtime: Runtime,
+) -> list[Op]:
+    """Every operator of one transformer block for one microbatch on one device."""
+    e = ELEM_BYTES[dtype]
+    h, hd, f = args.dim, args.head_dim, args.ffn_dim
+    q, kv = args.n_heads * hd, args.n_kv_heads * hd
+    s_local = seq_len / cp
+    tokens = micro_batch * s_local
+    heads = args.n_heads / tp
+    rep = tokens / tp if sp else tokens  # norms and residual adds run on all tokens unless sp shards them
+    mask = 1 if runtime.dropout else 0
+    ops: list[Op] = []
+    ops += _mem_ops(kind, "norm1", 2 * e * rep * h)
+    ops += _gemm_ops(kind, dtype, "qkv", tokens, (q + 2 * kv) / tp, h)
+    if runtime.attention == "materialized":
+        scores = micro_batch * heads * s_local * seq_len
+        ops += _gemm_ops(kind, dtype, "attn.scores", s_local, seq_len, hd, micro_batch * heads)
+        ops += _mem_ops(kind, "attn.softmax", 2 * e * scores)
+        if runtime.dropout:
+            ops += _mem_ops(kind, "attn.dropout", (2 * e + 1) * scores)
+        ops += _gemm_ops(kind, dtype, "attn.values", s_local, hd, seq_len, micro_batch * heads)
+    else:
+        flops = 4 * micro_batch * heads * s_local * seq_len * hd
+        fwd = kind.kernel_launch_s + CAUSAL_SKIP * flops / (
+            kind.peak(dtype) * gemm_fraction(kind, s_local, seq_len, hd) * FLASH_EFFICIENCY)
+        ops += [Op("attn.flash", "fwd", flops, 0.0, fwd), Op("attn.flash.bwd", "bwd", 2 * flops, 0.0, FLASH_BACKWARD_FACTOR * fwd)]
+    ops += _gemm_ops(kind, dtype, "proj", tokens, h, q / tp)
+    ops += _mem_ops(kind, "residual1", (3 * e + mask) * rep * h)
+    ops += _mem_ops(kind, "norm2", 2 * e * rep * h)
+    branches = 2 if args.mlp == "swiglu" else 1
+    ops += _gemm_ops(kind, dtype, "fc1", tokens, branches * f / tp, h)
+    ops += _mem_ops(kind, "act", (branches + 1) * e * tokens * f / tp)
+    ops += _gemm_ops(kind, dtype, "fc2", tokens, h, f / tp)
+    ops += _mem_ops(kind, "residual2", (3 * e + mask) * rep * h)
+    return ops
+
+
+def head_ops(kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool) -> list[Op]:
+    """Final norm, output projection (vocabulary split over tp) and cross-entropy of one microbatch."""
+    e = ELEM_BYTES[dtype]
+    tokens = micro_batch * seq_len / cp
+    logits = tokens * args.vocab_size / tp
+    rep = tokens / tp if sp else tokens
+    ops = _mem_ops(kind, "final_norm", 2 * e * rep * args.dim)
+    ops += _gemm_ops(kind, dtype, "head", tokens, args.vocab_size / tp, args.dim)
+    # fp32 softmax cross-entropy: read logits, write fp32 probabilities, reduce; backward writes grads.
+    ops += [Op("loss", "fwd", 0.0, 12 * logits, memory_time(kind, 12 * logits, 3)),
+            Op("loss.bwd", "bwd", 0.0, 8 * logits, memory_time(kind, 8 * logits, 2))]
+    return ops
+
+
+def embedding_ops(kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int, cp: int) -> list[Op]:
+    e = ELEM_BYTES[dtype]
+    nbytes = e * micro_batch * seq_len / cp * args.dim
+    return [Op("embed", "fwd", 0.0, nbytes, memory_time(kind, nbytes)),
+            Op("embed.bwd", "bwd", 0.0, 2 * nbytes, memory_time(kind, 2 * nbytes))]
+
+
+@dataclass(frozen=True)
+class PhaseTimes:
+    """Seconds of one microbatch through some ops: forward, input-gradient and weight-gradient backward."""
+
+    fwd: float
+    bwd: float
+    wgrad: float
+    flops_fwd: float
+
+    @property
+    def backward(self) -> float:
+        return self.bwd + self.wgrad
+
+
+def sum_phases(ops: list[Op]) -> PhaseTimes:
+    t = {"fwd": 0.0, "bwd": 0.0, "wgrad": 0.0}
+    for op in ops:
+        t[op.phase] += op.seconds
+    return PhaseTimes(t["fwd"], t["bwd"], t["wgrad"], sum(op.flops for op in ops if op.phase == "fwd"))
+
+
+@lru_cache(maxsize=4096)
+def layer_times(
+    kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int,
+    tp: int, cp: int, sp: bool, runtime: Runtime,
+) -> PhaseTimes:
+    """Cached :func:`layer_ops` totals (the search calls this for every candidate)."""
+    return sum_phases(layer_ops(kind, dtype, args, micro_batch, seq_len, tp, cp, sp, runtime))
+
+
+@lru_cache(maxsize=4096)
+def ends_times(
+    kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool,
+) -> tuple[PhaseTimes, PhaseTimes]:
+    """(embedding, head + loss) times of one microbatch: the first and last pipeline stage's extras."""
+    return (sum_phases(embedding_ops(kind, dtype, args, micro_batch, seq_len, cp)),
+            sum_phases(head_ops(kind, dtype, args, micro_batch, seq_len, tp, cp, sp)))
+
+
+def optimizer_time(kind: DeviceKind, local_params: float) -> float:
+    """Seconds of the optimizer step over the parameters this device updates."""
+    return memory_time(kind, OPTIMIZER_BYTES_PER_PARAM * local_params, kernels=4)

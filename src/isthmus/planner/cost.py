@@ -1,0 +1,299 @@
+"""The cost of one layout: step time, throughput, MFU, memory, bubble and WAN traffic.
+
+``estimate`` composes the pieces: per-op compute (compute.py) and tensor/context-parallel
+collectives per block (:func:`block_cost`); the stage partition and per-microbatch cost of each
+pipeline rank (:func:`stage_costs`); the pipeline schedule (pipeline.py); data-parallel
+synchronisation and its overlap with backward (geo.py); memory per device (memory.py). The
+simulator replays the same per-microbatch numbers event by event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from isthmus.models.flops import flops_per_token
+from isthmus.planner import comm
+from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_times, optimizer_time
+from isthmus.planner.geo import dp_sync
+from isthmus.planner.layout import Layout, Runtime, Workload
+from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory, stage_params
+from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
+from isthmus.planner.placement import Placement, SiteSpans, place
+from isthmus.topology import DeviceKind, Topology
+
+RING_HIDDEN_SHARE = 0.3
+"""Share of a block's forward that ring attention's KV hops can hide behind (its attention part)."""
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block, one microbatch, one device: compute and the tp/cp communication on its critical path."""
+
+    compute: PhaseTimes
+    tp: float
+    """Tensor-parallel collectives of one forward (the backward has as many)."""
+    cp_fwd: float
+    cp_bwd: float
+
+    @property
+    def fwd(self) -> float:
+        return self.compute.fwd + self.tp + self.cp_fwd
+
+    @property
+    def bwd(self) -> float:
+        return self.compute.backward + self.tp + self.cp_bwd
+
+
+@lru_cache(maxsize=8192)
+def block_cost(kind: DeviceKind, site: SiteSpans, work: Workload, tp: int, cp: int, sp: bool, cp_impl: str,
+               micro_batch: int, runtime: Runtime) -> BlockCost:
+    a, b, s, e = work.args, micro_batch, work.seq_len, ELEM_BYTES[work.dtype]
+    t = layer_times(kind, work.dtype, a, b, s, tp, cp, sp, runtime)
+    act = b * s / cp * a.dim * e
+    # Two all-reduces per block each way (with sp an all-gather + reduce-scatter: the same bytes).
+    tp_time = 2 * comm.all_reduce(act, site.tp)
+    cp_f = cp_b = 0.0
+    if cp > 1:
+        kv = b * s / cp * 2 * a.n_kv_heads * a.head_dim / tp * e
+        if cp_impl == "ring":
+            hop = comm.p2p(kv, site.cp.intra if site.cp.nodes == 1 else site.cp.fabric)
+            hidden = RING_HIDDEN_SHARE * t.fwd
+            cp_f = max(0.0, (cp - 1) * hop - hidden)
+            cp_b = max(0.0, 2 * (cp - 1) * hop - 2 * hidden)  # K, V forward; dK, dV back
+        else:
+            q = b * s / cp * a.n_heads * a.head_dim / tp * e
+            cp_f = cp_b = comm.all_to_all(q + kv, site.cp) + comm.all_to_all(q, site.cp)
+    return BlockCost(t, tp_time, cp_f, cp_b)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Pipeline rank r, one microbatch through all its virtual stages, on its slowest datacenter."""
+
+    layers: int
+    fwd: float
+    bwd: float
+    """Backward including recomputation."""
+    wgrad: float
+    parts: tuple[tuple[str, float], ...]
+    """fwd + bwd split by cause: compute, tp comm, cp comm, pp p2p (blocking sends only)."""
+
+    @property
+    def total(self) -> float:
+        return self.fwd + self.bwd
+
+
+def recompute_share(recompute: str) -> float:
+    """Blocks whose forward runs twice: all (full), every other one (isthmus 'selective'), none."""
+    return {"full": 1.0, "selective": 0.5}.get(recompute, 0.0)
+
+
+def _ends(kind: DeviceKind, work: Workload, layout: Layout, r: int) -> tuple[PhaseTimes, PhaseTimes]:
+    emb, head = ends_times(kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sp)
+    zero = PhaseTimes(0.0, 0.0, 0.0, 0.0)
+    return (emb if r == 0 else zero), (head if r == layout.pp - 1 else zero)
+
+
+def stage_costs(work: Workload, layout: Layout, runtime: Runtime, pl: Placement) -> list[StageCost]:
+    """Per pipeline rank: layers (Megatron: even split; isthmus: balanced by speed) and microbatch cost."""
+    p, v, rc, e = layout.pp, layout.virtual_stages, recompute_share(layout.recompute), ELEM_BYTES[work.dtype]
+    per_site = [(site, block_cost(site.dc.kind, site, work, layout.tp, layout.cp, layout.sp, layout.cp_impl,
+                                  layout.micro_batch, runtime)) for site in pl.sites]
+    blocks = [[per_site[i] for i in pl.stage_sites[r]] for r in range(p)]
+    if runtime.name == "megatron-2021" or p == 1:
+        layers = even_partition(work.args.n_layers, p)
+    else:
+        per_sites = {sites: max(per_site[i][1].fwd * (1 + rc) + per_site[i][1].bwd for i in sites)
+                     for sites in set(pl.stage_sites)}
+        per_layer = [per_sites[sites] for sites in pl.stage_sites]
+        extra = [0.0] * p
+        for r in (0, p - 1):
+            extra[r] = max(sum(x.fwd + x.backward for x in _ends(site.dc.kind, work, layout, r)) for site, _ in blocks[r])
+        layers = partition_layers(work.args.n_layers, per_layer, extra, min_layers=v)
+    act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * e
+    msg = act / (layout.tp if runtime.scatter_gather or layout.sp else 1)
+    memo: dict[tuple[object, ...], StageCost] = {}
+    out = []
+    for r in range(p):
+        near = tuple(pl.boundary_links[j] for j in (r - 1, r) if 0 <= j < p - 1)
+        key = (layers[r], r == 0, r == p - 1, pl.stage_sites[r], near)
+        if key not in memo:  # interior ranks of a uniform pipeline are all alike
+            memo[key] = _stage_cost(work, layout, runtime, blocks[r], layers[r], r, near, act, msg)
+        out.append(memo[key])
+    return out
+
+
+def _stage_cost(work: Workload, layout: Layout, runtime: Runtime, row: list[tuple[SiteSpans, BlockCost]], n: int, r: int,
+                near: tuple[tuple[object, int, bool], ...], act: float, msg: float) -> StageCost:
+    rc, v = recompute_share(layout.recompute), layout.virtual_stages
+    worst: StageCost | None = None
+    for site, bc in row:
+        emb, head = _ends(site.dc.kind, work, layout, r)
+        p2p = 0.0
+        if layout.pp > 1 and not runtime.p2p_async:  # blocking send/recv to each neighbour, per virtual stage
+            gather = comm.all_gather(act, site.tp) if runtime.scatter_gather else 0.0
+            p2p = sum(v * (comm.p2p(msg, link, share) + gather) for link, share, _ in near)  # type: ignore[arg-type]
+        compute = n * (bc.compute.fwd * (1 + rc) + bc.compute.backward) + emb.fwd + emb.backward + head.fwd + head.backward
+        parts = (("compute", compute), ("tp comm", n * (2 + rc) * bc.tp),
+                 ("cp comm", n * (bc.cp_fwd * (1 + rc) + bc.cp_bwd)), ("pp p2p", p2p))
+        cost = StageCost(
+            layers=n,
+            fwd=n * bc.fwd + emb.fwd + head.fwd + p2p / 2,
+            bwd=n * (bc.bwd + rc * bc.fwd) + emb.backward + head.backward + p2p / 2,
+            wgrad=n * bc.compute.wgrad + head.wgrad, parts=parts,
+        )
+        if worst is None or cost.total > worst.total:
+            worst = cost
+    assert worst is not None
+    return worst
+
+
+@dataclass(frozen=True)
+class RankSync:
+    """Data-parallel cost of one pipeline rank at the end of a step, after overlap."""
+
+    tail: float
+    """Seconds after the pipeline phase: exposed gradient sync, weight gathers, optimizer."""
+    dp: float
+    wan: float
+    optimizer: float
+    per_microbatch: float
+    """ZeRO-3 gathers per microbatch (overlap that microbatch's compute when the runtime overlaps)."""
+    wan_bytes: float
+
+
+def rank_sync(work: Workload, layout: Layout, runtime: Runtime, pl: Placement, r: int, st: StageCost) -> RankSync:
+    params = stage_params(work.args, st.layers, r == 0, r == layout.pp - 1, layout.pp) / layout.tp
+    worst: RankSync | None = None
+    for i in pl.stage_sites[r]:
+        site = pl.sites[i]
+        sc = dp_sync(params, site, layout, runtime, layout.microbatches)
+        # Gradients of rank r are final r backward-chunks before rank 0's; the sync overlaps that.
+        window = (st.bwd + r * st.bwd / layout.virtual_stages) if runtime.dp_overlap else 0.0
+        outer = sc.wan if layout.geo == "diloco" else 0.0  # DiLoCo's outer sync blocks, every H steps
+        grad = max(0.0, sc.grad - outer - window) + outer
+        params_exposed = max(0.0, sc.params - st.fwd) if runtime.dp_overlap else sc.params
+        opt = optimizer_time(site.dc.kind, params / max(1, layout.shard_degree))
+        wan = min(grad, sc.wan)
+        cost = RankSync(grad + params_exposed + opt, grad + params_exposed - wan, wan, opt, sc.per_microbatch, sc.wan_bytes)
+        if worst is None or cost.tail > worst.tail:
+            worst = cost
+    assert worst is not None
+    return worst
+
+
+def rank_memory(work: Workload, layout: Layout, runtime: Runtime, r: int, layers: int) -> MemoryBreakdown:
+    return device_memory(
+        work.args, runtime, layers=layers, first=r == 0, last=r == layout.pp - 1, pp=layout.pp, tp=layout.tp,
+        cp=layout.cp, sp=layout.sp, micro_batch=layout.micro_batch, seq_len=work.seq_len, recompute=layout.recompute,
+        in_flight=in_flight(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches, r),
+        zero_stage=layout.zero_stage, shard=layout.shard_degree, accumulate=layout.microbatches > 1, dtype=work.dtype,
+    )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    work: Workload
+    runtime: str
+    step_time_s: float
+    tokens_per_s: float
+    effective_tokens_per_s: float
+    """Tokens/s times the assumed quality factor of a lossy cross-datacenter strategy (ranking key)."""
+    tflops_per_device: float
+    """Achieved FLOP/s per device counting recomputation, as Megatron-LM reports it."""
+    mfu: float
+    """Model FLOPs (no recomputation) per second over the devices' peak."""
+    mem_per_device_gb: float
+    memory: MemoryBreakdown
+    fits: bool
+    bubble_fraction: float
+    wan_bytes_per_step: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+    """Seconds of the step by cause, on the slowest pipeline rank."""
+    stages: tuple[StageCost, ...] = ()
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        return tuple(s.layers for s in self.stages)
+
+    @property
+    def bottleneck(self) -> str:
+        """The largest cost after compute, or 'compute' when every other cost is under 5% of the step."""
+        name = max((k for k in self.breakdown if k != "compute"), key=lambda k: self.breakdown[k])
+        return name if self.breakdown[name] > 0.05 * self.step_time_s else "compute"
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "layout": self.layout.as_dict(), "label": self.layout.label(), "parallel": self.layout.parallel_config(),
+            "train": self.layout.train_config(self.work), "model": self.layout.model_overrides(self.work.args),
+            "global_batch": self.work.global_batch, "seq_len": self.work.seq_len, "runtime": self.runtime, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "effective_tokens_per_s": self.effective_tokens_per_s, "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu, "mem_per_device_gb": self.mem_per_device_gb, "fits": self.fits,
+            "bubble_fraction": self.bubble_fraction, "wan_bytes_per_step": self.wan_bytes_per_step,
+            "bottleneck": self.bottleneck, "breakdown_s": self.breakdown, "stage_layers": list(self.stage_layers),
+        }
+
+
+def estimate(
+    work: Workload, topo: Topology, layout: Layout, runtime: Runtime,
+    placement: Placement | None = None, stages: list[StageCost] | None = None,
+) -> Estimate:
+    """Everything the planner ranks by, for one layout (memory may exceed the device: see ``fits``).
+
+    ``placement`` and ``stages`` may be passed in when already known: the stage costs depend on the
+    layout only through tp, cp, pp, schedule, microbatching and recomputation, not on how data
+    parallelism is split, so the search computes them once for all its dp_shard / zero / geo variants.
+    """
+    a, m, p, v = work.args, layout.microbatches, layout.pp, layout.virtual_stages
+    pl = placement or place(topo, layout)
+    stages = stages or stage_costs(work, layout, runtime, pl)
+    # Ranks with the same stage cost and sites differ only in r, and both the exposed sync and the
+    # activations in flight shrink with r: the first rank of each class is its worst.
+    first_of: dict[tuple[object, ...], int] = {}
+    for r, st in enumerate(stages):
+        first_of.setdefault((id(st), pl.stage_sites[r]), r)
+    reps = {key: (r, rank_sync(work, layout, runtime, pl, r, stages[r])) for key, r in first_of.items()}
+    syncs = [reps[(id(st), pl.stage_sites[r])][1] for r, st in enumerate(stages)]
+    memory = max((rank_memory(work, layout, runtime, r, stages[r].layers) for r, _ in reps.values()), key=lambda mb: mb.total)
+    # A microbatch takes its compute or its ZeRO-3 gathers, whichever is longer, when they overlap.
+    busy = [max(st.total, sy.per_microbatch) if runtime.dp_overlap else st.total + sy.per_microbatch
+            for st, sy in zip(stages, syncs)]
+    e = ELEM_BYTES[work.dtype]
+    msg = layout.micro_batch * work.seq_len / layout.cp * a.dim * e / (layout.tp if runtime.scatter_gather or layout.sp else 1)
+    links = []
+    if p > 1 and runtime.p2p_async:
+        for r, (link, share, _) in enumerate(pl.boundary_links):
+            one = comm.p2p(msg, link, share)
+            # A boundary paces the pipeline by its busy time, or by the round trip its latency adds
+            # to rank r, spread over the microbatches rank r keeps in flight to hide it.
+            rtt = busy[r] + 2 * one / max(1.0, in_flight(layout.schedule, p, v, m, r))
+            links.append(LinkStage(max(v * (one - link.latency), rtt), 2 * one))
+    t_pipe, idle = pipeline_time(busy, [st.wgrad for st in stages], m, v, layout.schedule, links)
+    slow = max(range(p), key=lambda r: syncs[r].tail)
+    step = t_pipe + syncs[slow].tail
+    # Activations and their gradients cross each WAN boundary once per sequence.
+    wan_cuts = sum(1 for _, _, wan in pl.boundary_links if wan)
+    wan_bytes = sum(sy.wan_bytes for sy in syncs) + wan_cuts * 2 * work.tokens_per_step * a.dim * e * (
+        1 if runtime.scatter_gather or layout.sp else layout.tp)
+    heavy = max(range(p), key=lambda r: busy[r])
+    breakdown = {k: m * val for k, val in stages[heavy].parts}
+    wan_wait = max([m * l.occupancy - m * busy[heavy] for l, (_, _, w) in zip(links, pl.boundary_links) if w] + [0.0])
+    breakdown.update({
+        "dp comm": syncs[slow].dp + m * (busy[heavy] - stages[heavy].total), "wan": syncs[slow].wan + wan_wait,
+        "bubble": max(0.0, idle - wan_wait), "optimizer": syncs[slow].optimizer,
+    })
+    tokens_per_s = work.tokens_per_step / step
+    model_flops = flops_per_token(a, work.seq_len, False)
+    hw_flops = model_flops + recompute_share(layout.recompute) * (flops_per_token(a, work.seq_len, True) - model_flops)
+    kinds = [s.dc.kind for s in pl.sites]
+    peak = sum(k.peak(work.dtype) for k in kinds) / len(kinds) * layout.world
+    usable = min(k.memory_bytes for k in kinds) * USABLE_FRACTION
+    return Estimate(
+        layout=layout, work=work, runtime=runtime.name, step_time_s=step, tokens_per_s=tokens_per_s,
+        effective_tokens_per_s=tokens_per_s * runtime.quality_of(layout.geo),
+        tflops_per_device=hw_flops * tokens_per_s / layout.world / 1e12, mfu=model_flops * tokens_per_s / peak,
+        mem_per_device_gb=memory.total / 1e9, memory=memory, fits=memory.total <= usable,
+        bubble_fraction=idle / step, wan_bytes_per_step=wan_bytes, breakdown=breakdown, stages=tuple(stages),
+    )

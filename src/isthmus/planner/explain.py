@@ -1,0 +1,133 @@
+"""Turn a search result into what a person reads: a ranked table and why the winner wins."""
+
+from __future__ import annotations
+
+from isthmus.models.flops import count_params
+from isthmus.planner.cost import Estimate
+from isthmus.planner.placement import place
+from isthmus.planner.search import SearchResult
+from isthmus.topology import Topology
+
+COLUMNS = ("#", "layout", "step s", "tokens/s", "TFLOP/s/dev", "MFU", "mem GB", "bubble", "WAN GB/step", "bottleneck")
+
+
+def table_rows(result: SearchResult, top: int) -> list[list[str]]:
+    rows = []
+    for i, est in enumerate(result.ranked[:top], 1):
+        rows.append([
+            str(i), est.layout.label(), f"{est.step_time_s:.3g}", f"{est.tokens_per_s:,.0f}",
+            f"{est.tflops_per_device:.1f}", f"{100 * est.mfu:.1f}%", f"{est.mem_per_device_gb:.1f}",
+            f"{100 * est.bubble_fraction:.1f}%", f"{est.wan_bytes_per_step / 1e9:.3g}", est.bottleneck,
+        ])
+    return rows
+
+
+def format_table(result: SearchResult, top: int) -> str:
+    """A plain-text table, columns aligned (numbers right, words left)."""
+    rows = [list(COLUMNS)] + table_rows(result, top)
+    widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
+    left = {1, 9}
+    lines = []
+    for k, r in enumerate(rows):
+        cells = [r[c].ljust(widths[c]) if c in left else r[c].rjust(widths[c]) for c in range(len(COLUMNS))]
+        lines.append("  ".join(cells).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{100 * (a / b - 1):.0f}%"
+
+
+def _share(est: Estimate, key: str) -> str:
+    return f"{100 * est.breakdown.get(key, 0.0) / est.step_time_s:.0f}%"
+
+
+def explain(result: SearchResult, topo: Topology) -> str:
+    """One paragraph: what the winner is, what each of its choices buys, and what it beat."""
+    best = result.best
+    work = best.work
+    lay = best.layout
+    pl = place(topo, lay)
+    site = pl.sites[0]
+    dc = site.dc
+    n = count_params(work.args)
+    params = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    out = [
+        f"{params} parameters at {work.global_batch} x {work.seq_len} tokens per step on {topo.name} "
+        f"({lay.world:,} x {dc.kind.name}) runs best as {lay.label()}: {best.tokens_per_s:,.0f} tokens/s, "
+        f"MFU {100 * best.mfu:.1f}%, {best.mem_per_device_gb:.1f} of {dc.kind.memory_bytes / 1e9:.0f} GB per device."
+    ]
+    if lay.tp > 1:
+        out.append(f"Tensor parallelism of {lay.tp} stays inside a node of {dc.devices_per_node} devices, so its four "
+                   f"collectives per block run at {dc.intra_node.bandwidth / 1e9:.0f} GB/s ({_share(best, 'tp comm')} of the step).")
+    if lay.pp > 1:
+        out.append(f"{lay.pp} pipeline stages under {lay.schedule} with {lay.microbatches} microbatches idle "
+                   f"{100 * best.bubble_fraction:.0f}% of the step.")
+    state = "no recomputation" if lay.recompute == "none" else f"{lay.recompute} recomputation"
+    shard = f"ZeRO-{lay.zero_stage} over {lay.shard_degree} ranks" if lay.shard_degree > 1 else "no sharding"
+    out.append(f"It fits with {state} and {shard}.")
+    out.extend(_wan_sentences(result, topo))
+    second = _runner_up(result)
+    if second is not None:
+        out.append(f"It beats the best layout that differs in more than the data-parallel split "
+                   f"({second.layout.label()}) by {_pct(best.effective_tokens_per_s, second.effective_tokens_per_s)}.")
+    top_cost = best.bottleneck
+    if top_cost != "compute":
+        out.append(f"What limits it now is {top_cost} ({_share(best, top_cost)} of the step).")
+    else:
+        out.append("It is compute-bound: every other cost is under 5% of the step.")
+    return " ".join(out)
+
+
+def _core(est: Estimate) -> tuple[object, ...]:
+    lay = est.layout
+    return (lay.tp, lay.cp, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batch, lay.recompute, lay.dc_axis, lay.geo)
+
+
+def _runner_up(result: SearchResult) -> Estimate | None:
+    """The best layout whose parallel degrees, schedule or placement differ from the winner's."""
+    core = _core(result.best)
+    pool = list(result.ranked[1:]) + sorted(result.alternatives.values(), key=lambda e: -e.effective_tokens_per_s)
+    return next((e for e in pool if _core(e) != core), None)
+
+
+def _wan_sentences(result: SearchResult, topo: Topology) -> list[str]:
+    if len(topo.datacenters) < 2:
+        return []
+    best, alt = result.best, result.alternatives
+    lay = best.layout
+    speeds = sorted({l.bandwidth / 1e9 for l in topo.wan.values()})
+    links = (f"{speeds[0]:.3g} GB/s links" if len(speeds) == 1 else
+             f"links of {', '.join(f'{b:.3g}' for b in speeds)} GB/s")
+    others = {k: v for k, v in alt.items()
+              if k.startswith(("dc_axis=", "geo=")) and (v.layout.dc_axis, v.layout.geo) != (lay.dc_axis, lay.geo)}
+    rival = max(others.values(), key=lambda e: e.effective_tokens_per_s, default=None)
+    if lay.dc_axis == "pp":
+        s = (f"Only pipeline activations cross the WAN ({links}): {best.wan_bytes_per_step / 1e9:.3g} GB per step, "
+             "with per-layer traffic (tp, cp, sp, ZeRO gathers) kept inside each datacenter.")
+    elif lay.dc_axis == "dp":
+        how = {"flat": "one flat ring", "hierarchical": "hierarchical all-reduce of gradient shards",
+               "compressed": "compressed gradient shards", "diloco": f"DiLoCo outer steps every {lay.diloco_h} steps"}[lay.geo]
+        s = (f"Data-parallel replicas span the datacenters and synchronise over the WAN ({links}) by {how}: "
+             f"{best.wan_bytes_per_step / 1e9:.3g} GB per step; per-layer traffic stays inside each datacenter.")
+        if lay.geo in ("compressed", "diloco"):
+            s += f" Its ranking assumes {100 * (1 - best.effective_tokens_per_s / best.tokens_per_s):.0f}% more tokens for the same loss."
+    else:
+        s = f"It uses one datacenter: the WAN ({links}) would cost more than the other datacenters add."
+    if rival is not None:
+        r = rival.layout
+        what = (f"pipeline stages across datacenters" if r.dc_axis == "pp" else
+                f"data parallelism across datacenters ({r.geo})" if r.dc_axis == "dp" else "one datacenter")
+        s += (f" The best with {what} ({r.label()}) reaches {rival.tokens_per_s:,.0f} tokens/s, "
+              f"{_pct(best.effective_tokens_per_s, rival.effective_tokens_per_s)} behind.")
+    return [s]
+
+
+def result_json(result: SearchResult, topo: Topology, top: int) -> dict[str, object]:
+    return {
+        "topology": topo.name, "devices": topo.n_devices, "model_params": count_params(result.best.work.args),
+        "considered": result.considered, "pruned_memory": result.pruned_memory,
+        "layouts": [est.as_json() for est in result.ranked[:top]], "explanation": explain(result, topo),
+    }

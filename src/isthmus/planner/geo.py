@@ -1,0 +1,100 @@
+"""Data-parallel synchronisation per step, inside a datacenter and across datacenters.
+
+Inside a datacenter: DDP all-reduces gradients over dp x cp; ZeRO/FSDP reduce-scatters them over
+the shard group (dp_shard x cp), all-reduces the shard over dp_replicate (HSDP), and gathers
+weights back. When data-parallel replicas span datacenters (``dc_axis = 'dp'``) the gradient
+crosses the WAN by one of four strategies:
+
+- ``flat``: one ring through every replica, WAN hops included (each ring step waits for the WAN);
+- ``hierarchical``: reduce inside each datacenter first, all-reduce only the shards across the WAN
+  (every device sends its 1/k share; all of a datacenter's devices share its WAN link);
+- ``compressed``: hierarchical, the WAN phase carries ``runtime.compress_ratio`` of the bytes
+  (e.g. 4-bit quantised gradients with error feedback);
+- ``diloco``: each datacenter steps on its own; every H steps the fp32 parameter deltas are
+  all-reduced across the WAN (Douillard et al. 2023), so the WAN cost per step is 1/H of that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from isthmus.planner import comm
+from isthmus.planner.comm import Span
+from isthmus.planner.layout import Layout, Runtime
+from isthmus.planner.placement import SiteSpans
+
+DILOCO_DELTA_BYTES = 4
+"""DiLoCo's outer gradients (parameter deltas) are exchanged in fp32."""
+
+
+@dataclass(frozen=True)
+class SyncCost:
+    """Data-parallel communication of one device per step (seconds), split by what it can overlap."""
+
+    grad: float
+    """Gradient reduction at the end of backward (overlaps the last microbatch's backward)."""
+    params: float
+    """Weight gathers (ZeRO/FSDP) not tied to one microbatch (overlap the first forward)."""
+    per_microbatch: float
+    """ZeRO-3 gathers repeated for every microbatch (overlap that microbatch's compute)."""
+    wan: float
+    """Of ``grad``, the seconds on WAN links (amortised over H steps for DiLoCo)."""
+    wan_bytes: float
+    """Bytes all groups of this pipeline rank send across datacenters per step."""
+
+
+def _inside(span: Span) -> Span:
+    return Span(span.per_node, span.nodes, 1, span.intra, span.fabric)
+
+
+def _wan_phase(nbytes: float, span: Span) -> float:
+    """The cross-datacenter all-reduce of a hierarchical all-reduce on ``span`` (both halves)."""
+    if span.dcs <= 1:
+        return 0.0
+    k, bw, lat = span.tiers()[-1]
+    chunk = nbytes / (span.per_node * span.nodes)
+    return 2 * ((k - 1) * lat + (k - 1) / k * chunk / bw)
+
+
+def cross_dc_all_reduce(nbytes: float, span: Span, layout: Layout, runtime: Runtime) -> tuple[float, float, float]:
+    """(seconds, of which WAN, WAN bytes of this group) of an all-reduce whose group may span datacenters."""
+    if span.dcs <= 1:
+        return comm.all_reduce(nbytes, span), 0.0, 0.0
+    inside = comm.all_reduce(nbytes, _inside(span))
+    if layout.geo == "flat":
+        total = comm.all_reduce(nbytes, span, "ring")
+        return total, max(0.0, total - inside), comm.wan_bytes_all_reduce(nbytes, span, "ring")
+    if layout.geo == "diloco":
+        delta = nbytes / runtime.grad_bytes * DILOCO_DELTA_BYTES
+        h = max(1, layout.diloco_h)
+        wan = _wan_phase(delta, span) / h
+        return inside + wan, wan, comm.wan_bytes_all_reduce(delta, span) / h
+    ratio = runtime.compress_ratio if layout.geo == "compressed" else 1.0
+    wan = _wan_phase(nbytes * ratio, span)
+    return inside + wan, wan, comm.wan_bytes_all_reduce(nbytes * ratio, span)
+
+
+def dp_sync(params: float, site: SiteSpans, layout: Layout, runtime: Runtime, microbatches: int) -> SyncCost:
+    """Communication for one device holding ``params`` parameters (after tp and pp) per step."""
+    grads = params * runtime.grad_bytes
+    weights = params * runtime.weight_bytes
+    shard = layout.shard_degree
+    if layout.grad_sync_degree <= 1:
+        return SyncCost(0.0, 0.0, 0.0, 0.0, 0.0)
+    ranks = layout.tp * layout.dp * layout.cp  # devices of one pipeline rank, all datacenters
+    if shard <= 1:
+        t, wan, wan_bytes = cross_dc_all_reduce(grads, site.sync, layout, runtime)
+        return SyncCost(t, 0.0, 0.0, wan, wan_bytes * ranks / site.sync.size)
+    if layout.zero_stage == 1:
+        # DDP all-reduce, then ZeroRedundancyOptimizer broadcasts the updated shards.
+        return SyncCost(comm.all_reduce(grads, site.shard), comm.all_gather(weights, site.shard), 0.0, 0.0, 0.0)
+    rs = comm.reduce_scatter(grads, site.shard)
+    t, wan, wan_bytes = cross_dc_all_reduce(grads / shard, site.replicate, layout, runtime)
+    wan_bytes *= ranks / site.replicate.size
+    gather = comm.all_gather(weights, site.shard)
+    if layout.zero_stage == 3 and layout.pp == 1:
+        return SyncCost(rs + t, 0.0, 2 * gather, wan, wan_bytes)
+    if layout.zero_stage == 3:
+        return SyncCost(rs + t, gather, gather, wan, wan_bytes)
+    # ZeRO-2: weights gathered once per microbatch (pp == 1, resharded after backward) or per step.
+    return SyncCost(rs + t, gather if layout.pp > 1 else 0.0, gather if layout.pp == 1 else 0.0, wan, wan_bytes)

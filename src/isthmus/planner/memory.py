@@ -1,0 +1,133 @@
+"""Memory per device: model state by ZeRO stage, activations by Korthikanti et al. 2022.
+
+Activations of one block for one microbatch of b sequences of s tokens (bytes, e = 2 for bf16),
+for a GPT block (multi-head attention, 4h GELU MLP, dropout, softmax over a stored score matrix):
+
+    no parallelism          s b h (34 + 5 a s / h)
+    tensor parallel t       s b h (10 + 24/t + 5 a s / (h t))
+    tp + sequence parallel  s b h (34/t + 5 a s / (h t))
+    full recomputation      2 s b h   (the block input; / t with sequence parallelism)
+
+:func:`layer_activation_bytes` builds these from their parts, so grouped-query attention, SwiGLU,
+no dropout and fused attention (no S x S tensor) follow from the same accounting, and reproduces the
+table exactly for a GPT block (tests/test_planner_cost.py checks it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from isthmus.models.args import ModelArgs
+from isthmus.models.flops import layer_matmul_params
+from isthmus.planner.compute import ELEM_BYTES
+from isthmus.planner.layout import Runtime
+
+USABLE_FRACTION = 0.9
+"""Share of device memory the plan may fill; the rest is context, communication buffers, fragmentation."""
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes on one device at its peak."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    transient: float
+    """Gathered ZeRO-3 / FSDP parameters, the recomputed block, logits of the last stage."""
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.transient
+
+
+def layer_activation_bytes(
+    args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool, runtime: Runtime, dtype: str = "bf16",
+) -> float:
+    """Bytes one block keeps for backward, for one microbatch, without recomputation."""
+    e = ELEM_BYTES[dtype]
+    sb = micro_batch * seq_len / cp
+    h, hd, f = args.dim, args.head_dim, args.ffn_dim
+    q, kv = args.n_heads * hd, args.n_kv_heads * hd
+    mask = 1 if runtime.dropout else 0
+    # Outside the tensor-parallel regions (replicated over tp unless sequence-parallel):
+    # two norm inputs, the QKV and fc1 inputs, two dropout masks.
+    outside = sb * h * (4 * e + 2 * mask)
+    # Inside (split over tp): Q, K, V, attention output (proj input), MLP activations.
+    mlp = (4 if args.mlp == "swiglu" else 2) * e * sb * f
+    inside = e * sb * (q + 2 * kv + q) + mlp
+    if runtime.attention == "materialized":
+        scores = micro_batch * args.n_heads * (seq_len / cp) * seq_len
+        inside += scores * (e + (e + 1) * mask)  # softmax output; dropout mask and output
+    return outside / (tp if sp else 1) + inside / tp
+
+
+def layer_input_bytes(args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool, dtype: str = "bf16") -> float:
+    """What a fully recomputed block keeps: its input."""
+    return ELEM_BYTES[dtype] * micro_batch * seq_len / cp * args.dim / (tp if sp else 1)
+
+
+def stage_params(args: ModelArgs, layers: int, first: bool, last: bool, pp: int) -> float:
+    """Parameters a pipeline rank holds (before tensor parallelism).
+
+    With pp > 1 the embedding and the head live on different ranks, so a tied flavour is held twice
+    (Megatron keeps both copies in sync; isthmus unties them).
+    """
+    n = layers * (layer_matmul_params(args) + 2 * args.dim)
+    table = args.vocab_size * args.dim
+    if first:
+        n += table
+    if last:
+        n += args.dim + (table if (pp > 1 or not args.tie_embeddings) else 0)
+    return float(n)
+
+
+def model_state_bytes(
+    params: float, zero_stage: int, shard: int, runtime: Runtime, accumulate: bool = False, pp: int = 1,
+) -> tuple[float, float, float]:
+    """(weights, grads, optimizer) bytes on one device holding ``params`` (after tp), sharded over ``shard``.
+
+    ZeRO-1 shards the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the weights. As FSDP2
+    runs them: gradients accumulated over several microbatches stay unsharded until the last one
+    (``set_requires_gradient_sync(False)``), ZeRO-2 keeps the weights gathered from forward to
+    backward, and under a pipeline schedule the weights stay gathered across microbatches.
+    """
+    w, g, o = (params * runtime.weight_bytes, params * runtime.grad_bytes, params * runtime.optimizer_bytes)
+    if shard <= 1:
+        return w, g, o
+    if zero_stage == 1:
+        return w, g, o / shard
+    grads = g if accumulate else g / shard
+    weights = w if zero_stage == 2 or pp > 1 else w / shard
+    # The sharded fp32 copy of the weights stays too when the gathered one is held.
+    weights += w / shard if weights == w else 0.0
+    return weights, grads, o / shard
+
+
+def device_memory(
+    args: ModelArgs, runtime: Runtime, *, layers: int, first: bool, last: bool, pp: int, tp: int, cp: int, sp: bool,
+    micro_batch: int, seq_len: int, recompute: str, in_flight: float, zero_stage: int, shard: int,
+    accumulate: bool = False, dtype: str = "bf16",
+) -> MemoryBreakdown:
+    """Peak memory of one device of one pipeline rank."""
+    params = stage_params(args, layers, first, last, pp) / tp
+    w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp)
+    full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype)
+    kept = layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, dtype)
+    if recompute == "full":
+        per_layer = kept
+    elif recompute == "selective":  # isthmus: every other block fully recomputed
+        per_layer = (full + kept) / 2
+    else:
+        per_layer = full
+    activations = layers * per_layer * in_flight
+    e = ELEM_BYTES[dtype]
+    transient = full if recompute != "none" else 0.0  # the block being recomputed
+    if shard > 1 and zero_stage == 3 and pp == 1:
+        transient += 2 * (layer_matmul_params(args) / tp) * runtime.weight_bytes  # this and the prefetched block
+    if first:
+        activations += e * micro_batch * seq_len / cp * args.dim * in_flight / (tp if sp else 1)
+    if last:
+        transient += (e + 8) * micro_batch * seq_len / cp * args.vocab_size / tp  # logits, fp32 softmax and grad
+    return MemoryBreakdown(w, g, o, activations, transient)

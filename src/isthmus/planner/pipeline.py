@@ -1,0 +1,117 @@
+"""Pipeline schedules as arithmetic: step time, bubble, microbatches in flight, stage partition.
+
+For pipeline rank r let S_r be the time of one microbatch through all its layers (forward plus
+backward, recomputation included, summed over its v virtual stages) and W_r its weight-gradient
+part. With m microbatches the schedules of torch.distributed.pipelining take
+
+    T = m * max(S) + sum_{r != slowest} fill_r / v + sum_links fill_link
+
+where fill_r = S_r (GPipe, 1F1B, interleaved 1F1B) or S_r - 2 W_r (zero bubble: weight gradients
+fill the bubble). With even stages this is the textbook (m + (p - 1)/v) S. A link whose sends
+overlap compute is a stage of its own in steady state (its occupancy per microbatch competes with
+max(S)), and its latency adds once to the fill and drain; a rank keeping k microbatches in flight
+hides a round trip of latency up to k times its own compute, no more.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from isthmus.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class LinkStage:
+    """A pipeline boundary whose transfers overlap compute."""
+
+    occupancy: float
+    """The shortest period per microbatch the boundary allows: its busy time in the busiest direction
+    (all virtual-stage crossings), or the latency round trip the ranks before it cannot hide."""
+    fill: float
+    """Seconds it adds to fill and drain (one message each way, latency included)."""
+
+
+def pipeline_time(
+    stage: list[float], wgrad: list[float], microbatches: int, virtual_stages: int, schedule: str,
+    links: list[LinkStage] | None = None,
+) -> tuple[float, float]:
+    """(seconds of the forward/backward phase of one step, idle seconds of an average rank)."""
+    p, m, v = len(stage), microbatches, max(1, virtual_stages)
+    if p == 1:
+        return m * stage[0], 0.0
+    links = links or []
+    fill = [max(s - 2 * w, 0.0) if schedule == "zero_bubble" else s for s, w in zip(stage, wgrad)]
+    slowest = max(range(p), key=lambda r: stage[r])
+    steady = max([stage[slowest]] + [l.occupancy for l in links])
+    total = m * steady + (sum(fill) - fill[slowest]) / v + sum(l.fill for l in links)
+    busy = m * sum(stage) / p
+    return total, total - busy
+
+
+def in_flight(schedule: str, pp: int, virtual_stages: int, microbatches: int, rank: int = 0) -> float:
+    """Microbatches whose activations pipeline rank ``rank`` holds at its peak, in units of all its layers.
+
+    1F1B keeps pp - r in flight; interleaved 1F1B warms up 2(pp - r - 1) + (v - 1) pp + 1 virtual-stage
+    microbatches, i.e. pp + (pp - 1)/v on rank 0 (Korthikanti et al. 2022, sec. 4.2.3); GPipe all m.
+    """
+    if pp == 1:
+        return 1.0
+    v = max(1, virtual_stages)
+    if schedule == "gpipe":
+        n = float(microbatches)
+    elif schedule == "1f1b" or (schedule == "zero_bubble" and v == 2):
+        n = float(pp - rank)
+    else:
+        n = (2 * (pp - rank - 1) + (v - 1) * pp + 1) / v
+    return min(float(microbatches), n)
+
+
+def check_pipeline(schedule: str, pp: int, microbatches: int, virtual_stages: int, n_layers: int, runtime: str) -> str | None:
+    """Why (schedule, pp, microbatches, v) cannot run, or None. Mirrors the runtime's own checks."""
+    if pp == 1:
+        return None if virtual_stages == 1 else "virtual stages need pp > 1"
+    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
+        return f"{schedule} runs one stage per rank"
+    if schedule in ("interleaved_1f1b", "zero_bubble") and virtual_stages < 2:
+        return f"{schedule} needs >= 2 stages per rank"
+    if pp * virtual_stages > n_layers:
+        return f"pp * virtual stages = {pp * virtual_stages} is more than n_layers = {n_layers}"
+    if schedule == "1f1b" and microbatches < pp:
+        return f"1f1b needs >= pp = {pp} microbatches"
+    rounds = max(1, microbatches // pp)
+    interleaved = schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and virtual_stages > 2)
+    if interleaved and microbatches % rounds:
+        return f"{schedule} needs a multiple of max(1, microbatches // pp) = {rounds} microbatches"
+    if runtime == "megatron-2021":
+        if n_layers % (pp * virtual_stages):
+            return "Megatron needs n_layers divisible by pp * virtual stages"
+        if schedule == "interleaved_1f1b" and (microbatches % pp or pp == 2):
+            return "Megatron's interleaved schedule needs microbatches divisible by pp and pp > 2"
+    return None
+
+
+def partition_layers(n_layers: int, layer_time: list[float], extra: list[float], min_layers: int = 1) -> list[int]:
+    """Layers per pipeline rank minimising the slowest rank, for ranks of different speeds.
+
+    Rank r with k layers takes k * layer_time[r] + extra[r] (embedding on the first, head on the
+    last). Adding layers one at a time to the rank that stays fastest is optimal for identical
+    layers on ranks of different speeds.
+    """
+    p = len(layer_time)
+    if p * min_layers > n_layers:
+        raise ConfigError("parallel.pp", p, f"{p} stages x {min_layers} layers is more than n_layers = {n_layers}")
+    counts = [min_layers] * p
+    heap = [((min_layers + 1) * layer_time[r] + extra[r], r) for r in range(p)]
+    heapq.heapify(heap)
+    for _ in range(n_layers - p * min_layers):
+        _, r = heapq.heappop(heap)
+        counts[r] += 1
+        heapq.heappush(heap, ((counts[r] + 1) * layer_time[r] + extra[r], r))
+    return counts
+
+
+def even_partition(n_layers: int, pp: int) -> list[int]:
+    """Megatron's split: n_layers / pp each (the first ranks take one more when it does not divide)."""
+    base, extra = divmod(n_layers, pp)
+    return [base + (1 if r < extra else 0) for r in range(pp)]

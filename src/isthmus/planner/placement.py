@@ -1,0 +1,144 @@
+"""Where a layout's groups land on a topology: which links each parallel dimension uses.
+
+Ranks are numbered datacenter by datacenter, node by node. The mesh puts tensor parallelism
+innermost (consecutive ranks, so inside a node), then cp, dp_shard, dp_replicate, and pipeline
+outermost, like ``ParallelDims``. A datacenter boundary therefore cuts either the pipeline
+(``dc_axis = 'pp'``: pp is outermost, each datacenter holds pp/dc consecutive stages) or an extra
+outer data-parallel factor (``dc_axis = 'dp'``: mesh ``dc, pp, dp_replicate/dc, dp_shard, cp, tp``).
+Per-layer traffic (tp, cp, sequence parallelism, ZeRO-3 gathers) never leaves a datacenter.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from isthmus.errors import ConfigError
+from isthmus.planner.comm import Span
+from isthmus.planner.layout import Layout
+from isthmus.topology import Datacenter, DeviceKind, Link, Topology
+
+
+@dataclass(frozen=True)
+class SiteSpans:
+    """The groups of one datacenter's ranks."""
+
+    dc: Datacenter
+    tp: Span
+    cp: Span
+    shard: Span
+    """dp_shard x cp: what ZeRO / FSDP shards over."""
+    replicate: Span
+    """dp_replicate: across datacenters when dc_axis == 'dp'."""
+    sync: Span
+    """dp x cp: every rank holding a replica of the same parameters (DDP all-reduce)."""
+    pp_link: Link
+    """Link between consecutive pipeline ranks inside this datacenter."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    dcs: tuple[int, ...]
+    """Indices (into topology.datacenters) of the datacenters used, in ring / chain order."""
+    sites: tuple[SiteSpans, ...]
+    """Per used datacenter, same order as dcs."""
+    stage_sites: tuple[tuple[int, ...], ...]
+    """Per pipeline rank, the positions in ``sites`` that run it (all of them unless dc_axis == 'pp')."""
+    boundary_links: tuple[tuple[Link, int, bool], ...]
+    """Per pipeline boundary r -> r+1: (link, messages sharing it at once, crosses the WAN)."""
+
+    def kind_of_stage(self, rank: int) -> list[DeviceKind]:
+        return [self.sites[i].dc.kind for i in self.stage_sites[rank]]
+
+
+def _span(size: int, stride: int, dc: Datacenter, dcs: int = 1, wan: Link | None = None, concurrent: int = 1) -> Span:
+    """The span of ``size`` members spaced ``stride`` ranks apart (``dcs`` of them across datacenters)."""
+    g = dc.devices_per_node
+    per_dc = size // dcs
+    per_node = 1 if stride >= g else max(1, min(per_dc, g // stride))
+    return Span(per_node, max(1, per_dc // per_node), dcs, dc.intra_node, dc.fabric, wan, concurrent)
+
+
+def _ring_order(topo: Topology, idx: list[int], closed: bool) -> tuple[list[int], Link | None]:
+    """Order datacenters to maximise the slowest link of a ring (closed) or chain; ties: least latency."""
+    if len(idx) < 2:
+        return idx, None
+    best: tuple[float, float] | None = None
+    best_order, best_link = idx, None
+    for perm in itertools.permutations(idx[1:]):
+        order = [idx[0], *perm]
+        pairs = list(zip(order, order[1:])) + ([(order[-1], order[0])] if closed and len(order) > 2 else [])
+        links = [topo.wan_link(topo.datacenters[a].name, topo.datacenters[b].name) for a, b in pairs]
+        worst = min(links, key=lambda l: l.bandwidth)
+        score = (-worst.bandwidth, sum(l.latency for l in links))
+        if best is None or score < best:
+            best, best_order = score, order
+            best_link = Link(worst.bandwidth, max(l.latency for l in links))
+    return best_order, best_link
+
+
+def choose_dcs(topo: Topology, layout: Layout) -> list[int]:
+    """The datacenters a layout uses: all of them, or for dc == 1 the one with the most peak FLOP/s."""
+    n = len(topo.datacenters)
+    if layout.dc == n:
+        return list(range(n))
+    if layout.dc == 1:
+        return [max(range(n), key=lambda i: topo.datacenters[i].devices * topo.datacenters[i].kind.peak("bf16"))]
+    raise ConfigError("plan.dc", layout.dc, f"a layout spans 1 or all {n} datacenters")
+
+
+def place(topo: Topology, layout: Layout) -> Placement:
+    """Map ``layout`` onto ``topo``; ConfigError when the datacenters cannot hold it."""
+    used = choose_dcs(topo, layout)
+    per_dc = layout.world // layout.dc
+    for i in used:
+        dc = topo.datacenters[i]
+        if dc.devices < per_dc:
+            raise ConfigError("plan.layout", layout.label(), f"needs {per_dc} devices in {dc.name!r}, which has {dc.devices}")
+    order, ring_link = _ring_order(topo, used, closed=layout.dc_axis == "dp")
+    t, c, s = layout.tp, layout.cp, layout.dp_shard
+    rep_inner = layout.dp_replicate // (layout.dc if layout.dc_axis == "dp" else 1)
+    sites = []
+    for i in order:
+        dc = topo.datacenters[i]
+        over = layout.dc if layout.dc_axis == "dp" else 1
+        # Groups of one shape in one datacenter all cross the WAN at once and share it.
+        rep_conc = per_dc // max(1, rep_inner) if over > 1 else 1
+        sync_conc = per_dc // max(1, rep_inner * s * c) if over > 1 else 1
+        pp_stride = layout.dp * c * t // over
+        sites.append(SiteSpans(
+            dc=dc,
+            tp=_span(t, 1, dc),
+            cp=_span(c, t, dc),
+            shard=_span(s * c, t, dc),
+            replicate=_span(layout.dp_replicate, s * c * t, dc, over, ring_link, rep_conc),
+            sync=_span(layout.dp * c, t, dc, over, ring_link, sync_conc),
+            pp_link=dc.intra_node if pp_stride < dc.devices_per_node else dc.fabric,
+        ))
+    pp = layout.pp
+    if layout.dc_axis == "pp":
+        if pp % layout.dc:
+            raise ConfigError("parallel.pp", pp, f"must be a multiple of the {layout.dc} datacenters it spans")
+        per = pp // layout.dc
+        stage_sites = tuple((r // per,) for r in range(pp))
+    else:
+        # Every datacenter runs every stage; alike datacenters cost alike, so keep one of each shape.
+        shapes: dict[tuple[object, ...], int] = {}
+        for j, site in enumerate(sites):
+            d = site.dc
+            shapes.setdefault((d.kind, d.devices_per_node, d.intra_node, d.fabric, site.tp, site.cp, site.shard,
+                               site.sync.per_node, site.sync.nodes, site.replicate.per_node, site.replicate.nodes), j)
+        distinct = tuple(sorted(shapes.values()))
+        stage_sites = tuple(distinct for _ in range(pp))
+    # Each tp rank sends its 1/tp share of an activation (scatter/gather) or the whole of it;
+    # either way dp x cp x tp ranks of one stage talk to the next stage at once.
+    flows = layout.dp * layout.cp * layout.tp // (layout.dc if layout.dc_axis == "dp" else 1)
+    links = []
+    for r in range(pp - 1):
+        a, b = stage_sites[r][0], stage_sites[r + 1][0]
+        if layout.dc_axis == "pp" and a != b:
+            da, db = topo.datacenters[order[a]], topo.datacenters[order[b]]
+            links.append((topo.wan_link(da.name, db.name), flows, True))
+        else:
+            links.append((sites[a].pp_link, 1, False))
+    return Placement(tuple(order), tuple(sites), stage_sites, tuple(links))

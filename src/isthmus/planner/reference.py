@@ -1,0 +1,70 @@
+"""Published measurements the cost model is checked against, and the layouts they used.
+
+Narayanan et al. 2021 (Megatron-LM, SC'21), Table 1: GPT models from 1.7B to 1T parameters on
+Selene (A100 80GB), sequence length 2048, vocabulary 51,200, full activation recomputation,
+per-GPU TFLOP/s counted by the paper's Eq. 3 (recomputation included). The paper used the
+interleaved schedule with the scatter/gather optimisation; Megatron's interleaved schedule needs
+pp > 2 and microbatches divisible by pp, so the pp = 2 row runs 1F1B. Microbatch size is 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from isthmus.models.flavors import gpt3
+from isthmus.planner.cost import Estimate, estimate
+from isthmus.planner.layout import RUNTIMES, Layout, Workload
+from isthmus.topology import Topology, load_topology
+
+SEQ_LEN = 2048
+
+
+@dataclass(frozen=True)
+class MegatronRow:
+    params_b: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    global_batch: int
+    tflops_per_gpu: float
+
+
+MEGATRON_2021_TABLE1: tuple[MegatronRow, ...] = (
+    MegatronRow(1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
+    MegatronRow(3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+    MegatronRow(7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
+    MegatronRow(18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+    MegatronRow(39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
+    MegatronRow(76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+    MegatronRow(145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
+    MegatronRow(310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+    MegatronRow(529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
+    MegatronRow(1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
+)
+
+MICRO_BATCH = 1
+VIRTUAL_STAGES = 2
+"""Model chunks per rank of the interleaved schedule (the smallest that divides layers / pp)."""
+
+
+def megatron_layout(row: MegatronRow) -> Layout:
+    """The paper's layout for a row: its tp and pp, the rest data-parallel, b = 1."""
+    dp = row.gpus // (row.tp * row.pp)
+    m = row.global_batch // (dp * MICRO_BATCH)
+    if row.pp <= 2:
+        schedule, v = "1f1b", 1
+    else:
+        per_rank = row.layers // row.pp
+        v = next(k for k in range(VIRTUAL_STAGES, per_rank + 1) if per_rank % k == 0)
+        schedule = "interleaved_1f1b"
+    return Layout(tp=row.tp, pp=row.pp, schedule=schedule, virtual_stages=v, dp_replicate=dp,
+                  micro_batch=MICRO_BATCH, microbatches=m, recompute="full")
+
+
+def megatron_row_estimate(row: MegatronRow, topo: Topology | None = None) -> Estimate:
+    topo = (topo or load_topology("selene-a100")).subset(row.gpus)
+    work = Workload(gpt3(row.heads, row.hidden, row.layers), row.global_batch, SEQ_LEN, "fp16")
+    return estimate(work, topo, megatron_layout(row), RUNTIMES["megatron-2021"])

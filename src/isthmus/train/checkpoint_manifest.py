@@ -1,0 +1,211 @@
+"""Checkpoint directories on disk: the manifest, checksums, verification, discovery and pruning.
+
+A checkpoint is a directory ``<checkpoint.dir>/step-000010/`` holding torch.distributed.checkpoint's
+files (``__<rank>_0.distcp`` and ``.metadata``) and ``isthmus.json``, the manifest: the step, the
+model shape, the layout it was saved under, the resolved config, the data-loader and LR-scheduler
+state, and the size and sha256 of every other file, plus a sha256 of the manifest itself.
+
+It is written as ``step-000010.partial/`` and renamed only once every rank's files and the manifest
+are on disk, so a directory without the suffix is complete unless damaged later; verification
+catches that. Nothing here needs torch or a process group: rank 0 verifies, the others trust it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from isthmus.errors import CheckpointError
+
+MANIFEST_FILE = "isthmus.json"
+DCP_METADATA_FILE = ".metadata"
+FORMAT_VERSION = 1
+PARTIAL_SUFFIX = ".partial"
+_STEP_DIR = re.compile(r"step-(\d+)")
+_CHUNK = 1 << 20
+
+
+@dataclass
+class Manifest:
+    """What ``isthmus.json`` holds besides the file list (see the module doc)."""
+
+    step: int
+    """Optimizer steps taken when the checkpoint was saved."""
+    model: dict[str, Any]
+    """The model's `ModelArgs` fields: a checkpoint loads only into the same shape."""
+    layout: dict[str, Any]
+    """The parallel layout it was saved under (informative: any layout loads it)."""
+    config: str
+    """The resolved config of the run that saved it, as TOML."""
+    sampler: dict[str, Any]
+    """`BatchSampler.state_dict()`: a global sample count, independent of the data-parallel size."""
+    scheduler: dict[str, Any]
+    """The LR scheduler's ``state_dict()``."""
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """File name -> {"bytes": size, "sha256": hex digest} for every file but the manifest."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """Size in bytes and sha256 of a file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def _canonical(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, manifest: Manifest) -> None:
+    """Checksum every file in ``directory`` and write the manifest there (aside, fsynced, renamed)."""
+    manifest.files = {}
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and not path.name.startswith(MANIFEST_FILE):
+            size, sha = file_digest(path)
+            manifest.files[path.name] = {"bytes": size, "sha256": sha}
+    assert DCP_METADATA_FILE in manifest.files, f"{directory}: DCP wrote no {DCP_METADATA_FILE}"
+    body = {"format": FORMAT_VERSION, **asdict(manifest)}
+    body["manifest_sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    tmp = directory / (MANIFEST_FILE + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(body, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(directory / MANIFEST_FILE)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    """The manifest of ``directory``, checked against its own checksum; CheckpointError if unusable."""
+    path = directory / MANIFEST_FILE
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such checkpoint directory")
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing; the checkpoint is incomplete (its save did not finish)")
+    try:
+        body = json.loads(path.read_text())
+        expected = body.pop("manifest_sha256")
+        if hashlib.sha256(_canonical(body)).hexdigest() != expected:
+            raise CheckpointError(f"{path}: checksum mismatch; the manifest was altered or damaged")
+        version = body.pop("format")
+        if version != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: format {version!r} is not {FORMAT_VERSION}; saved by another isthmus version")
+        return Manifest(**body)
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a valid checkpoint manifest ({type(e).__name__}: {e})") from None
+
+
+def check_model(manifest: Manifest, model: dict[str, Any], directory: Path) -> None:
+    """CheckpointError naming each field where the checkpoint's model differs from ``model``."""
+    diffs = [
+        f"{key} {manifest.model.get(key)!r} vs {value!r}" for key, value in model.items() if manifest.model.get(key) != value
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{directory}: saved for another model shape ({', '.join(diffs)} in this run); resume with the same [model] settings"
+        )
+
+
+def verify_checkpoint(directory: Path, model: dict[str, Any] | None = None) -> Manifest:
+    """Check a checkpoint before loading it: manifest, every file's size and sha256, and (given) the model shape.
+
+    Raises CheckpointError with one line naming the first file or field that is wrong.
+    """
+    manifest = read_manifest(directory)
+    if DCP_METADATA_FILE not in manifest.files:
+        raise CheckpointError(f"{directory / MANIFEST_FILE}: lists no {DCP_METADATA_FILE}; not a complete checkpoint")
+    for name, entry in sorted(manifest.files.items()):
+        path = directory / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing from the checkpoint")
+        size = path.stat().st_size
+        if size != entry["bytes"]:
+            raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)")
+        if file_digest(path)[1] != entry["sha256"]:
+            raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from the manifest); the file was altered or damaged")
+    if model is not None:
+        check_model(manifest, model, directory)
+    return manifest
+
+
+def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of every committed checkpoint under ``root``, newest step first; no verification."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+def find_latest_good(root: Path, model: dict[str, Any] | None = None) -> tuple[Path, Manifest] | None:
+    """The newest checkpoint under ``root`` that verifies, and its manifest; None if there is none.
+
+    Each bad one on the way is logged as a one-line warning naming the file.
+    """
+    from isthmus.log import get_logger
+
+    for _, directory in committed_checkpoints(root):
+        try:
+            return directory, verify_checkpoint(directory, model)
+        except CheckpointError as e:
+            get_logger().warning("checkpoint skipped: %s", e)
+    return None
+
+
+def commit(partial: Path) -> Path:
+    """Make a fully written ``step-N.partial`` visible as ``step-N`` (replacing a stale ``step-N`` if any)."""
+    assert partial.name.endswith(PARTIAL_SUFFIX), partial
+    final = partial.with_name(partial.name[: -len(PARTIAL_SUFFIX)])
+    if final.exists():
+        # Left by an earlier run that went further than the checkpoint this run resumed from.
+        stale = final.with_name(final.name + ".stale")
+        shutil.rmtree(stale, ignore_errors=True)
+        final.rename(stale)
+        partial.rename(final)
+        shutil.rmtree(stale, ignore_errors=True)
+    else:
+        partial.rename(final)
+    _fsync_dir(final.parent)
+    return final
+
+
+def prune(root: Path, keep: int, protect: Path) -> list[Path]:
+    """Delete all but the newest ``keep`` committed checkpoints, never ``protect``; returns what went."""
+    removed = []
+    for _, directory in committed_checkpoints(root)[keep:]:
+        if directory != protect:
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
+
+
+def remove_partials(root: Path) -> list[Path]:
+    """Delete the leftovers of saves that never committed (crashed runs); call before any save starts."""
+    if not root.is_dir():
+        return []
+    leftovers = [p for p in root.iterdir() if p.is_dir() and p.name.endswith((PARTIAL_SUFFIX, ".stale"))]
+    for p in leftovers:
+        shutil.rmtree(p, ignore_errors=True)
+    return leftovers

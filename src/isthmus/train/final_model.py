@@ -1,0 +1,78 @@
+"""The final model of a run: a plain state dict plus its shape, loadable by one process.
+
+Loading never unpickles arbitrary objects: ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from isthmus.errors import IsthmusError
+from isthmus.models.args import ModelArgs
+
+MODEL_FILE = "model.pt"
+ARGS_FILE = "model_args.json"
+
+
+def gather_full_state(modules: list[nn.Module], world_size: int) -> dict[str, torch.Tensor]:
+    """The whole model's state dict, unsharded, by canonical parameter name (complete on rank 0).
+
+    Every rank takes the full tensors of its own parts (DTensors gathered over their mesh); pipeline
+    stages hold different layers, so rank 0 then collects the parts of every rank. Meant for the
+    final model of modest size; resumable training state goes to `isthmus.train.checkpoint` instead.
+    """
+    from isthmus.models.llama import canonical_name
+
+    state: dict[str, torch.Tensor] = {}
+    for module in modules:
+        for name, value in module.state_dict().items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            state[canonical_name(name)] = full.detach().cpu()
+    if world_size == 1:
+        return state
+    import torch.distributed as dist
+
+    parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(world_size)] if dist.get_rank() == 0 else None
+    # Only ranks whose state rank 0 lacks need to send; sending all keeps this one simple collective.
+    dist.gather_object(state, parts, dst=0)
+    if parts is None:
+        return {}
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for name, value in part.items():
+            merged.setdefault(name, value)
+    return merged
+
+
+def save_final_model(state: dict[str, torch.Tensor], args: ModelArgs, directory: Path) -> Path:
+    """Write ``model.pt`` (a full state dict) and ``model_args.json`` into ``directory`` (written aside, then renamed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / (MODEL_FILE + ".tmp")
+    torch.save(state, tmp)
+    tmp.replace(directory / MODEL_FILE)
+    (directory / ARGS_FILE).write_text(json.dumps(args.__dict__, indent=1))
+    return directory / MODEL_FILE
+
+
+def load_model_args(directory: Path) -> ModelArgs:
+    path = directory / ARGS_FILE
+    try:
+        return ModelArgs(**json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise IsthmusError(f"{path}: missing; is this a finished isthmus run?") from None
+    except (ValueError, TypeError) as e:
+        raise IsthmusError(f"{path}: not a valid model description ({e})") from None
+
+
+def load_final_state(directory: Path) -> dict[str, torch.Tensor]:
+    path = directory / MODEL_FILE
+    if not path.is_file():
+        raise IsthmusError(f"{path}: missing; is this a finished isthmus run?")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several unrelated types for a damaged file
+        raise IsthmusError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -1,0 +1,62 @@
+"""`isthmus plan` through its parser (cli.py's one-line-error parser class) and run_plan."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from isthmus.cli import _ArgumentParser
+from isthmus.errors import IsthmusError
+from isthmus.plan_cli import add_plan_parser, run_plan
+
+
+def plan(argv: list[str]) -> int:
+    parser = _ArgumentParser(prog="isthmus")
+    sub = parser.add_subparsers(dest="command", parser_class=_ArgumentParser)
+    add_plan_parser(sub)
+    return run_plan(parser.parse_args(["plan", *argv]))
+
+
+def test_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
+    assert plan(["--model", "small", "--topology", "local", "--global-batch", "16", "--seq-len", "128", "--top", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["layouts"]) == 2 and out["topology"] == "local"
+    for lay in out["layouts"]:
+        assert {"layout", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "mem_per_device_gb",
+                "bubble_fraction", "wan_bytes_per_step"} <= set(lay)
+        assert lay["parallel"]["nproc"] == 2
+    assert out["explanation"].startswith("3.")
+
+
+def test_table_and_explanation(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", "gpt3-1.7b", "--topology", "selene-a100", "--gpus", "32", "--global-batch", "512",
+            "--seq-len", "2048", "--micro-batch", "1", "--top", "3"]
+    assert plan(argv) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("#"))
+    for col in ("step s", "tokens/s", "TFLOP/s/dev", "MFU", "mem GB", "bubble", "WAN GB/step", "bottleneck"):
+        assert col in header
+    assert "runs best as" in out and out.count("\n1  ") == 1
+
+
+def test_model_overrides_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    plan(["--model", "gpt3-1.7b", "--model.n_layers", "4", "--topology", "local", "--global-batch", "4",
+          "--seq-len", "256", "--json", "--top", "1"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["model_params"] < 500_000_000
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "small", "--global-batch", "0"], "--global-batch = 0: must be at least 1"),
+    (["--model", "small", "--geo", "flat,warp"], "--geo = 'warp'"),
+    (["--model", "small", "--topology", "nowhere.toml"], "--topology = 'nowhere.toml': no such file or preset"),
+    (["--model", "small", "--model.n_heads", "5"], "model.n_heads = 5"),
+    (["--model", "nope"], "model.flavor = 'nope'"),
+    (["--model", "small", "--recompute", "most"], "invalid choice"),
+    (["--model", "small", "--gpus", "3"], "--gpus = 3"),
+])
+def test_bad_flags_are_one_line_errors(argv: list[str], needle: str) -> None:
+    with pytest.raises(IsthmusError) as info:
+        plan(argv)
+    assert needle in str(info.value) and "\n" not in str(info.value)
