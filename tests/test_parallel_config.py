@@ -23,6 +23,10 @@ BAD_LAYOUTS = [
     (["--parallel.sequence_parallel", "true"], "needs parallel.tp > 1"),
     (["--parallel.nproc", "4", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1"], "ZeRO-1 composes with dp_shard alone"),
     (["--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.microbatches", "2", "--model.tie_embeddings", "true"], "tie_embeddings"),
+    (["--geo.sync", "diloco"], "needs geo.datacenters of 2 or more"),
+    (["--parallel.nproc", "4", "--geo.datacenters", "2", "--parallel.tp", "2", "--geo.sync", "flat"], "dp_replicate) only"),
+    (["--parallel.nproc", "3", "--geo.datacenters", "2", "--parallel.dp_replicate", "2"], "must equal dc*dp_replicate*dp_shard*cp*tp*pp = 2*2*1*1*1*1 = 4"),
+    (["--geo.inner_steps", "0"], "geo.inner_steps = 0: must be at least 1"),
     (["--parallel.nproc", "8", "--parallel.cp", "8", "--parallel.cp_impl", "ulysses"], "ulysses needs cp to divide the heads per tensor-parallel rank, n_heads/tp = 4"),
 ]
 

@@ -99,6 +99,9 @@ CASES: list[tuple[str, int, list[str]]] = [
     ("dp2_pp2", 4, ["--parallel.dp_replicate", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
     ("tp2_pp2", 4, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
     ("pp2_cp2", 4, ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.microbatches", "2"]),
+    ("dc2_dp_shard2_tp2", 8, ["--geo.datacenters", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"]),
+    ("dc2_geo_flat", 4, ["--geo.datacenters", "2", "--parallel.dp_replicate", "2", "--geo.sync", "flat"]),
+    ("dc2_geo_hierarchical", 4, ["--geo.datacenters", "2", "--parallel.dp_replicate", "2", "--geo.sync", "hierarchical"]),
     ("dp2_tp2_pp2", 8, ["--parallel.dp_replicate", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
 ]
 

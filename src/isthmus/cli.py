@@ -98,6 +98,10 @@ def _print_summary(result: object) -> None:
         table.add_row("val loss", "  ".join(f"{s}:{v:.4f}" for s, v in r.val_losses))
     table.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s, MFU {100 * r.mfu:.1f}%")
     table.add_row("wall time", f"{r.elapsed_s:.1f} s")
+    if r.bytes_by_tier:
+        from isthmus.geo.accounting import format_bytes
+
+        table.add_row("bytes sent", "  ".join(f"{tier} {format_bytes(n)}" for tier, n in r.bytes_by_tier.items()))
     table.add_row("run dir", str(r.run_dir))
     table.add_row("next", f"isthmus generate --run {r.run_dir} --prompt 'def '")
     Console().print(table)

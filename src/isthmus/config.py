@@ -131,6 +131,8 @@ class ParallelConfig:
     """Activation recomputation: none, full (every block) or selective (every other block)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto picks nccl on CUDA, gloo on CPU."""
+    max_restarts: int = 0
+    """Restart all ranks up to N times when one dies; they resume from the newest good checkpoint."""
 
 
 @dataclass
@@ -159,6 +161,40 @@ class MetricsConfig:
     """Show a progress bar on an interactive console."""
 
 
+SyncKind = Literal["none", "flat", "hierarchical", "compressed", "diloco", "streaming_diloco"]
+WireDtype = Literal["fp32", "bf16", "int8", "int4"]
+
+
+@dataclass
+class GeoConfig:
+    sync: SyncKind = "none"
+    """Cross-datacenter sync: none, flat, hierarchical, compressed, diloco or streaming_diloco."""
+    datacenters: int = 1
+    """Datacenters the data-parallel ranks are split into, equally: rank = dc * ranks_per_dc + local."""
+    wan_dtype: Literal["int8", "int4"] = "int8"
+    """compressed: dtype of gradient shards on the WAN hop (per-block absmax scales, fp32)."""
+    block_size: int = 256
+    """Elements per quantisation block (one fp32 scale each); even, so int4 packs two per byte."""
+    error_feedback: bool = True
+    """Add each rank's quantisation error to the next value it quantises (compressed and quantised outer gradients)."""
+    bucket_mb: int = 25
+    """Largest flat fp32 buffer per collective, in MiB (one parameter larger than this gets its own)."""
+    inner_steps: int = 50
+    """diloco / streaming_diloco: inner optimizer steps H between two syncs of the same parameters."""
+    outer_lr: float = 0.7
+    """diloco / streaming_diloco: outer Nesterov SGD learning rate (DiLoCo paper: 0.7)."""
+    outer_momentum: float = 0.9
+    """diloco / streaming_diloco: outer Nesterov momentum (DiLoCo paper: 0.9; 0 = plain SGD)."""
+    fragments: int = 4
+    """streaming_diloco: parameter fragments synchronised in turn, staggered by inner_steps // fragments."""
+    overlap_steps: int = 1
+    """streaming_diloco: inner steps tau between launching a fragment's transfer and applying its result."""
+    mix_alpha: float = 0.5
+    """streaming_diloco: fragment <- alpha * local + (1 - alpha) * global when applied (0 = replace by global)."""
+    outer_dtype: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
+    """diloco / streaming_diloco: outer-gradient dtype on the WAN; auto = fp32 for diloco, int4 for streaming."""
+
+
 @dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -167,6 +203,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    geo: GeoConfig = field(default_factory=GeoConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -383,9 +420,41 @@ def validate(cfg: JobConfig) -> None:
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be at least 1")
     _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", p.zero_stage, "must be 1, 2 or 3")
     c = cfg.checkpoint
+    _require(p.max_restarts >= 0, "parallel.max_restarts", p.max_restarts, "must be 0 (no restart) or positive")
+    if p.max_restarts > 0:
+        _require(c.every > 0, "parallel.max_restarts", p.max_restarts, "needs checkpoint.every > 0 (a restart resumes from a checkpoint)")
     _require(c.every >= 0, "checkpoint.every", c.every, "must be 0 (final only) or positive")
     _require(c.keep >= 1, "checkpoint.keep", c.keep, "must be at least 1")
     _require(bool(c.resume.strip()), "checkpoint.resume", c.resume, "must be none, auto or a checkpoint directory")
     if c.resume not in ("none", "auto"):
         _require(Path(c.resume).is_dir(), "checkpoint.resume", c.resume, "no such checkpoint directory (or use none or auto)")
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", cfg.metrics.log_every, "must be at least 1")
+    validate_geo(cfg.geo)
+
+
+def validate_geo(cfg: GeoConfig) -> None:
+    """Raise ConfigError for the first setting that breaks a rule; returns None when all hold."""
+    if cfg.datacenters < 1:
+        raise ConfigError("geo.datacenters", cfg.datacenters, "must be at least 1")
+    if cfg.block_size < 2 or cfg.block_size % 2:
+        raise ConfigError("geo.block_size", cfg.block_size, "must be an even integer of at least 2")
+    if cfg.bucket_mb < 1:
+        raise ConfigError("geo.bucket_mb", cfg.bucket_mb, "must be at least 1")
+    if cfg.inner_steps < 1:
+        raise ConfigError("geo.inner_steps", cfg.inner_steps, "must be at least 1")
+    if cfg.outer_lr <= 0:
+        raise ConfigError("geo.outer_lr", cfg.outer_lr, "must be positive")
+    if not 0 <= cfg.outer_momentum < 1:
+        raise ConfigError("geo.outer_momentum", cfg.outer_momentum, "must be in [0, 1)")
+    if not 0 <= cfg.mix_alpha < 1:
+        raise ConfigError("geo.mix_alpha", cfg.mix_alpha, "must be in [0, 1) (1 would never take the global value)")
+    if cfg.sync == "streaming_diloco":
+        if not 1 <= cfg.fragments <= cfg.inner_steps:
+            raise ConfigError(
+                "geo.fragments", cfg.fragments, f"must be between 1 and geo.inner_steps = {cfg.inner_steps}"
+            )
+        if not 0 <= cfg.overlap_steps < cfg.inner_steps:
+            raise ConfigError(
+                "geo.overlap_steps", cfg.overlap_steps,
+                f"must be in [0, geo.inner_steps = {cfg.inner_steps}): a result must land before the next sync",
+            )

@@ -22,7 +22,9 @@ from isthmus.parallel.dims import Meshes, ParallelDims
 DataParallelKind = Literal["none", "ddp", "zero1", "fsdp"]
 
 
-def data_parallel_kind(dims: ParallelDims, zero_stage: int) -> DataParallelKind:
+def data_parallel_kind(dims: ParallelDims, zero_stage: int, geo_sync: bool = False) -> DataParallelKind:
+    if geo_sync:  # the geo strategy does every data-parallel transfer itself (isthmus.geo)
+        return "none"
     if dims.dp_shard_enabled and zero_stage == 1:
         return "zero1"
     # DDP holds neither DTensor parameters (tp) nor pipeline stages run micro-batch by micro-batch
@@ -37,7 +39,7 @@ def data_parallel_kind(dims: ParallelDims, zero_stage: int) -> DataParallelKind:
 def fsdp_mesh(mesh: "Meshes", dims: ParallelDims) -> DeviceMesh:
     """HSDP when replicas exist (replicate over dp_replicate, shard over dp_shard x cp), else 1-D."""
     if dims.dp_replicate_enabled:
-        return mesh["dp_replicate", "dp_shard_cp"]
+        return mesh["replicate", "dp_shard_cp"]
     return mesh["dp_shard_cp"]
 
 

@@ -1,8 +1,10 @@
 """`ParallelDims`: the one source of truth for the parallel degrees of a run, and its device mesh.
 
-Mesh dims, outermost first: ``pp, dp_replicate, dp_shard, cp, tp``. Tensor parallelism is
-innermost because it communicates every layer (it should stay inside a node); pipeline parallelism
-is outermost because it only sends activations between neighbours.
+Mesh dims, outermost first: ``dc, pp, dp_replicate, dp_shard, cp, tp``. Tensor parallelism is
+innermost because it communicates every layer (it should stay inside a node); the datacenter is
+outermost because what crosses it goes over the WAN, the slowest link; pipeline parallelism comes
+next because it only sends activations between neighbours. ``dc`` replicates like
+``dp_replicate``: without a geo sync strategy it simply widens the replicate group.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from isthmus.errors import ConfigError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("dc", "pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -27,27 +29,36 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    dc: int = 1
+    """Datacenters (``geo.datacenters``); each holds world_size / dc ranks."""
 
     def __post_init__(self) -> None:
         for name in MESH_DIMS:
             if getattr(self, name) < 1:
-                raise ConfigError(f"parallel.{name}", getattr(self, name), "must be at least 1")
-        product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+                key = "geo.datacenters" if name == "dc" else f"parallel.{name}"
+                raise ConfigError(key, getattr(self, name), "must be at least 1")
+        product = self.dc * self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
         if product != self.world_size:
+            dc = f"{self.dc}*" if self.dc > 1 else ""
             raise ConfigError(
                 "parallel.nproc", self.world_size,
-                f"must equal dp_replicate*dp_shard*cp*tp*pp = {self.dp_replicate}*{self.dp_shard}*{self.cp}"
-                f"*{self.tp}*{self.pp} = {product}",
+                f"must equal {'dc*' if self.dc > 1 else ''}dp_replicate*dp_shard*cp*tp*pp = {dc}{self.dp_replicate}"
+                f"*{self.dp_shard}*{self.cp}*{self.tp}*{self.pp} = {product}",
             )
 
     @classmethod
-    def from_config(cls, p: ParallelConfig, world_size: int | None = None) -> "ParallelDims":
-        return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.nproc if world_size is None else world_size)
+    def from_config(cls, p: ParallelConfig, world_size: int | None = None, dc: int = 1) -> "ParallelDims":
+        return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.nproc if world_size is None else world_size, dc)
+
+    @property
+    def replicate(self) -> int:
+        """Full replicas: datacenters times replicas inside each."""
+        return self.dc * self.dp_replicate
 
     @property
     def dp(self) -> int:
         """Data-parallel degree: how many different slices of each global batch are computed."""
-        return self.dp_replicate * self.dp_shard
+        return self.replicate * self.dp_shard
 
     @property
     def dp_enabled(self) -> bool:
@@ -55,7 +66,12 @@ class ParallelDims:
 
     @property
     def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
+        """Replicas exist (inside a datacenter or across datacenters)."""
+        return self.replicate > 1
+
+    @property
+    def dc_enabled(self) -> bool:
+        return self.dc > 1
 
     @property
     def dp_shard_enabled(self) -> bool:
@@ -81,18 +97,20 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> "Meshes":
         """One named mesh over all ranks, plus flattened views used by data parallelism and the loss.
 
-        - ``dp``: (dp_replicate, dp_shard), which batch slice a rank computes;
+        - ``replicate``: (dc, dp_replicate), the replicas;
+        - ``dp``: (dc, dp_replicate, dp_shard), which batch slice a rank computes;
         - ``dp_shard_cp``: (dp_shard, cp), what FSDP shards over (context-parallel ranks hold the
           same parameters, so they share the shards and the gradient reduction);
-        - ``dp_cp``: (dp_replicate, dp_shard, cp), the ranks a loss is averaged over.
+        - ``dp_cp``: (dc, dp_replicate, dp_shard, cp), the ranks a loss is averaged over.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
         flat = {
-            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "replicate": mesh["dc", "dp_replicate"]._flatten("replicate"),
+            "dp": mesh["dc", "dp_replicate", "dp_shard"]._flatten("dp"),
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
-            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+            "dp_cp": mesh["dc", "dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
         return Meshes(mesh, flat)
 
@@ -121,7 +139,7 @@ def check_layout(
     ``world_size`` is the launcher's (under torchrun); by default ``parallel.nproc``.
     """
     p, t = cfg.parallel, cfg.train
-    dims = ParallelDims.from_config(p, world_size)
+    dims = ParallelDims.from_config(p, world_size, cfg.geo.datacenters)
     if n_heads % p.tp:
         raise ConfigError("parallel.tp", p.tp, f"must divide model.n_heads = {n_heads}")
     if n_kv_heads % p.tp:
@@ -148,6 +166,20 @@ def check_layout(
         )
     if p.zero_stage == 1 and dims.dp_shard_enabled and (dims.tp_enabled or dims.pp_enabled or dims.cp_enabled or dims.dp_replicate_enabled):
         raise ConfigError("parallel.zero_stage", 1, "ZeRO-1 composes with dp_shard alone; use zero_stage 2 or 3 with tp, pp, cp or dp_replicate")
+    g = cfg.geo
+    if g.sync != "none":
+        if not dims.dc_enabled:
+            raise ConfigError("geo.sync", g.sync, "needs geo.datacenters of 2 or more")
+        inner = {k: getattr(p, k) for k in ("dp_shard", "tp", "cp", "pp") if getattr(p, k) > 1}
+        if inner:
+            k, v = next(iter(inner.items()))
+            raise ConfigError(
+                f"parallel.{k}", v,
+                f"geo.sync = {g.sync} runs over data-parallel replicas (dp_replicate) only; shard, tensor, "
+                "context and pipeline parallelism inside a datacenter are not combined with it yet",
+            )
+        if cfg.checkpoint.every:
+            raise ConfigError("checkpoint.every", cfg.checkpoint.every, f"checkpoints are not yet saved with geo.sync = {g.sync}")
     if dims.pp_enabled:
         from isthmus.parallel.pipeline import check_schedule
 

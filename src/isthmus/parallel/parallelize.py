@@ -105,13 +105,15 @@ def parallelize(
     seed: int,
     seq_len: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    geo_sync: bool = False,
 ) -> ParallelModel:
     """Apply ``parallel``'s layout to ``model`` (built on meta) on this rank; see the module doc for the order.
 
     ``loss_fn(logits, targets)`` (mean over its micro-batch) is needed only for pp > 1, where the
-    schedule computes the loss on the last stage.
+    schedule computes the loss on the last stage. With ``geo_sync`` no data-parallel wrapper is
+    applied: the cross-datacenter strategy (`isthmus.geo`) averages gradients or parameters itself.
     """
-    dp_kind = data_parallel_kind(dims, parallel.zero_stage)
+    dp_kind = data_parallel_kind(dims, parallel.zero_stage, geo_sync)
     loss_parallel = dims.tp_enabled
 
     def materialise(module: Transformer) -> Transformer:

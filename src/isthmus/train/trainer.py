@@ -51,6 +51,8 @@ class TrainResult:
     elapsed_s: float = 0.0
     n_params: int = 0
     world_size: int = 1
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    """Bytes sent by all ranks per link tier (intra_node, intra_dc, wan) by the geo strategy."""
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -107,7 +109,7 @@ class Trainer:
             raise ConfigError("train.steps", t.steps, f"the checkpoint {resume.path} is at step {at} already; raise it to train on")
         self.pm: ParallelModel = parallelize(
             build_model(a, device="meta"), a, self.dims, self.mesh, p, self.device, t.seed, t.seq_len,
-            loss_fn=cross_entropy,
+            loss_fn=cross_entropy, geo_sync=cfg.geo.sync != "none",
         )
         zero1_group = self.mesh["dp_cp"].get_group() if self.pm.dp_kind == "zero1" else None
         self.optimizer = build_optimizer(self.pm.modules, t, zero1_group)
@@ -115,6 +117,7 @@ class Trainer:
         self.sampler = BatchSampler(self.data.train, t.seq_len, t.seed)
         self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
         self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
+        self.geo = self._build_geo_sync()
         self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler)
         self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
         self.n_params = count_params(a)
@@ -126,6 +129,20 @@ class Trainer:
         )
 
     # --- helpers --------------------------------------------------------------------------
+    def _build_geo_sync(self) -> Any:
+        """The cross-datacenter strategy (``geo.sync``), which then does all data-parallel communication."""
+        g = self.cfg.geo
+        if g.sync == "none":
+            return None
+        from isthmus.geo import build_geo_groups, build_geo_sync
+
+        # The mesh puts dc outermost, so datacenter i holds one contiguous block of ranks; the
+        # emulator's launcher orders ranks the same way.
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world)))
+        groups = build_geo_groups(self.dims.dc, self.world // self.dims.dc, ranks_per_node=local_world)
+        self.log.info("geo: %s across %d datacenters of %d ranks", g.sync, self.dims.dc, self.world // self.dims.dc)
+        return build_geo_sync(g.sync, groups, self.pm.parameters(), g)
+
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
@@ -196,11 +213,15 @@ class Trainer:
         if self.pm.schedule is not None and t.grad_accum > 1:
             # Each schedule step averages over its micro-batches; average over the accumulation too.
             _scale_grads(self.pm.parameters(), 1.0 / t.grad_accum)
+        if self.geo is not None:
+            self.geo.reduce_gradients(self.pm.parameters())
         pp_group = self.mesh["pp"].get_group() if self.dims.pp_enabled else None
         grad_norm = clip_grad_norm(self.pm.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf, pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        if self.geo is not None:
+            self.geo.after_optimizer_step(self.step, self.pm.parameters())
         self.step += 1
         local = torch.stack(losses).mean() if losses else None
         return self._mean_over_ranks(local), grad_norm
@@ -239,6 +260,7 @@ class Trainer:
         )
         result = TrainResult(run_dir=self.run_dir, n_params=self.n_params, world_size=self.world)
         step_times: list[float] = []
+        sent_before: dict[str, int] = {}
         start = time.perf_counter()
         try:
             while self.step < t.steps:
@@ -250,8 +272,16 @@ class Trainer:
                     raise FloatingPointError(f"loss became {loss} at step {self.step}; lower train.lr or use fp32")
                 result.losses.append(loss)
                 result.grad_norms.append(grad_norm)
+                extra: dict[str, Any] = {"grad_norm": grad_norm}
+                if self.geo is not None:
+                    from isthmus.geo import bytes_delta, total_over_ranks
+
+                    # What this step sent, summed over ranks, per link tier: the WAN share is the point.
+                    step_bytes = total_over_ranks(bytes_delta(sent_before, self.geo.bytes_sent))
+                    sent_before = dict(self.geo.bytes_sent)
+                    extra.update({f"{tier}_bytes": n for tier, n in step_bytes.items()})
                 if metrics is not None:
-                    metrics.log_step(self.step, loss, lr, step_times[-1], {"grad_norm": grad_norm})
+                    metrics.log_step(self.step, loss, lr, step_times[-1], extra)
                 if (t.val_every and self.step % t.val_every == 0) or self.step == t.steps:
                     val = self.validate()
                     result.val_losses.append((self.step, val))
@@ -267,6 +297,13 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         self.checkpointer.wait()
+        if self.geo is not None:
+            from isthmus.geo import format_bytes, total_over_ranks
+
+            self.geo.finish(self.pm.parameters())
+            result.bytes_by_tier = total_over_ranks(self.geo.bytes_sent)
+            self.log.info("geo %s sent %s", self.cfg.geo.sync,
+                          ", ".join(f"{format_bytes(n)} {tier}" for tier, n in result.bytes_by_tier.items()))
         result.elapsed_s = time.perf_counter() - start
         # The first step warms up the allocator and kernels (and pipeline shape inference): leave it out.
         timed = step_times[1:] or step_times
