@@ -63,6 +63,9 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--seed", type=int, default=0)
+    from isthmus.launch.emulate_cmd import add_parser as add_emulate_parser
+
+    add_emulate_parser(sub)
     return parser
 
 
@@ -129,6 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ns, rest = parser.parse_known_args(argv)
         if ns.command == "train":
             return _cmd_train(ns, rest)
+        if ns.command == "emulate":
+            from isthmus.launch.emulate_cmd import run as run_emulate
+            from isthmus.log import setup_logging
+
+            setup_logging()
+            return run_emulate(ns, rest[1:] if rest[:1] == ["--"] else rest)
         if rest:
             raise IsthmusError(f"isthmus {ns.command}: unrecognized arguments: {' '.join(rest)}")
         if ns.command == "generate":
