@@ -56,14 +56,30 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", default=None, help="job config TOML file, or a shipped config name (default: default)")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    gen = sub.add_parser("generate", help="sample text from a trained run", allow_abbrev=False)
-    gen.add_argument("--run", required=True, help="run directory (train.run_dir of the run)")
+    gen = sub.add_parser("generate", help="sample text from a trained run or an exported model", allow_abbrev=False)
+    model = gen.add_mutually_exclusive_group(required=True)
+    model.add_argument("--run", help="run directory (train.run_dir of the run): its final model")
+    model.add_argument("--model", help="a .safetensors file written by isthmus export")
     gen.add_argument("--prompt", default="def ", help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--seed", type=int, default=0)
+    export = sub.add_parser(
+        "export", allow_abbrev=False, help="write a run's model as one .safetensors file that one process loads",
+        description="Write a run's model (its final model, else its newest good checkpoint; any layout) as one "
+        "safetensors file, with its shape, config and tokenizer in the metadata.",
+    )
+    export.add_argument("--run", required=True, help="run directory (train.run_dir of the run)")
+    export.add_argument("--out", required=True, help="the file to write, FILE.safetensors")
+    export.add_argument(
+        "--checkpoint", nargs="?", const="latest", default=None, metavar="DIR",
+        help="export a checkpoint instead of the final model: the newest good one, or the checkpoint directory DIR",
+    )
     from isthmus.launch.emulate_cmd import add_parser as add_emulate_parser
+    from isthmus.plan_cli import add_plan_parser
+
+    add_plan_parser(sub)
 
     add_emulate_parser(sub)
     return parser
@@ -117,8 +133,22 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         raise ConfigError("--max-new-tokens", ns.max_new_tokens, "must be at least 1")
     if ns.temperature < 0:
         raise ConfigError("--temperature", ns.temperature, "must be 0 (greedy) or positive")
-    text = generate(ns.run, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed)
+    text = generate(ns.model or ns.run, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed)
     sys.stdout.write(text + "\n")
+    return 0
+
+
+def _cmd_export(ns: argparse.Namespace) -> int:
+    from isthmus.export import export_run
+    from isthmus.log import setup_logging
+
+    setup_logging()  # a skipped damaged checkpoint is a warning line
+    done = export_run(ns.run, ns.out, ns.checkpoint)
+    origin = "final model" if done["origin"] == "final" else f"checkpoint {done['origin']} (step {done['step']})"
+    sys.stdout.write(
+        f"exported the {origin} of {ns.run}: {done['tensors']} tensors, {done['parameters']:,} parameters, "
+        f"{done['bytes'] / 1e6:.1f} MB -> {done['out']}\n"
+    )
     return 0
 
 
@@ -142,6 +172,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise IsthmusError(f"isthmus {ns.command}: unrecognized arguments: {' '.join(rest)}")
         if ns.command == "generate":
             return _cmd_generate(ns)
+        if ns.command == "plan":
+            from isthmus.plan_cli import run_plan
+
+            return run_plan(ns)
+        if ns.command == "export":
+            return _cmd_export(ns)
         parser.print_help()
         return EXIT_USAGE
     except IsthmusError as e:

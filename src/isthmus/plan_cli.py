@@ -127,5 +127,5 @@ def run_plan(ns: argparse.Namespace) -> int:
         f"{best.seq_len} tokens; {result.considered:,} layouts considered, {result.pruned_memory:,} over memory\n\n"
     )
     sys.stdout.write(format_table(result, ns.top) + "\n\n")
-    sys.stdout.write(textwrap.fill(explain(result, topo), width=100) + "\n")
+    sys.stdout.write(textwrap.fill(explain(result, topo), width=100, break_on_hyphens=False) + "\n")
     return 0

@@ -12,6 +12,8 @@ What the pieces answer (the simulator and calibration build on these):
 - the stage partition: ``cost.stage_costs`` (per pipeline rank: layers and per-microbatch
   forward / backward / weight-gradient seconds), ``pipeline.partition_layers``;
 - a whole layout: ``cost.estimate``; every layout: ``search.search``; text: ``explain``.
+
+(``search`` here is the module; ``from isthmus.planner.search import search`` is the function.)
 """
 
 from isthmus.planner.layout import RUNTIMES, Layout, Runtime, Workload
@@ -21,11 +23,11 @@ from isthmus.planner.placement import Placement, place
 from isthmus.planner.pipeline import in_flight, partition_layers, pipeline_time
 from isthmus.planner.memory import MemoryBreakdown, device_memory
 from isthmus.planner.cost import Estimate, StageCost, estimate, rank_memory, stage_costs
-from isthmus.planner.search import SearchResult, SearchSpace, search
+from isthmus.planner.search import SearchResult, SearchSpace
 
 __all__ = [
     "RUNTIMES", "Layout", "Runtime", "Workload", "Op", "gemm_fraction", "gemm_time", "layer_ops", "memory_time",
     "Span", "all_gather", "all_reduce", "all_to_all", "p2p", "reduce_scatter", "Placement", "place", "in_flight",
     "partition_layers", "pipeline_time", "MemoryBreakdown", "device_memory", "Estimate", "StageCost", "estimate",
-    "rank_memory", "stage_costs", "SearchResult", "SearchSpace", "search",
+    "rank_memory", "stage_costs", "SearchResult", "SearchSpace",
 ]

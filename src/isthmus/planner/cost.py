@@ -192,6 +192,24 @@ def rank_memory(work: Workload, layout: Layout, runtime: Runtime, r: int, layers
     )
 
 
+def pipeline_links(work: Workload, layout: Layout, runtime: Runtime, pl: Placement, busy: list[float]) -> list[LinkStage]:
+    """Pipeline boundaries as stages of their own, when sends overlap compute (``busy``: seconds per
+    microbatch of each rank)."""
+    p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
+    if p == 1 or not runtime.p2p_async:
+        return []
+    msg = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * ELEM_BYTES[work.dtype] / (
+        layout.tp if runtime.scatter_gather or layout.sp else 1)
+    links = []
+    for r, (link, share, _) in enumerate(pl.boundary_links):
+        one = comm.p2p(msg, link, share)
+        # A boundary paces the pipeline by its busy time, or by the round trip its latency adds
+        # to rank r, spread over the microbatches rank r keeps in flight to hide it.
+        rtt = busy[r] + 2 * one / max(1.0, in_flight(layout.schedule, p, v, m, r))
+        links.append(LinkStage(max(v * (one - link.latency), rtt), 2 * one))
+    return links
+
+
 @dataclass(frozen=True)
 class Estimate:
     layout: Layout
@@ -261,15 +279,7 @@ def estimate(
     busy = [max(st.total, sy.per_microbatch) if runtime.dp_overlap else st.total + sy.per_microbatch
             for st, sy in zip(stages, syncs)]
     e = ELEM_BYTES[work.dtype]
-    msg = layout.micro_batch * work.seq_len / layout.cp * a.dim * e / (layout.tp if runtime.scatter_gather or layout.sp else 1)
-    links = []
-    if p > 1 and runtime.p2p_async:
-        for r, (link, share, _) in enumerate(pl.boundary_links):
-            one = comm.p2p(msg, link, share)
-            # A boundary paces the pipeline by its busy time, or by the round trip its latency adds
-            # to rank r, spread over the microbatches rank r keeps in flight to hide it.
-            rtt = busy[r] + 2 * one / max(1.0, in_flight(layout.schedule, p, v, m, r))
-            links.append(LinkStage(max(v * (one - link.latency), rtt), 2 * one))
+    links = pipeline_links(work, layout, runtime, pl, busy)
     t_pipe, idle = pipeline_time(busy, [st.wgrad for st in stages], m, v, layout.schedule, links)
     slow = max(range(p), key=lambda r: syncs[r].tail)
     step = t_pipe + syncs[slow].tail

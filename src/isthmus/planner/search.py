@@ -6,23 +6,27 @@ count, pipeline schedule and virtual stages, recomputation, and the cross-datace
 Pruning, in order: rules the runtime enforces (``pipeline.check_pipeline``, ZeRO-1 alone); a
 memory floor before any timing; dominance (sequence parallelism whenever tp > 1: same bytes, less
 memory, less redundant elementwise work; GPipe only where 1F1B cannot run); and branch and bound:
-the dp/ZeRO/geo variants of a candidate are skipped when its pipeline phase alone is slower than
-the current k-th best step.
+core layouts (all but the dp split, ZeRO stage and geo strategy) go best bound first; a core's
+stage costs, then its variants, are computed only while its bound can still enter the top k or beat
+the best layout of its kind of WAN crossing. The bounds are true upper bounds on tokens/s, so the
+top k is what exhaustive evaluation gives.
 """
 
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from isthmus.errors import ConfigError
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import count_params
-from isthmus.planner.cost import Estimate, estimate, rank_memory, stage_costs
+from isthmus.planner import comm
+from isthmus.planner.compute import ELEM_BYTES, layer_times
+from isthmus.planner.cost import Estimate, StageCost, estimate, pipeline_links, rank_memory, recompute_share, stage_costs
 from isthmus.planner.layout import GEO_STRATEGIES, Layout, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, model_state_bytes, stage_params
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
-from isthmus.planner.placement import place
+from isthmus.planner.placement import Placement, choose_dcs, place
 from isthmus.topology import Topology
 
 DEFAULT_SEQ_LENS = (2048, 4096, 8192)
@@ -108,6 +112,7 @@ def search(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime
     heap: list[tuple[float, int, Estimate]] = []
     result = SearchResult([])
     counter = 0
+    cores: list[_Core] = []
     for seq in seqs:
         for dc, axis in _placements(topo, space):
             used = [topo.datacenters[i] for i in _used(topo, dc)]
@@ -135,7 +140,19 @@ def search(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime
                                         core = Layout(tp=tp, sp=tp > 1 and seq % (tp * cp) == 0, cp=cp, cp_impl=impl, pp=pp, schedule=sched,  # type: ignore[arg-type]
                                                       virtual_stages=v, dp_replicate=dp, micro_batch=mb, microbatches=m,
                                                       recompute=rc, dc=dc, dc_axis=axis)  # type: ignore[arg-type]
-                                        counter = _variants(work, topo, core, runtime, space, usable, heap, top, result, counter)
+                                        cand = _prepare(work, topo, core, runtime, space, usable, result)
+                                        if cand is not None:
+                                            cores.append(cand)
+    # Best bound first, so the top k fills early; a core is evaluated while its bound may still enter
+    # the top k or beat the best layout of its kind of WAN crossing (for the explanation).
+    cores.sort(key=lambda c: -c.bound)
+    for cand in cores:
+        if _hopeless(cand, heap, top, result):
+            continue
+        _tighten(cand, topo, runtime, space)
+        if _hopeless(cand, heap, top, result):
+            continue
+        counter = _variants(cand, topo, runtime, space, heap, top, result, counter)
     if not heap:
         raise ConfigError("--topology", topo.name, f"no layout of this {count_params(args) / 1e9:.2f}B-parameter model fits "
                           f"in device memory ({result.considered} considered, {result.pruned_memory} over memory)")
@@ -151,8 +168,6 @@ def _cp_impls(args: ModelArgs, tp: int, cp: int) -> list[str]:
 
 
 def _used(topo: Topology, dc: int) -> list[int]:
-    from isthmus.planner.placement import choose_dcs
-
     return choose_dcs(topo, Layout(dc=dc))
 
 
@@ -167,43 +182,97 @@ def _microbatches(space: SearchSpace, seq: int, dp: int, mb: int, pp: int) -> in
     return m // pp * pp if m >= pp else m
 
 
-def _variants(work: Workload, topo: Topology, core: Layout, runtime: Runtime, space: SearchSpace, usable: float,
-              heap: list[tuple[float, int, Estimate]], top: int, result: SearchResult, counter: int) -> int:
-    """Evaluate the dp split / ZeRO / cross-datacenter variants of one core layout."""
+@dataclass
+class _Core:
+    """A layout without its dp split, ZeRO stage and geo strategy, with what those do not change."""
+
+    work: Workload
+    core: Layout
+    bound: float
+    """Effective tokens/s no variant can beat: from compute alone, then from the pipeline phase."""
+    shards: list[int]
+    first_params: float
+    first_act: float
+    usable: float
+    stages: list[StageCost] | None = None
+    placement: Placement | None = None
+
+
+def _prepare(work: Workload, topo: Topology, core: Layout, runtime: Runtime, space: SearchSpace, usable: float,
+             result: SearchResult) -> _Core | None:
+    """Memory floor and a compute-only bound of a core layout; None when no variant of it can fit."""
     p, dp = core.pp, core.dp_replicate
     cut = core.dc if core.dc_axis == "dp" else 1
-    geos = [g for g in space.geo if g in GEO_STRATEGIES] if core.dc_axis == "dp" else ["none"]
     # Memory floor: the first rank (most microbatches in flight) with at least its share of layers
     # less one; activations do not depend on the dp split, model state does, cheaply.
     layers = max(core.virtual_stages, work.args.n_layers // p - (1 if p > 1 else 0))
     first_params = stage_params(work.args, layers, True, p == 1, p) / core.tp
     first_mem = rank_memory(work, core, runtime, 0, layers)
     first_act = first_mem.activations + first_mem.transient
-    stages = None
+    shards = _fix(divisors(dp // cut), space.dp_shard)
+    widest = max(shards, default=1) * core.cp
+    if not shards or sum(model_state_bytes(first_params, 3, widest, runtime, False, 1)) + first_act > usable:
+        result.considered += 1
+        result.pruned_memory += 1
+        return None
+    # A lower bound of the pipeline phase without placing anything: every block's compute and
+    # tensor-parallel all-reduces on the fastest datacenter, and the bubble that even stages leave
+    # ((m + (p-1)/v) of a mean stage; zero-bubble schedules may fill it).
+    rc = recompute_share(core.recompute)
+    act = core.micro_batch * work.seq_len / core.cp * work.args.dim * ELEM_BYTES[work.dtype]
+    block = min(t.fwd * (1 + rc) + t.backward + (2 + rc) * 2 * comm.all_reduce(act, comm.local_span(core.tp, d.intra_node))
+                for d, t in ((d, layer_times(d.kind, work.dtype, work.args, core.micro_batch, work.seq_len, core.tp,
+                                             core.cp, core.sp, runtime)) for d in (topo.datacenters[i] for i in _used(topo, core.dc))))
+    fill = 0.0 if core.schedule == "zero_bubble" else (p - 1) / core.virtual_stages
+    floor = (core.microbatches + fill) * work.args.n_layers / p * block
+    best_q = max(runtime.quality_of(g) for g in _geos(core, space))
+    return _Core(work, core, work.tokens_per_step / floor * best_q, shards, first_params, first_act, usable)
+
+
+def _tighten(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace) -> None:
+    """Stage costs (shared by every variant: they depend on tp, cp, pp and microbatching only) and the
+    bound of the pipeline phase with free data parallelism."""
+    core, work = cand.core, cand.work
+    cand.placement = place(topo, core)
+    cand.stages = stage_costs(work, core, runtime, cand.placement)
+    busy = [s.total for s in cand.stages]
+    t_floor, _ = pipeline_time(busy, [s.wgrad for s in cand.stages], core.microbatches, core.virtual_stages, core.schedule,
+                               pipeline_links(work, core, runtime, cand.placement, busy))
+    cand.bound = min(cand.bound, work.tokens_per_step / t_floor * max(runtime.quality_of(g) for g in _geos(core, space)))
+
+
+def _hopeless(cand: _Core, heap: list[tuple[float, int, Estimate]], top: int, result: SearchResult) -> bool:
+    rival = result.alternatives.get(f"dc_axis={cand.core.dc_axis}")
+    return (len(heap) >= top and cand.bound < heap[0][0] and rival is not None
+            and cand.bound < rival.effective_tokens_per_s)
+
+
+def _geos(core: Layout, space: SearchSpace) -> list[str]:
+    return [g for g in space.geo if g in GEO_STRATEGIES] if core.dc_axis == "dp" else ["none"]
+
+
+def _variants(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace,
+              heap: list[tuple[float, int, Estimate]], top: int, result: SearchResult, counter: int) -> int:
+    """Evaluate the dp split / ZeRO / cross-datacenter variants of one core layout."""
+    core, work = cand.core, cand.work
+    p, dp = core.pp, core.dp_replicate
     fields = {f: getattr(core, f) for f in _CORE_FIELDS}
-    for shard in _fix(divisors(dp // cut), space.dp_shard):
+    for shard in cand.shards:
         pl = None
         for zero in _zero_choices(core, shard, space):
             probe = Layout(**fields, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero)
             result.considered += 1
-            floor = sum(model_state_bytes(first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p)) + first_act
-            if floor > usable:
+            floor = sum(model_state_bytes(cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p))
+            if floor + cand.first_act > cand.usable:
                 result.pruned_memory += 1
                 continue
             pl = pl or place(topo, probe)
-            if stages is None:
-                stages = stage_costs(work, probe, runtime, pl)
-                t_floor, _ = pipeline_time([s.total for s in stages], [s.wgrad for s in stages], core.microbatches,
-                                           core.virtual_stages, core.schedule)
-                best_q = max(runtime.quality_of(g) for g in geos)
-                if len(heap) >= top and work.tokens_per_step / t_floor * best_q < heap[0][0]:
-                    return counter  # even with free data parallelism this core cannot enter the top k
-            for geo in geos:
+            for geo in _geos(core, space):
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
                 lay = Layout(**fields, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero, geo=geo,  # type: ignore[arg-type]
                              diloco_h=space.diloco_h if geo == "diloco" else 0)
-                est = estimate(work, topo, lay, runtime, pl, stages)
+                est = estimate(work, topo, lay, runtime, pl, cand.stages)
                 if not est.fits:
                     result.pruned_memory += 1
                     continue
@@ -222,8 +291,7 @@ _CORE_FIELDS = ("tp", "sp", "cp", "cp_impl", "pp", "schedule", "virtual_stages",
 
 
 def _zero_choices(core: Layout, shard: int, space: SearchSpace) -> list[int]:
-    probe = replace(core, dp_shard=shard)
-    if probe.shard_degree <= 1:
+    if shard == 1 and not (core.cp > 1 and (core.tp > 1 or core.pp > 1)):  # nothing is sharded
         return [1] if space.zero_stage in (None, 1) else []
     # ZeRO-1 (DDP + a sharded optimizer) composes with dp_shard alone in isthmus.
     alone = core.tp == 1 and core.pp == 1 and core.cp == 1 and core.dp_replicate == shard
