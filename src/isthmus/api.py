@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from isthmus.config import JobConfig, ParallelConfig, TrainConfig
+from isthmus.config import GeoConfig, JobConfig, ParallelConfig, TrainConfig
 from isthmus.errors import ConfigError
 from isthmus.models.llama import Transformer, build_model
 from isthmus.parallel.dims import MESH_DIMS, Meshes, ParallelDims, check_layout
@@ -84,7 +84,8 @@ def parallelize(
     micro = dims.dp * (p.microbatches if dims.pp_enabled else 1)
     checked_len = seq_len if seq_len is not None else 2 * dims.cp * dims.tp
     check_layout(
-        JobConfig(parallel=p, train=TrainConfig(seq_len=checked_len, batch_size=micro, grad_accum=1)),
+        JobConfig(parallel=p, train=TrainConfig(seq_len=checked_len, batch_size=micro, grad_accum=1),
+                  geo=GeoConfig(datacenters=dims.dc)),
         args.n_heads, args.n_kv_heads, args.n_layers, world_size=dims.world_size,
     )
     if any(t.device.type != "meta" for t in model.parameters()):
@@ -178,13 +179,17 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
+# The `[parallel]` degrees; the datacenter degree (dims.dc) is `geo.datacenters`.
+DEGREES = tuple(name for name in MESH_DIMS if name != "dc")
+
+
 def _with_degrees(parallel: ParallelConfig, dims: ParallelDims) -> ParallelConfig:
     """``parallel`` with the degrees of ``dims``; a degree set to something else is an error."""
-    for name in MESH_DIMS:
+    for name in DEGREES:
         value = getattr(parallel, name)
         if value not in (1, getattr(dims, name)):
             raise ConfigError(f"parallel.{name}", value, f"must be 1 or equal dims.{name} = {getattr(dims, name)}")
-    degrees = {name: getattr(dims, name) for name in MESH_DIMS}
+    degrees = {name: getattr(dims, name) for name in DEGREES}
     return dataclasses.replace(parallel, nproc=dims.world_size, **degrees)
 
 
