@@ -193,6 +193,8 @@ class GeoConfig:
     """streaming_diloco: fragment <- alpha * local + (1 - alpha) * global when applied (0 = replace by global)."""
     outer_dtype: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
     """diloco / streaming_diloco: outer-gradient dtype on the WAN; auto = fp32 for diloco, int4 for streaming."""
+    fault_tolerant: bool = False
+    """diloco / streaming_diloco: each datacenter is its own torch.distributed job and the outer step goes through torchft (a lighthouse at TORCHFT_LIGHTHOUSE): a datacenter that dies is dropped from the quorum, one that restarts rejoins from the current global model."""
 
 
 @dataclass

@@ -25,6 +25,12 @@ def preflight(cfg: JobConfig) -> ModelArgs:
     from isthmus.parallel.dims import check_layout
 
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+    if cfg.geo.fault_tolerant:
+        from isthmus.geo.fault import check_config, layout_world
+
+        check_config(cfg.geo)
+        # Each datacenter is its own job: the layout spans every datacenter's ranks.
+        world = layout_world(cfg.geo, world or cfg.parallel.nproc)
     check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers, world_size=world)
     if cfg.model.tie_embeddings and cfg.parallel.pp > 1:
         raise ConfigError("model.tie_embeddings", True, "cannot be combined with parallel.pp > 1 (embedding and head live on different stages)")

@@ -83,6 +83,14 @@ class Trainer:
         self.world = init_distributed(p.backend, self.device)
         self.rank = dist.get_rank() if self.world > 1 else 0
         self.run_dir = Path(t.run_dir)
+        # geo.fault_tolerant: this process group is one datacenter; the others are separate jobs
+        # joined by torchft (isthmus.geo.fault). The layout checked below is still the whole run's.
+        from isthmus.geo.fault import job_from_env, layout_world
+
+        self.ft_job = job_from_env(cfg.geo)
+        job_world = layout_world(cfg.geo, self.world)
+        if self.ft_job is not None:
+            self.run_dir = self.run_dir / f"dc{self.ft_job.dc_index}"
 
         # Rank 0 tokenises and fills the cache first; the others then read it instead of redoing it.
         if self.rank == 0:
@@ -97,8 +105,8 @@ class Trainer:
             self.data.tokenizer.save(self.run_dir)
 
         a = self.model_args
-        self.dims: ParallelDims = check_layout(cfg, a.n_heads, a.n_kv_heads, a.n_layers, world_size=self.world)
-        self.mesh = self.dims.build_mesh(self.device.type) if self.world > 1 else None
+        self.dims: ParallelDims = check_layout(cfg, a.n_heads, a.n_kv_heads, a.n_layers, world_size=job_world)
+        self.mesh = self.dims.build_mesh(self.device.type) if self.world > 1 and self.ft_job is None else None
         # Verified (on rank 0) before the model exists: a bad checkpoint fails in seconds, not minutes.
         self.checkpointer = Checkpointer(
             cfg.checkpoint, self.run_dir, a, _layout(self.dims, cfg), cfg.to_toml(), self.world
@@ -117,6 +125,8 @@ class Trainer:
         self.sampler = BatchSampler(self.data.train, t.seq_len, t.seed)
         self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
         self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
+        if self.ft_job is not None:  # datacenter-major data-parallel ranks, as the mesh lays them out
+            self.dp_rank = self.ft_job.dc_index * self.world + self.rank
         self.geo = self._build_geo_sync()
         self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler)
         self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
@@ -136,12 +146,30 @@ class Trainer:
             return None
         from isthmus.geo import build_geo_groups, build_geo_sync
 
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world)))
+        if self.ft_job is not None:
+            from isthmus.geo.fault import build_fault_tolerant_sync
+
+            return build_fault_tolerant_sync(g.sync, self.ft_job, self.pm.parameters(), g, ranks_per_node=local_world)
         # The mesh puts dc outermost, so datacenter i holds one contiguous block of ranks; the
         # emulator's launcher orders ranks the same way.
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world)))
         groups = build_geo_groups(self.dims.dc, self.world // self.dims.dc, ranks_per_node=local_world)
         self.log.info("geo: %s across %d datacenters of %d ranks", g.sync, self.dims.dc, self.world // self.dims.dc)
         return build_geo_sync(g.sync, groups, self.pm.parameters(), g)
+
+    def _skip_to(self, step: int) -> None:
+        """Continue at ``step`` as if the steps before it had run here: learning rate and data position."""
+        import warnings
+
+        if step <= self.step:
+            return
+        with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose
+            warnings.simplefilter("ignore", UserWarning)
+            for _ in range(step - self.step):
+                self.scheduler.step()
+        epoch, offset = divmod(step * self.cfg.train.batch_size, self.sampler.n_windows)
+        self.sampler.load_state_dict({"epoch": epoch, "offset": offset})
+        self.step = step
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -249,8 +277,13 @@ class Trainer:
     # --- the loop -----------------------------------------------------------------------
     def fit(self) -> TrainResult:
         t = self.cfg.train
+        if self.ft_job is not None:
+            # Meet the live datacenters first; one that (re)starts late gets the global model and
+            # continues at the others' step.
+            self._skip_to(self.geo.join(self.pm.parameters()))
         throughput = ThroughputModel(
-            tokens_per_step=t.batch_size * t.seq_len,
+            # geo.fault_tolerant: this process group computes its datacenter's share of each batch.
+            tokens_per_step=t.batch_size * t.seq_len // (self.ft_job.n_dc if self.ft_job is not None else 1),
             flops_per_token=flops_per_token(self.model_args, t.seq_len),
             peak_flops_total=peak_flops(self.device, t.dtype) * self.world,
         )
