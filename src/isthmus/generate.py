@@ -1,20 +1,48 @@
-"""Sample text from a trained run, so a user sees what the model learned."""
+"""Sample text from a trained run, so a user sees what the model learned.
+
+The model is either form a run leaves: a run directory (its ``final/model.pt``, read with
+``weights_only``) or a file written by `isthmus export` (safetensors). Neither unpickles objects.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from isthmus.data.tokenizer import load_tokenizer
+from isthmus.data.tokenizer import Tokenizer, load_tokenizer
 from isthmus.errors import IsthmusError
-from isthmus.models.llama import build_model
+from isthmus.models.llama import Transformer, build_model
 from isthmus.train.final_model import load_final_state, load_model_args
+
+DEFAULT_CONTEXT = 256
+
+
+def load_model(source: str | Path) -> tuple[Transformer, Tokenizer, int]:
+    """The model (eval mode, CPU), its tokenizer and the sequence length it trained on.
+
+    ``source`` is a run directory or an exported ``.safetensors`` file.
+    """
+    path = Path(source)
+    if path.is_file() or path.suffix == ".safetensors":
+        from isthmus.export import load_exported
+
+        exported = load_exported(path)
+        return exported.build(), exported.tokenizer, _seq_len(exported.config)
+    if not path.is_dir():
+        raise IsthmusError(f"--run {path}: no such run directory")
+    final = path / "final"
+    args = load_model_args(final)
+    tokenizer = load_tokenizer(path)
+    model = build_model(args, device="cpu")
+    model.load_state_dict(load_final_state(final))
+    return model.eval(), tokenizer, _trained_seq_len(path)
 
 
 @torch.no_grad()
 def generate(
-    run_dir: str | Path,
+    source: str | Path,
     prompt: str,
     max_new_tokens: int = 200,
     temperature: float = 0.8,
@@ -22,18 +50,10 @@ def generate(
     seed: int = 0,
     context: int | None = None,
 ) -> str:
-    """Continue ``prompt`` with the final model of ``run_dir``; returns prompt + continuation."""
-    run = Path(run_dir)
-    if not run.is_dir():
-        raise IsthmusError(f"--run {run}: no such run directory")
-    final = run / "final"
-    args = load_model_args(final)
-    tokenizer = load_tokenizer(run)
-    model = build_model(args, device="cpu")
-    model.load_state_dict(load_final_state(final))
-    model.eval()
+    """Continue ``prompt`` with the model of ``source`` (see `load_model`); returns prompt + continuation."""
+    model, tokenizer, trained = load_model(source)
     if context is None:
-        context = _trained_seq_len(run)
+        context = trained
     ids = tokenizer.encode(prompt) or [0]
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.tensor([ids], dtype=torch.long)
@@ -52,10 +72,17 @@ def generate(
     return tokenizer.decode(tokens[0].tolist())
 
 
+def _seq_len(config: dict[str, Any]) -> int:
+    try:
+        return int(config["train"]["seq_len"])
+    except (KeyError, TypeError, ValueError):
+        return DEFAULT_CONTEXT
+
+
 def _trained_seq_len(run: Path) -> int:
     import tomllib
 
     try:
-        return int(tomllib.loads((run / "config.toml").read_text())["train"]["seq_len"])
-    except (OSError, KeyError, ValueError):
-        return 256
+        return _seq_len(tomllib.loads((run / "config.toml").read_text()))
+    except (OSError, ValueError):
+        return DEFAULT_CONTEXT

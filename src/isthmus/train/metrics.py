@@ -27,7 +27,13 @@ def _open_records(path: Path, start_step: int) -> Any:
     that then died): they are dropped, so every step appears once.
     """
     if start_step > 0 and path.is_file():
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start_step]
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= start_step:
+                    kept.append(line)
+            except (ValueError, KeyError):  # a line cut short by a crash
+                continue
         path.write_text("".join(line + "\n" for line in kept))
         return path.open("a")
     return path.open("w")

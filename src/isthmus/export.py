@@ -1,0 +1,245 @@
+"""One-file model export: a run's weights as safetensors that one process loads (`isthmus export`).
+
+The source is a run's final model (``final/model.pt``) or one of its checkpoints, whatever layout
+saved it (`load_model_weights` reads a sharded checkpoint whole). The file holds every tensor
+once, by canonical name: a tied output head is the embedding, so it is stored as the embedding and
+named in the metadata. The metadata (safetensors allows string values only, so each is JSON) also
+holds the model shape, the run's resolved config, its tokenizer and a sha256 of the tensor data,
+which is all `isthmus generate --model FILE` needs. Reading never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from isthmus.data.tokenizer import BPE_FILE, META_FILE, Tokenizer, load_tokenizer
+from isthmus.errors import CheckpointError, IsthmusError
+from isthmus.log import get_logger
+from isthmus.models.args import ModelArgs
+from isthmus.models.llama import Transformer, build_model
+from isthmus.train.checkpoint_manifest import committed_checkpoints, read_manifest
+from isthmus.train.final_model import ARGS_FILE, MODEL_FILE, load_final_state, load_model_args
+
+FORMAT_VERSION = "1"
+_PREFIX = "isthmus."
+_TIED_HEAD = {"output.weight": "tok_embeddings.weight"}
+
+
+@dataclass
+class ModelSource:
+    """The weights to export and what describes them."""
+
+    state: dict[str, torch.Tensor]
+    args: ModelArgs
+    config: dict[str, Any]
+    """The run's resolved config (the TOML as a nested dict)."""
+    origin: str
+    """Where the weights came from: ``final`` or a checkpoint directory."""
+    step: int | None
+    """The checkpoint's step; None for the final model."""
+
+
+@dataclass
+class ExportedModel:
+    """An exported file, read back: ready for ``build_model(args)`` + ``load_state_dict(state)``."""
+
+    args: ModelArgs
+    state: dict[str, torch.Tensor]
+    """The full state dict, the tied head (if any) included again."""
+    config: dict[str, Any]
+    tokenizer: Tokenizer
+    metadata: dict[str, str]
+
+    def build(self) -> Transformer:
+        """The model on the CPU with these weights, in eval mode."""
+        model = build_model(self.args, device="cpu")
+        try:
+            model.load_state_dict(self.state)
+        except RuntimeError as e:  # missing, unexpected or misshapen tensors
+            raise IsthmusError(f"the exported tensors do not fit its model shape ({str(e).splitlines()[0]})") from None
+        return model.eval()
+
+
+def _safetensors() -> Any:
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise IsthmusError("safetensors is not installed: pip install 'isthmus[hf]'") from None
+    return safetensors.torch
+
+
+# --- the source ------------------------------------------------------------------------------------
+def _run_config(run: Path) -> dict[str, Any]:
+    path = run / "config.toml"
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise IsthmusError(f"{path}: missing; is {run} an isthmus run directory?") from None
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise IsthmusError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _checkpoint_root(run: Path, config: dict[str, Any]) -> Path:
+    configured = config.get("checkpoint", {}).get("dir", "")
+    return Path(configured) if configured else run / "checkpoints"
+
+
+def _from_checkpoint(directory: Path) -> ModelSource:
+    from isthmus.train.checkpoint import load_model_weights
+
+    manifest = read_manifest(directory)
+    try:
+        args = ModelArgs(**manifest.model)
+        config = tomllib.loads(manifest.config)
+    except (TypeError, tomllib.TOMLDecodeError) as e:
+        raise CheckpointError(f"{directory}: its manifest describes no model ({type(e).__name__}: {e})") from None
+    # load_model_weights verifies every file against the manifest before it reads one.
+    return ModelSource(load_model_weights(directory), args, config, str(directory), manifest.step)
+
+
+def find_source(run: Path, checkpoint: str | None = None) -> ModelSource:
+    """The weights of ``run``: its final model if it finished, else its newest good checkpoint.
+
+    ``checkpoint = "latest"`` takes the newest good checkpoint even when the run finished; any other
+    value is a checkpoint directory to take.
+    """
+    if not run.is_dir():
+        raise IsthmusError(f"--run {run}: no such run directory")
+    if checkpoint not in (None, "latest"):
+        return _from_checkpoint(Path(checkpoint))
+    config = _run_config(run)
+    final = run / "final"
+    if checkpoint is None and (final / MODEL_FILE).is_file() and (final / ARGS_FILE).is_file():
+        return ModelSource(load_final_state(final), load_model_args(final), config, "final", None)
+    root = _checkpoint_root(run, config)
+    # Like `find_latest_good`, but each candidate is verified once, by the load itself.
+    for _, directory in committed_checkpoints(root):
+        try:
+            return _from_checkpoint(directory)
+        except CheckpointError as e:
+            get_logger().warning("checkpoint skipped: %s", e)
+    what = "no good checkpoint" if checkpoint else "no final model and no good checkpoint"
+    raise IsthmusError(f"--run {run}: {what} in {root}; nothing to export")
+
+
+# --- writing and reading ---------------------------------------------------------------------------
+def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over names, dtypes, shapes and bytes, in name order: safetensors itself checks no data."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _tokenizer_record(run: Path) -> dict[str, Any]:
+    """The run's tokenizer as JSON values: its metadata, plus the BPE document for BPE."""
+    tokenizer = load_tokenizer(run)  # checks it is usable before anything is written
+    record: dict[str, Any] = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
+    if tokenizer.kind == "bpe":
+        record["bpe"] = (run / BPE_FILE).read_text()
+    return record
+
+
+def export_model(source: ModelSource, tokenizer: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Write ``source`` to the safetensors file ``out`` (aside, then renamed); returns a summary."""
+    st = _safetensors()
+    tensors = {name: t.detach().contiguous() for name, t in source.state.items()}
+    tied = {}
+    if source.args.tie_embeddings:
+        for alias, target in _TIED_HEAD.items():
+            if alias in tensors and target in tensors:
+                assert torch.equal(tensors[alias], tensors[target]), "a tied head differs from the embedding"
+                del tensors[alias]
+                tied[alias] = target
+    metadata = {
+        "format": "pt",
+        _PREFIX + "format": FORMAT_VERSION,
+        _PREFIX + "model_args": json.dumps(source.args.__dict__),
+        _PREFIX + "config": json.dumps(source.config),
+        _PREFIX + "tokenizer": json.dumps(tokenizer),
+        _PREFIX + "tied": json.dumps(tied),
+        _PREFIX + "source": json.dumps({"origin": source.origin, "step": source.step}),
+        _PREFIX + "sha256": _tensor_digest(tensors),
+    }
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        tmp.open("wb").close()  # an unwritable place fails here with the system's reason
+        st.save_file(tensors, str(tmp), metadata=metadata)
+        tmp.replace(out)
+    except Exception as e:  # OSError, or safetensors' own error for a failed write
+        tmp.unlink(missing_ok=True)
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [type(e).__name__])[0]
+        raise IsthmusError(f"--out {out}: cannot be written ({reason})") from None
+    return {
+        "out": out, "origin": source.origin, "step": source.step, "tensors": len(tensors),
+        "parameters": sum(t.numel() for t in tensors.values()), "bytes": out.stat().st_size,
+    }
+
+
+def export_run(run: str | Path, out: str | Path, checkpoint: str | None = None) -> dict[str, Any]:
+    """`isthmus export`: the weights of ``run`` (see `find_source`) and its tokenizer into the file ``out``."""
+    run, out = Path(run), Path(out)
+    if out.suffix != ".safetensors":
+        raise IsthmusError(f"--out {out}: must end in .safetensors")
+    if not out.parent.is_dir():
+        raise IsthmusError(f"--out {out}: no such directory {out.parent}")
+    source = find_source(run, checkpoint)
+    return export_model(source, _tokenizer_record(run), out)
+
+
+def _tokenizer_from_record(record: dict[str, Any], path: Path) -> Tokenizer:
+    # Written out and read back by `load_tokenizer`, so an export is checked like a run directory.
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = Path(tmp)
+        bpe = record.pop("bpe", None)
+        (directory / META_FILE).write_text(json.dumps(record))
+        if bpe is not None:
+            (directory / BPE_FILE).write_text(bpe)
+        try:
+            return load_tokenizer(directory)
+        except IsthmusError as e:
+            raise IsthmusError(f"{path}: its tokenizer is unusable ({str(e).replace(str(directory), 'metadata')})") from None
+
+
+def load_exported(path: str | Path) -> ExportedModel:
+    """Read an exported file: tensors (checked against their sha256), shape, config, tokenizer."""
+    st = _safetensors()
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise IsthmusError(f"{path}: no such file")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+        state = st.load_file(str(path))
+    except Exception as e:  # safetensors raises its own error type, and OSError / ValueError
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise IsthmusError(f"{path}: not a readable safetensors file ({type(e).__name__}: {first})") from None
+    if metadata.get(_PREFIX + "format") != FORMAT_VERSION:
+        raise IsthmusError(f"{path}: not an isthmus export (no {_PREFIX}format = {FORMAT_VERSION} in its metadata)")
+    if _tensor_digest(state) != metadata.get(_PREFIX + "sha256"):
+        raise IsthmusError(f"{path}: checksum mismatch (the tensor data differs from its sha256); the file was altered or damaged")
+    try:
+        args = ModelArgs(**json.loads(metadata[_PREFIX + "model_args"]))
+        config = json.loads(metadata[_PREFIX + "config"])
+        tied = json.loads(metadata[_PREFIX + "tied"])
+        tokenizer_record = json.loads(metadata[_PREFIX + "tokenizer"])
+    except (KeyError, ValueError, TypeError) as e:
+        raise IsthmusError(f"{path}: damaged isthmus metadata ({type(e).__name__}: {e})") from None
+    for alias, target in tied.items():
+        if target not in state:
+            raise IsthmusError(f"{path}: damaged isthmus metadata (tied {alias} names {target}, which the file lacks)")
+        state[alias] = state[target]
+    tokenizer = _tokenizer_from_record(tokenizer_record, path)
+    return ExportedModel(args, state, config, tokenizer, metadata)
