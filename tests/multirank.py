@@ -41,10 +41,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         result: Any = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         result = ("error", traceback.format_exc())
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     out.write_bytes(pickle.dumps(result))
+    if dist.is_initialized():
+        # Everyone done before anyone tears down: gloo can abort if a peer leaves mid-teardown.
+        if result[0] == "ok":
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300) -> list[Any]:

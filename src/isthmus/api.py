@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -28,8 +26,9 @@ from isthmus.models.llama import Transformer, build_model
 from isthmus.parallel.dims import MESH_DIMS, Meshes, ParallelDims, check_layout
 from isthmus.parallel.parallelize import ParallelModel
 from isthmus.parallel.parallelize import parallelize as _parallelize
+from isthmus.train import step as _step
+from isthmus.train.step import LossFn
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 __all__ = ["ParallelModel", "clip_grad_norm", "loss_context", "parallelize", "shard_batch", "step"]
 
@@ -94,9 +93,7 @@ def parallelize(
     if mesh is None and dims.world_size > 1:
         mesh = dims.build_mesh(device.type)
     if loss_fn is None:
-        from isthmus.train.trainer import cross_entropy
-
-        loss_fn = cross_entropy
+        loss_fn = _step.cross_entropy
     return _parallelize(model, args, dims, mesh, p, device, seed, checked_len, loss_fn)
 
 
@@ -108,24 +105,12 @@ def shard_batch(
     Pass this rank's data-parallel slice (``mesh["dp"].get_local_rank()`` of ``dims.dp``); every
     rank of a tensor-, context- or pipeline-parallel group passes the same one.
     """
-    if not pm.dims.cp_enabled:
-        return inputs, targets
-    from isthmus.parallel.context import cp_shard
-
-    if mesh is None:
+    if pm.dims.cp_enabled and mesh is None:
         raise ConfigError("mesh", None, "context parallelism needs the mesh that parallelize used (dims.build_mesh)")
-    cp_rank, cp = mesh["cp"].get_local_rank(), pm.dims.cp
-    return cp_shard(inputs, 1, cp_rank, cp), cp_shard(targets, 1, cp_rank, cp)
+    return _step.shard_batch(pm, inputs, targets, mesh["cp"].get_local_rank() if pm.dims.cp_enabled else 0)
 
 
-def loss_context(pm: ParallelModel) -> AbstractContextManager[Any]:
-    """Wrap the loss and its backward: tensor parallelism leaves vocab-sharded logits that need
-    torch's loss-parallel cross-entropy; a no-op for every other layout."""
-    if pm.loss_parallel:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
-    return nullcontext()
+loss_context = _step.loss_context
 
 
 def step(
@@ -138,23 +123,11 @@ def step(
     cross-entropy; under pp the schedule computes the loss with the one given to
     :func:`parallelize`, so pass that one or None.
     """
-    if pm.schedule is not None:
-        from isthmus.parallel.pipeline import pipeline_step
-
-        if loss_fn is not None and loss_fn is not pm.schedule._loss_fn:
-            name = getattr(loss_fn, "__name__", loss_fn)
-            raise ConfigError("loss_fn", name, "under pp the schedule computes the loss: give it to parallelize, None here")
-        with loss_context(pm):
-            loss = pipeline_step(pm.schedule, inputs, targets, pm.has_first_stage, pm.has_last_stage)
-        return None if loss is None else _plain(loss)
-    if loss_fn is None:
-        from isthmus.train.trainer import cross_entropy
-
-        loss_fn = cross_entropy
-    with loss_context(pm):
-        loss = loss_fn(pm.model(inputs), targets)
-        loss.backward()
-    return _plain(loss.detach())
+    if pm.schedule is not None and loss_fn is not None and loss_fn is not pm.schedule._loss_fn:
+        name = getattr(loss_fn, "__name__", loss_fn)
+        raise ConfigError("loss_fn", name, "under pp the schedule computes the loss: give it to parallelize, None here")
+    loss = _step.forward_backward(pm, inputs, targets, loss_fn=loss_fn or _step.cross_entropy)
+    return None if loss is None else _plain(loss)
 
 
 def clip_grad_norm(pm: ParallelModel, max_norm: float, mesh: Meshes | None) -> float:

@@ -46,16 +46,22 @@ def _cuda_visible() -> bool:
 
 
 def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs) -> None:
-    """fp32 weights + gradients + two AdamW moments are 16 bytes a parameter; refuse what cannot fit."""
+    """fp32 weights, gradients and two AdamW moments per parameter; refuse what cannot fit.
+
+    Per rank, as measured by benchmarks/zero_memory.py: ZeRO-1 shards only the 8 optimizer bytes,
+    ZeRO-2 also the gradients but holds full weights during the step, ZeRO-3 shards everything;
+    tensor and pipeline parallelism divide all of it.
+    """
     import os
 
     from isthmus.models.flops import count_params
 
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     p = cfg.parallel
-    shards = p.dp_shard * p.tp * p.pp
-    # All local ranks share this machine's memory; sharding divides each rank's part.
-    need = 16 * count_params(args) / shards * p.nproc
+    n = p.dp_shard
+    per_param = {1: 4 + 4 + 8 / n, 2: 4 + 4 / n + 8 / n + 4 / n, 3: 16 / n}[p.zero_stage] if n > 1 else 16.0
+    # All local ranks share this machine's memory.
+    need = per_param * count_params(args) / (p.tp * p.pp) * p.nproc
     if need > ram:
         raise ConfigError(
             "model.flavor", cfg.model.flavor,

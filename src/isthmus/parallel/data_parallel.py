@@ -62,4 +62,5 @@ def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
 
     # Each rank's loss is the mean over its own tokens; DDP averages gradients over the group,
     # which makes the gradient of the mean loss over the whole batch.
-    return DistributedDataParallel(model, process_group=dp_mesh.get_group())
+    # gradient_as_bucket_view: gradients live in DDP's buckets instead of a second full copy.
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)

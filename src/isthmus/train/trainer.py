@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from isthmus.config import JobConfig
 from isthmus.data.corpus import prepare_data
@@ -35,6 +34,7 @@ from isthmus.train.device import peak_flops, resolve_device
 from isthmus.train.grad import clip_grad_norm
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
+from isthmus.train.step import cross_entropy, forward_backward, loss_context, shard_batch
 
 
 @dataclass
@@ -53,11 +53,6 @@ class TrainResult:
     world_size: int = 1
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     """Bytes sent by all ranks per link tier (intra_node, intra_dc, wan) by the geo strategy."""
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss; fp32 logits so bf16 runs reduce in full precision."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
 
 
 def init_distributed(backend: str, device: torch.device) -> int:
@@ -180,21 +175,9 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
-    def _loss_context(self) -> AbstractContextManager[Any]:
-        """Vocab-sharded logits (tensor parallel) need loss-parallel cross-entropy, forward and backward."""
-        if self.pm.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel
-
-            return loss_parallel()
-        return nullcontext()
-
     def _local_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's sequence chunks (context parallel), on the device."""
-        if self.dims.cp_enabled:
-            from isthmus.parallel.context import cp_shard
-
-            inputs = cp_shard(inputs, 1, self.cp_rank, self.dims.cp)
-            targets = cp_shard(targets, 1, self.cp_rank, self.dims.cp)
+        inputs, targets = shard_batch(self.pm, inputs, targets, self.cp_rank)
         return inputs.to(self.device), targets.to(self.device)
 
     def _grad_sync(self, enabled: bool) -> AbstractContextManager[Any]:
@@ -225,19 +208,13 @@ class Trainer:
         losses: list[torch.Tensor] = []
         chunks = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
         for i, (x, y) in enumerate(chunks):
-            with self._grad_sync(i == len(chunks) - 1), self._loss_context(), self._autocast():
-                if self.pm.schedule is not None:
-                    from isthmus.parallel.pipeline import pipeline_step
-
-                    # The schedule averages over its micro-batches; scale for accumulation on top.
-                    loss = pipeline_step(self.pm.schedule, x, y, self.pm.has_first_stage, self.pm.has_last_stage)
-                else:
-                    # Equal-sized micro-batches, each loss scaled by 1/accum: the accumulated gradient is
-                    # the gradient of the mean loss over the whole batch, exactly as without accumulation.
-                    loss = cross_entropy(self.pm.model(x), y)
-                    (loss / t.grad_accum).backward()
+            with self._grad_sync(i == len(chunks) - 1), self._autocast():
+                # Equal-sized micro-batches, each loss scaled by 1/accum: the accumulated gradient is
+                # the gradient of the mean loss over the whole batch, exactly as without accumulation.
+                scale = 1.0 if self.pm.schedule is not None else 1.0 / t.grad_accum
+                loss = forward_backward(self.pm, x, y, scale)
             if loss is not None:
-                losses.append(loss.detach())
+                losses.append(loss)
         if self.pm.schedule is not None and t.grad_accum > 1:
             # Each schedule step averages over its micro-batches; average over the accumulation too.
             _scale_grads(self.pm.parameters(), 1.0 / t.grad_accum)
@@ -262,7 +239,7 @@ class Trainer:
         losses = []
         for x, y in val_batches(self.data.val, t.seq_len, t.batch_size, t.val_batches, self.dp_rank, self.dims.dp):
             x, y = self._local_batch(x, y)
-            with self._loss_context(), self._autocast():
+            with loss_context(self.pm), self._autocast():
                 if self.pm.schedule is not None:
                     from isthmus.parallel.pipeline import pipeline_eval
 

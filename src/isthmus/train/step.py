@@ -1,0 +1,68 @@
+"""What one local batch costs a rank, whatever its layout: shard, forward, loss, backward.
+
+Shared by the trainer and by `isthmus.api` for people with their own loop, so both run the
+same code for every layout.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from isthmus.parallel.parallelize import ParallelModel
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss; fp32 logits so bf16 runs reduce in full precision."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
+
+
+def loss_context(pm: ParallelModel) -> AbstractContextManager[Any]:
+    """Tensor parallelism leaves vocab-sharded logits, which need torch's loss-parallel
+    cross-entropy around the loss and its backward; a no-op for every other layout."""
+    if pm.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return nullcontext()
+
+
+def shard_batch(
+    pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, cp_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's load-balanced sequence chunks under context parallelism; the batch otherwise."""
+    if not pm.dims.cp_enabled:
+        return inputs, targets
+    from isthmus.parallel.context import cp_shard
+
+    cp = pm.dims.cp
+    return cp_shard(inputs, 1, cp_rank, cp), cp_shard(targets, 1, cp_rank, cp)
+
+
+def forward_backward(
+    pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0,
+    loss_fn: LossFn = cross_entropy,
+) -> torch.Tensor | None:
+    """Forward and backward of one local batch; gradients accumulate in ``.grad``.
+
+    Returns the detached, unscaled loss (its mean over micro-batches under pp), or None on a
+    pipeline rank without the last stage. ``loss_scale`` multiplies the loss before backward
+    (1/accum for gradient accumulation). Under pp the schedule computes the loss with the
+    ``loss_fn`` it was built with and averages over its own micro-batches; it cannot scale one
+    call's contribution alone, so ``loss_scale`` must be 1 and the caller scales the accumulated
+    gradients once at the end.
+    """
+    with loss_context(pm):
+        if pm.schedule is not None:
+            from isthmus.parallel.pipeline import pipeline_step
+
+            assert loss_scale == 1.0, "under pp, scale the accumulated gradients after the last call"
+            return pipeline_step(pm.schedule, inputs, targets, pm.has_first_stage, pm.has_last_stage)
+        loss = loss_fn(pm.model(inputs), targets)
+        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        return loss.detach()
