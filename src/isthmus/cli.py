@@ -80,6 +80,11 @@ def _build_parser() -> argparse.ArgumentParser:
     from isthmus.plan_cli import add_plan_parser
 
     add_plan_parser(sub)
+    from isthmus.profile_cli import add_profile_parser
+    from isthmus.sim_cli import add_simulate_parser
+
+    add_simulate_parser(sub)
+    add_profile_parser(sub)
 
     add_emulate_parser(sub)
     return parser
@@ -176,6 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from isthmus.plan_cli import run_plan
 
             return run_plan(ns)
+        if ns.command == "simulate":
+            from isthmus.sim_cli import run_simulate
+
+            return run_simulate(ns)
+        if ns.command == "profile":
+            from isthmus.profile_cli import run_profile
+
+            return run_profile(ns)
         if ns.command == "export":
             return _cmd_export(ns)
         parser.print_help()

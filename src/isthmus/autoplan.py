@@ -1,0 +1,243 @@
+"""The planner's choice for a run: partial layouts, local ranks, ``--parallel.plan auto``.
+
+- :func:`parse_plan` reads ``'tp=8,pp=4,pp_schedule=interleaved_1f1b,sequence_parallel=true'``
+  (keys of the ``[parallel]`` config section);
+- :func:`choose_layout` runs the search with what the plan names fixed and returns the best layout
+  that matches it (``isthmus simulate --plan``);
+- :func:`local_topology` describes N local ranks on this machine's cores (from the ``local``
+  preset or an ``isthmus profile`` file), threads and time-slicing included;
+- :func:`choose_local_layout` is ``--parallel.plan auto``: the best layout for ``parallel.nproc``
+  local ranks, as ``parallel.*`` values, and a one-line summary; :func:`apply_local_choice`
+  also writes it into the config.
+
+Pure Python like the planner: nothing here starts a process or imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from isthmus.errors import ConfigError
+from isthmus.models.args import ModelArgs
+from isthmus.planner.cost import Estimate, estimate
+from isthmus.planner.layout import Layout, Runtime, Workload
+from isthmus.planner.pipeline import check_pipeline
+from isthmus.planner.search import SearchSpace, search
+from isthmus.topology import DeviceKind, Topology, load_topology, parse_topology, shipped_topologies_dir
+
+PLAN_KEYS: dict[str, type] = {
+    "nproc": int, "dp_replicate": int, "dp_shard": int, "zero_stage": int, "tp": int, "sequence_parallel": bool,
+    "cp": int, "cp_impl": str, "pp": int, "pp_schedule": str, "microbatches": int, "pp_virtual_stages": int,
+    "activation_checkpoint": str,
+}
+_CHOICES = {"cp_impl": ("ring", "ulysses"), "pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
+            "activation_checkpoint": ("none", "selective", "full"), "zero_stage": (1, 2, 3)}
+
+
+def parse_plan(text: str, flag: str = "--plan") -> dict[str, Any]:
+    """``key=value`` pairs (comma-separated) of the ``[parallel]`` section, typed and checked."""
+    out: dict[str, Any] = {}
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or key not in PLAN_KEYS:
+            raise ConfigError(flag, item, f"expected key=value with a [parallel] key: {', '.join(PLAN_KEYS)}")
+        typ = PLAN_KEYS[key]
+        if typ is bool:
+            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise ConfigError(f"{flag} {key}", raw, "must be true or false")
+            value: Any = raw.lower() in ("true", "1", "yes")
+        elif typ is int:
+            try:
+                value = int(raw)
+            except ValueError:
+                raise ConfigError(f"{flag} {key}", raw, "must be an integer") from None
+            if value < 1:
+                raise ConfigError(f"{flag} {key}", value, "must be at least 1")
+        else:
+            value = raw
+        if key in _CHOICES and value not in _CHOICES[key]:
+            raise ConfigError(f"{flag} {key}", value, f"must be one of {', '.join(map(str, _CHOICES[key]))}")
+        out[key] = value
+    return out
+
+
+def _space_with(space: SearchSpace, fixed: dict[str, Any], world: int, global_batch: int | None) -> SearchSpace:
+    """The search space with what ``fixed`` names pinned (the rest is checked on the results)."""
+    pins: dict[str, Any] = {}
+    for key, field in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("dp_shard", "dp_shard"), ("zero_stage", "zero_stage"),
+                       ("pp_schedule", "schedule"), ("pp_virtual_stages", "virtual_stages"),
+                       ("activation_checkpoint", "recompute")):
+        if key in fixed:
+            pins[field] = fixed[key]
+    if fixed.get("pp") == 1:
+        pins.pop("schedule", None)
+        pins.pop("virtual_stages", None)
+    # Microbatch count -> microbatch size, when the data-parallel degree is known.
+    if "microbatches" in fixed and global_batch and all(k in fixed for k in ("tp", "pp")):
+        dp = world // (fixed["tp"] * fixed.get("cp", 1) * fixed["pp"])
+        if dp and global_batch % (dp * fixed["microbatches"]) == 0:
+            pins["micro_batch"] = global_batch // (dp * fixed["microbatches"])
+    return replace(space, **pins)
+
+
+def _matches(lay: Layout, fixed: dict[str, Any]) -> bool:
+    want = {"dp_replicate": lay.dp_replicate, "microbatches": lay.microbatches if lay.pp > 1 else None,
+            "cp_impl": lay.cp_impl}
+    if "microbatches" in fixed and lay.pp == 1:
+        if fixed["microbatches"] != 1:
+            return False
+        return all(want[k] == fixed[k] for k in ("dp_replicate", "cp_impl") if k in fixed)
+    return all(want[k] == fixed[k] for k in want if k in fixed)
+
+
+def choose_layout(args: ModelArgs, topo: Topology, space: SearchSpace, fixed: dict[str, Any], runtime: Runtime,
+                  dtype: str, top: int = 10) -> Estimate:
+    """The best layout whose ``[parallel]`` values include ``fixed``.
+
+    The search pins what it can (degrees, schedule, ZeRO stage, recomputation); the best result
+    that also has the named dp_replicate, microbatches and cp_impl wins; ``sequence_parallel``
+    is set as named (the search always prefers it when tp > 1).
+    """
+    if "nproc" in fixed and fixed["nproc"] != topo.n_devices:
+        topo = topo.subset(fixed["nproc"])
+    pinned = _space_with(space, fixed, topo.n_devices, space.global_batch)
+    names = ",".join(f"{k}={v}" for k, v in fixed.items())
+    try:
+        result = search(args, topo, pinned, runtime, top=max(top, 50) if set(fixed) - {"nproc"} else top, dtype=dtype)
+    except ConfigError as e:
+        if not fixed:
+            raise
+        raise ConfigError("--plan", names, f"no layout that fits matches it on {topo.name} "
+                          f"({topo.n_devices} devices: {e.rule})") from None
+    pool = [e for e in result.ranked if _matches(e.layout, fixed)]
+    if not pool:
+        raise ConfigError("--plan", names, f"no layout that fits matches it on {topo.name} "
+                          f"({topo.n_devices} devices; best: {result.best.layout.label()})")
+    best = pool[0]
+    if "sequence_parallel" in fixed and fixed["sequence_parallel"] != best.layout.sp:
+        if fixed["sequence_parallel"] and best.layout.tp == 1:
+            raise ConfigError("--plan sequence_parallel", True, "needs tp > 1")
+        best = estimate(best.work, topo, replace(best.layout, sp=fixed["sequence_parallel"]), runtime)
+    lay = best.layout
+    why = check_pipeline(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages, args.n_layers, runtime.name)
+    assert why is None, why
+    return best
+
+
+# --- local ranks ---------------------------------------------------------------------------------------
+
+THREAD_EFFICIENCY = 0.9
+"""Speed-up per extra thread of one rank, when no profile says (2 threads ~ 1.8 x one)."""
+
+
+def local_runtime() -> Runtime:
+    """isthmus on CPU ranks: gloo moves and reduces bytes on the same cores that compute, so
+    data-parallel traffic does not hide behind the backward (it adds to the step), unlike on GPUs
+    where NCCL runs on its own engines. Measured here: dp_replicate 2 takes compute + all-reduce."""
+    from isthmus.planner.layout import RUNTIMES
+
+    return replace(RUNTIMES["isthmus"], name="isthmus-cpu", dp_overlap=False)
+
+
+def threads_per_rank(nproc: int, cores: int | None = None, threads: int = 0) -> int:
+    """What the local launcher gives each rank (``train.threads``, else cores // ranks, at least 1)."""
+    return threads or max(1, (cores or os.cpu_count() or 1) // max(1, nproc))
+
+
+def local_topology(nproc: int, source: str = "local", threads: int = 0, cores: int | None = None) -> Topology:
+    """``nproc`` local ranks as one node of ``nproc`` devices, from a topology file for this machine.
+
+    A rank with t threads runs at the profile's t-thread rate (a ``[devices.<kind>-<t>t]`` kind
+    written by ``isthmus profile``), else t x ``THREAD_EFFICIENCY`` of one thread; more ranks than
+    cores time-slice them, so each rank's compute and its gloo traffic get cores / ranks of a core.
+    """
+    path = Path(source)
+    if not path.is_file():
+        path = shipped_topologies_dir() / f"{source.removesuffix('.toml')}.toml"
+    raw = tomllib.loads(path.read_text()) if path.is_file() else {}
+    base = load_topology(source)
+    dc = base.datacenters[0]
+    cores = cores or os.cpu_count() or 1
+    t = threads_per_rank(nproc, cores, threads)
+    kind = dc.kind
+    threaded = f"{kind.name}-{t}t"
+    if t > 1 and threaded in raw.get("devices", {}):
+        kind = parse_topology({**raw, "datacenters": [{**raw["datacenters"][0], "device": threaded}]}).datacenters[0].kind
+    elif t > 1:
+        kind = _scaled(kind, t * THREAD_EFFICIENCY, f"{kind.name}-{t}t")
+    busy = nproc * t
+    if busy > cores:  # time-sliced: each rank gets cores / (ranks x threads) of its threads' time
+        share = cores / busy
+        kind = _scaled(kind, share, f"{kind.name}/{busy / cores:g}")
+        links = {k: replace(getattr(dc, k), bandwidth=getattr(dc, k).bandwidth * share) for k in ("intra_node", "fabric")}
+    else:
+        links = {}
+    node = replace(dc, kind=kind, nodes=1, devices_per_node=nproc, **links)
+    return replace(base, name=f"{base.name} x{nproc}", datacenters=(node,), wan={})
+
+
+def _scaled(kind: DeviceKind, factor: float, name: str) -> DeviceKind:
+    """A kind whose compute and memory bandwidth are ``factor`` times ``kind``'s."""
+    return replace(kind, name=name, peak_flops={k: v * factor for k, v in kind.peak_flops.items()},
+                   memory_bandwidth=kind.memory_bandwidth * factor)
+
+
+@dataclass(frozen=True)
+class LocalChoice:
+    parallel: dict[str, Any]
+    """``parallel.*`` values to run with (nproc included)."""
+    train: dict[str, Any]
+    """``train.grad_accum`` (the microbatches of a layout without a pipeline)."""
+    summary: str
+    estimate: Estimate
+
+
+def apply_local_choice(cfg: Any, topology: str | None = None) -> LocalChoice:
+    """``--parallel.plan auto`` in one call: choose, write the choice into ``cfg``, re-validate.
+
+    ``topology``: the ``local`` preset or an ``isthmus profile`` file (default: ``parallel.plan_topology``
+    when the config has it, else ``local``). Returns the choice; print its ``summary``.
+    """
+    from isthmus.config import set_value, validate
+
+    choice = choose_local_layout(cfg, topology or getattr(cfg.parallel, "plan_topology", "local"))
+    for key, value in choice.parallel.items():
+        set_value(cfg, f"parallel.{key}", value, from_cli=False)
+    for key, value in choice.train.items():
+        set_value(cfg, f"train.{key}", value, from_cli=False)
+    validate(cfg)
+    return choice
+
+
+def choose_local_layout(cfg: Any, topology: str = "local") -> LocalChoice:
+    """``--parallel.plan auto``: the planner's best layout of ``cfg``'s model for ``parallel.nproc`` local ranks.
+
+    Keeps ``cfg``'s model, batch, sequence length, dtype and recomputation; chooses dp_replicate,
+    dp_shard, zero_stage, tp, sequence_parallel, cp, pp, pp_schedule, microbatches and
+    pp_virtual_stages (and ``train.grad_accum`` when there is no pipeline). ``topology``: the
+    ``local`` preset or a file from ``isthmus profile``.
+    """
+    from isthmus.models.resolve import resolve_model_args
+    from isthmus.preflight import expected_vocab
+
+    p, t = cfg.parallel, cfg.train
+    args = resolve_model_args(cfg.model, expected_vocab(cfg))
+    topo = local_topology(p.nproc, topology, t.threads)
+    space = SearchSpace(global_batch=t.batch_size, seq_len=t.seq_len, recompute=p.activation_checkpoint, dc_axis="none")
+    if args.tie_embeddings:
+        space = replace(space, pp=1)  # a tied head cannot be pipelined; the config's model is kept as given
+    est = choose_layout(args, topo, space, {"nproc": p.nproc}, local_runtime(), t.dtype)
+    lay = est.layout
+    parallel = {k: v for k, v in lay.parallel_config().items() if k != "activation_checkpoint"}
+    train = {"grad_accum": lay.microbatches if lay.pp == 1 else 1}
+    summary = (f"plan auto: {lay.label()} on {p.nproc} local rank(s) ({topo.datacenters[0].kind.name}): "
+               f"predicted {est.step_time_s:.3g} s/step, {est.tokens_per_s:,.0f} tokens/s, "
+               f"{est.mem_per_device_gb:.2f} GB/rank")
+    return LocalChoice(parallel, train, summary, est)

@@ -1,0 +1,502 @@
+"""`isthmus profile`: measure this machine and write a topology file the planner and simulator read.
+
+    isthmus profile --out local-profile.toml --seconds 20
+    isthmus plan --model small --topology local-profile.toml --global-batch 16 --seq-len 128
+
+What it measures, as one rank sees it (torch on CPU, fp32), at the shapes of one model (``--model``,
+``--batch``, ``--seq-len``; default the ``small`` flavor at 16 x 128, what ``isthmus train`` runs):
+
+- every matmul of that model's blocks and head in its three training forms (forward, input and
+  weight gradient) on one thread, caches flushed before each as the work between a model's matmuls
+  leaves them; the planner's GEMM curve is fitted to them (``gemm_max_fraction``,
+  ``gemm_half_dim`` against the kind's peak);
+- the fixed cost of a small op forward and backward through autograd -> ``kernel_launch_us``;
+- one real block (isthmus.models.llama) forward + backward, on one thread and on ``--threads``:
+  the memory bandwidth is set so the planner's block time is the measured one (what the planner
+  does not count as GEMM, norms, rotary embeddings, the CPU attention kernel, lands there), and
+  the threads' speed-up scales the ``-<t>t`` kind;
+- gloo all-reduce between 2 local ranks over loopback (two fresh interpreters, one thread each,
+  4 KB to 64 MB), fitted to the planner's alpha-beta form t = 2 latency + bytes / bandwidth.
+
+It writes a topology in the format of ``topologies/local.toml``: a ``[devices.cpu-local]`` kind
+(one rank, one thread), ``[devices.cpu-local-<t>t]`` (one rank with t threads, which
+``isthmus.autoplan.local_topology`` uses when fewer ranks than cores run), and one node of
+``cores`` devices joined by the measured gloo link. cli.py wires it in with
+``add_profile_parser(subparsers)`` and ``run_profile(ns)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from isthmus.errors import ConfigError
+
+ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))
+"""4 KB, 16 KB, ... 64 MB."""
+
+
+def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    p = subparsers.add_parser(
+        "profile", allow_abbrev=False,
+        help="measure this machine's compute and gloo bandwidth and write a topology file",
+        description="Time fp32 matmuls (1 and N threads), elementwise bandwidth, per-op overhead and gloo "
+        "all-reduce between two local ranks; fit the planner's constants and write a topology TOML.",
+    )
+    p.add_argument("--out", default="local-profile.toml", metavar="FILE.toml",
+                   help="where to write (default: local-profile.toml)")
+    p.add_argument("--seconds", type=float, default=20.0, metavar="S", help="measurement budget, roughly (default: 20)")
+    p.add_argument("--threads", type=int, default=0, metavar="T",
+                   help="threads of a rank that has the machine alone (default: the cores, %d)" % (os.cpu_count() or 1))
+    p.add_argument("--name", default="local-profile", help="the topology's name (default: local-profile)")
+    p.add_argument("--model", default="small", metavar="FLAVOR", help="calibrate at this model's shapes (default: small)")
+    p.add_argument("--batch", type=int, default=16, metavar="N", help="sequences per step to calibrate at (default: 16)")
+    p.add_argument("--seq-len", type=int, default=128, metavar="N", help="tokens per sequence (default: 128)")
+    return p
+
+
+def run_profile(ns: argparse.Namespace) -> int:
+    if not ns.seconds > 0:
+        raise ConfigError("--seconds", ns.seconds, "must be positive")
+    for key in ("batch", "seq_len"):
+        if getattr(ns, key) < 1:
+            raise ConfigError("--" + key.replace("_", "-"), getattr(ns, key), "must be at least 1")
+    from isthmus.models.flavors import get_flavor
+
+    get_flavor(ns.model)  # an unknown flavor fails here, before any measuring
+    cores = os.cpu_count() or 1
+    threads = ns.threads or cores
+    if threads < 1:
+        raise ConfigError("--threads", ns.threads, "must be at least 1")
+    out = Path(ns.out)
+    if not out.parent.exists():
+        raise ConfigError("--out", ns.out, "its directory does not exist")
+    budget = ns.seconds
+    load = os.getloadavg()[0]
+    prof = measure(budget, threads, ns.model, ns.batch, ns.seq_len)
+    text = topology_toml(prof, ns.name, cores)
+    out.write_text(text)
+    from isthmus.topology import load_topology
+
+    topo = load_topology(str(out))  # what was written must load
+    dc = topo.datacenters[0]
+    sys.stdout.write(
+        f"isthmus profile: {cores} cores, {prof['seconds']:.1f} s, calibrated at {ns.model} {ns.batch} x {ns.seq_len}\n"
+        f"  GEMM curve (1 thread): gemm_max_fraction {prof['fraction']:.3f}, gemm_half_dim {prof['half_dim']:g} "
+        f"(rms error {100 * prof['fit_error']:.1f}% over {len(prof['gemms'])} shapes)\n"
+        f"  one block forward + backward: {prof['block_1t'] * 1e3:.1f} ms on 1 thread ({prof['block_quarter'] * 1e3:.1f} ms at "
+        f"a quarter of the batch) -> per-op {prof['launch_s'] * 1e6:.1f} us, memory {prof['memory_bandwidth'] / 1e9:.1f} GB/s "
+        f"effective; {prof['block_nt'] * 1e3:.1f} ms on {threads} threads ({prof['speedup']:.2f} x); "
+        f"{prof['shared']:.2f} x slower with both ranks computing\n"
+        f"  gloo all-reduce, 2 ranks: {prof['gloo_bw'] / 1e9:.2f} GB/s, latency {prof['gloo_lat'] * 1e6:.0f} us\n"
+        f"wrote {out} ({dc.devices} x {dc.kind.name}); use it with --topology {out}\n"
+    )
+    if max(load, os.getloadavg()[0]) > 0.5 * cores:
+        sys.stdout.write(f"note: the load average was {max(load, os.getloadavg()[0]):.1f} on {cores} cores: other work "
+                         "shared the CPU, so these numbers understate an idle machine; profile again when it is quiet\n")
+    return 0
+
+
+# --- measurements -------------------------------------------------------------------------------------
+
+def _best_time(fn: Any, budget: float, min_reps: int = 2) -> float:
+    """Best of repeated calls within ``budget`` seconds (at least ``min_reps``, after one warm-up)."""
+    fn()
+    best, reps, start = math.inf, 0, time.perf_counter()
+    while reps < min_reps or time.perf_counter() - start < budget:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        reps += 1
+        if reps >= 1000:
+            break
+    return best
+
+
+def measure_op_overhead(budget: float) -> float:
+    """Seconds per kernel of a tiny op's forward and backward through autograd (dispatch, not data)."""
+    import torch
+
+    x = torch.ones(8, requires_grad=True)
+
+    def step() -> None:
+        y = x
+        for _ in range(20):
+            y = y * 1.0001
+        y.sum().backward()
+
+    # 20 multiplies forward, 20 backward (plus sum and its backward): ~42 kernels.
+    return _best_time(step, budget) / 42
+
+
+def fit_gemm_curve(samples: list[tuple[int, int, int, float]], peak: float) -> tuple[float, float, float]:
+    """(gemm_max_fraction, gemm_half_dim, rms relative error) of the planner's curve to ``samples``."""
+    best = (math.inf, 0.0, 0.0)
+    for i in range(1, 400):
+        d0 = i * 0.5
+        shape = [(m / (m + d0)) * (n / (n + d0)) * (k / (k + d0)) for m, n, k, _ in samples]
+        obs = [f / peak for *_, f in samples]
+        # Least squares on the log: log f = log obs - log shape, averaged.
+        logf = sum(math.log(o / s) for o, s in zip(obs, shape)) / len(obs)
+        frac = math.exp(logf)
+        err = math.sqrt(sum((frac * s / o - 1) ** 2 for o, s in zip(obs, shape)) / len(obs))
+        if err < best[0]:
+            best = (err, frac, d0)
+    err, frac, d0 = best
+    return min(frac, 1.0), d0, err
+
+
+def _gloo_worker(rank: int, port: int, sizes: list[int], budget: float, out: str, block: list[Any] | None = None) -> None:
+    """One of the two ranks of :func:`measure_gloo` (run in its own interpreter). ``block``:
+    [flavor, batch, seq, seconds] to time a block while the other rank does the same."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    times = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        for _ in range(2):
+            dist.all_reduce(x)
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        # Both ranks must run the same collectives: rank 0 decides how many repeats fit the budget.
+        reps = torch.tensor([max(3, min(200, int(budget / len(sizes) / max(time.perf_counter() - t, 1e-6))))])
+        dist.broadcast(reps, src=0)
+        samples = []
+        for _ in range(int(reps)):
+            dist.barrier()
+            t = time.perf_counter()
+            dist.all_reduce(x)
+            samples.append(time.perf_counter() - t)
+        samples.sort()
+        times.append(samples[len(samples) // 2])
+    together = alone = 0.0
+    if block:
+        from isthmus.models.flavors import get_flavor
+
+        flavor, batch, seq, seconds = block
+        steps = _block_steps(get_flavor(flavor), batch, seq)
+        # Rank 0 alone (rank 1 waits), then both at once, in turns: the ratio is what a rank loses
+        # to another rank computing beside it, and a noisy stretch falls on both sides alike.
+        best = {"alone": [math.inf, math.inf], "together": [math.inf, math.inf]}
+        go = torch.tensor([1])
+        start = time.perf_counter()
+        for i in range(50):
+            for mode in ("alone", "together"):
+                for j, fn in enumerate(steps):
+                    dist.barrier()
+                    if mode == "together" or rank == 0:
+                        t = time.perf_counter()
+                        fn()
+                        best[mode][j] = min(best[mode][j], time.perf_counter() - t)
+                    dist.barrier()
+            go[0] = int(time.perf_counter() - start < seconds or i < 2)
+            dist.broadcast(go, src=0)
+            if not int(go[0]):
+                break
+        alone, together = _block_from(best["alone"])[0], _block_from(best["together"])[0]
+    if rank == 0:
+        Path(out).write_text(json.dumps({"allreduce": times, "block_alone": alone, "block_together": together}))
+    dist.destroy_process_group()
+
+
+def measure_gloo(budget: float, sizes: tuple[int, ...] = ALLREDUCE_BYTES, block: list[Any] | None = None
+                 ) -> tuple[list[tuple[int, float]], float]:
+    """((bytes, median seconds) of a gloo all-reduce between two local ranks over loopback, and, when
+    ``block`` asks, how much slower a block runs with both ranks computing than with one alone).
+
+    Two fresh interpreters rather than multiprocessing: spawn would re-import the caller's main module.
+    """
+    import json
+    import subprocess
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "gloo.txt")
+        code = "import json, sys; from isthmus.profile_cli import _gloo_worker; _gloo_worker(*json.loads(sys.argv[1]))"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, port, list(sizes), budget, out, block])],
+                                  env=env) for rank in range(2)]
+        try:
+            codes = [p.wait(timeout=120 + 10 * budget) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(codes) or not os.path.exists(out):
+            raise RuntimeError(f"the gloo ranks of isthmus profile failed (exit codes {codes})")
+        got = json.loads(Path(out).read_text())
+    shared = got["block_together"] / got["block_alone"] if got["block_alone"] > 0 else 1.0
+    return list(zip(sizes, got["allreduce"])), shared
+
+
+def fit_alpha_beta(samples: list[tuple[int, float]]) -> tuple[float, float]:
+    """(latency, bandwidth) with t = 2 latency + bytes / bandwidth (``comm.all_reduce`` for 2 ranks),
+    by least squares on the relative error so small and large messages weigh alike."""
+    # Minimise sum ((a + b x) / t - 1)^2: normal equations in (a, b) with weights 1/t^2.
+    s_aa = sum(1 / t**2 for _, t in samples)
+    s_ab = sum(x / t**2 for x, t in samples)
+    s_bb = sum(x * x / t**2 for x, t in samples)
+    r_a = sum(1 / t for _, t in samples)
+    r_b = sum(x / t for x, t in samples)
+    det = s_aa * s_bb - s_ab**2
+    a = (r_a * s_bb - r_b * s_ab) / det
+    b = (s_aa * r_b - s_ab * r_a) / det
+    a, b = max(a, 1e-6), max(b, 1e-12)
+    return a / 2, 1 / b
+
+
+def model_gemms(args: Any, tokens_list: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """(m, n, k) of every matmul of one training step of a block and the head at each token count:
+    each Linear of isthmus.models.llama forward (m, n, k), input gradient (m, k, n), weight gradient
+    (n, k, m), as autograd runs them."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    linears = [(q, args.dim), (kv, args.dim), (args.dim, q), (args.ffn_dim, args.dim), (args.dim, args.ffn_dim),
+               (args.vocab_size, args.dim)]
+    if args.mlp == "gelu":
+        linears.remove((args.ffn_dim, args.dim))
+        linears.append((args.ffn_dim, args.dim))
+    return sorted({s for t in tokens_list for n, k in linears for s in ((t, n, k), (t, k, n), (n, k, t))})
+
+
+def measure_gemms(shapes: list[tuple[int, int, int]], budget: float) -> list[tuple[int, int, int, float]]:
+    """(m, n, k, FLOP/s) of each matmul on one thread, caches flushed before each call as the
+    elementwise work between a model's matmuls leaves them (best of repeats: noise only adds)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    flush = torch.zeros(8 * 1024 * 1024)  # 32 MB, more than the last-level cache a core sees
+    try:
+        out = []
+        for m, n, k in shapes:
+            a, b = torch.randn(m, k), torch.randn(k, n)
+
+            def call() -> None:
+                flush.add_(1.0)
+                t = time.perf_counter()
+                a @ b
+                best[0] = min(best[0], time.perf_counter() - t)
+
+            best = [math.inf]
+            _best_time(call, budget / len(shapes))
+            out.append((m, n, k, 2 * m * n * k / best[0]))
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
+def _block_steps(args: Any, batch: int, seq: int) -> list[Any]:
+    """Forward + backward of the model with 1 and with 3 blocks, each a callable (warmed up once)."""
+    from dataclasses import replace
+
+    import torch
+    import torch.nn.functional as F
+
+    from isthmus.models.llama import build_model, init_weights
+
+    x = torch.randint(0, args.vocab_size, (batch, seq))
+    steps = []
+    for layers in (1, 3):
+        a = replace(args, n_layers=layers)
+        model = build_model(a, device="cpu")
+        init_weights(model, 0, a)
+
+        def step(model: Any = model) -> None:
+            loss = F.cross_entropy(model(x).flatten(0, 1), x.flatten(0, 1))
+            loss.backward()
+            model.zero_grad(set_to_none=True)
+
+        step()
+        steps.append(step)
+    return steps
+
+
+def _block_from(best: list[float]) -> tuple[float, float]:
+    """(block, rest) from the best 1-block and 3-block times: the difference, halved, is one block."""
+    block = max((best[1] - best[0]) / 2, 1e-9)
+    return block, max(best[0] - block, 0.0)
+
+
+def measure_block(args: Any, batch: int, seq: int, threads: tuple[int, ...], budget: float) -> dict[int, tuple[float, float]]:
+    """Per thread count, (one block's forward + backward, the rest of the model's) seconds at
+    ``batch`` x ``seq`` tokens.
+
+    The model with 3 blocks minus the model with 1, halved, is one block; what is left of the
+    1-block model is the embedding, final norm, head and loss. The thread counts take turns, and
+    each keeps its best time: on a shared machine a noisy stretch then hits all of them alike, and
+    noise only ever adds time.
+    """
+    import torch
+
+    old = torch.get_num_threads()
+    try:
+        steps = _block_steps(args, batch, seq)
+        best = {t: [math.inf, math.inf] for t in threads}
+        start, reps = time.perf_counter(), 0
+        while reps < 3 or (time.perf_counter() - start < budget and reps < 50):
+            for t in threads:
+                torch.set_num_threads(t)
+                for i, fn in enumerate(steps):
+                    t0 = time.perf_counter()
+                    fn()
+                    best[t][i] = min(best[t][i], time.perf_counter() - t0)
+            reps += 1
+        return {t: _block_from(b) for t, b in best.items()}
+    finally:
+        torch.set_num_threads(old)
+
+
+def fit_block(kind: Any, args: Any, seq: int, samples: list[tuple[int, float]], launch_floor: float) -> tuple[float, float]:
+    """(kernel_launch_s, memory_bandwidth) at which the planner's block times are the measured ones.
+
+    The planner's block is T = A(b) + n L + B(b) / bw for microbatch b: GEMMs and attention in A
+    (the GEMM curve already fitted), one launch L per op, elementwise bytes B. Two microbatch sizes
+    give two equations for L and 1 / bw; what the planner does not model separately (unfused norms,
+    rotary embeddings, the CPU attention kernel's own speed, autograd's per-op work) lands in them.
+    """
+    from dataclasses import replace
+
+    from isthmus.planner.compute import layer_times
+    from isthmus.planner.layout import RUNTIMES
+
+    def block(b: int, launch: float, bw: float) -> float:
+        k = replace(kind, kernel_launch_s=launch, memory_bandwidth=bw)
+        t = layer_times(k, "fp32", args, b, seq, 1, 1, False, RUNTIMES["isthmus"])
+        return t.fwd + t.bwd + t.wgrad
+
+    rows = []
+    for b, measured in samples:
+        a = block(b, 0.0, 1e15)
+        n_l = (block(b, 1e-3, 1e15) - a) / 1e-3
+        n_b = (block(b, 0.0, 1e12) - a) * 1e12 * kind.memory_bw_fraction  # seconds x bytes/s, at the fraction
+        rows.append((n_l, n_b, measured - a))
+    (l1, b1, r1), (l2, b2, r2) = rows[0], rows[-1]
+    det = l1 * b2 - l2 * b1
+    launch, inv = ((r1 * b2 - r2 * b1) / det, (l1 * r2 - l2 * r1) / det) if det else (-1.0, -1.0)
+    if launch < launch_floor or inv <= 0:  # noise, or one size only: the launch cost as measured alone
+        launch = launch_floor
+        inv = max((r1 - l1 * launch) / b1, 1e-12)
+    return launch, 1 / inv / kind.memory_bw_fraction
+
+
+def measure(budget: float, threads: int, flavor: str = "small", batch: int = 16, seq: int = 128) -> dict[str, Any]:
+    """Every measurement within about ``budget`` seconds (the gloo ranks' start-up not counted).
+
+    One rank alone on one thread: the GEMM curve (matmuls of ``flavor`` at ``batch`` x ``seq``
+    tokens and at a half and a quarter of them, cold caches), then the launch cost and memory
+    bandwidth that make the planner's block time the measured one at ``batch`` and ``batch / 4``.
+    Then the same block on ``threads`` threads, in turns with one thread (the ``-<t>t`` kind's
+    speed-up), and, in the two gloo ranks, with both computing at once against one alone
+    (``cpu-local``: one rank of several is slower than one alone by what they share: caches,
+    memory bandwidth, the rest of the machine).
+    """
+    from dataclasses import replace
+
+    from isthmus.models.flavors import get_flavor
+    from isthmus.topology import device_kinds
+
+    start = time.perf_counter()
+    base = device_kinds()["cpu"]
+    args = get_flavor(flavor)
+    tokens = batch * seq
+    quarter, half = max(1, batch // 4), max(1, batch // 2)
+    sizes = tuple(b for b in ALLREDUCE_BYTES if b <= 256 * 1024 or b / 0.3e9 * 5 <= 0.2 * budget / len(ALLREDUCE_BYTES))
+    gemms = measure_gemms(model_gemms(args, tuple(sorted({tokens, half * seq, quarter * seq}))), 0.2 * budget)
+    frac, d0, err = fit_gemm_curve(gemms, base.peak("fp32"))
+    floor = measure_op_overhead(0.02 * budget)
+    kind = replace(base, name="cpu-local", gemm_max_fraction=frac, gemm_half_dim=d0)
+    runs = measure_block(args, batch, seq, tuple(sorted({1, threads})), 0.25 * budget)
+    (block_1t, ends_1t), (block_nt, ends_nt) = runs[1], runs[threads]
+    block_q = measure_block(args, quarter, seq, (1,), 0.1 * budget)[1][0] if quarter < batch else block_1t
+    launch, bw = fit_block(kind, args, seq, [(batch, block_1t), (quarter, block_q)], floor)
+    kind = replace(kind, kernel_launch_s=launch, memory_bandwidth=bw)
+    gloo, shared = measure_gloo(0.2 * budget, sizes, [flavor, half, seq, 0.15 * budget])
+    lat, link_bw = fit_alpha_beta(gloo)
+    return {
+        "seconds": time.perf_counter() - start, "threads": threads, "flavor": flavor, "batch": batch, "seq": seq,
+        "gemms": gemms, "fraction": frac, "half_dim": d0, "fit_error": err, "launch_s": launch, "launch_floor": floor,
+        "memory_bandwidth": bw, "block_1t": block_1t, "block_quarter": block_q, "quarter": quarter, "ends_1t": ends_1t,
+        "block_nt": block_nt, "ends_nt": ends_nt, "speedup": block_1t / block_nt, "half": half,
+        "shared": max(1.0, shared),
+        "gloo": gloo, "gloo_lat": lat, "gloo_bw": link_bw, "base": base,
+    }
+
+
+def topology_toml(prof: dict[str, Any], name: str, cores: int) -> str:
+    """The topology file: one rank among ``cores`` busy ones, one rank alone with all threads, one node."""
+    base = prof["base"]
+    t = prof["threads"]
+    speed, shared = prof["speedup"], prof["shared"]
+    gemms = "\n".join(f"#   {m:>5} x {n:>5} x {k:>5}: {f / 1e9:6.1f} GFLOP/s" for m, n, k, f in prof["gemms"])
+    gloo = "\n".join(f"#   {b / 1024:>8.0f} KB: {s * 1e6:9.0f} us" for b, s in prof["gloo"])
+    shape = f"{prof['flavor']} at {prof['batch']} x {prof['seq']} tokens"
+
+    def peaks(f: float) -> str:
+        return "{ " + ", ".join(f"{k} = {v * f / 1e12:.4f}" for k, v in sorted(base.peak_flops.items())) + " }"
+
+    lines = [
+        f"# Written by `isthmus profile` on {socket.gethostname()}, {time.strftime('%Y-%m-%d %H:%M')}, "
+        f"in {prof['seconds']:.0f} s",
+        f"# (torch fp32 on CPU; {cores} cores; load average {os.getloadavg()[0]:.1f} when it ran).",
+        f"# One-thread matmuls of {shape} and its half and quarter (forward, input and weight gradient;",
+        "# caches flushed before each; best of repeats):",
+        gemms,
+        f"# Fitted to the planner's GEMM curve against the cpu kind's {base.peak('fp32') / 1e9:.0f} GFLOP/s peak: "
+        f"rms error {100 * prof['fit_error']:.1f}%.",
+        f"# One block forward + backward, one thread, alone: {prof['block_1t'] * 1e3:.1f} ms at {prof['batch']} x {prof['seq']}, "
+        f"{prof['block_quarter'] * 1e3:.1f} ms at {prof['quarter']} x {prof['seq']}:",
+        f"# kernel_launch_us and memory_bandwidth_gb_s make the planner's block those times (a small op alone:"
+        f" {prof['launch_floor'] * 1e6:.1f} us).",
+        f"# {t} threads, alone: {prof['block_nt'] * 1e3:.1f} ms ({speed:.2f} x one thread, in turns with it) -> cpu-local-{t}t.",
+        f"# Two ranks computing at once ({prof['half']} x {prof['seq']} each) against one alone: a block takes "
+        f"{shared:.2f} x as long -> cpu-local.",
+        "# gloo all-reduce between 2 local ranks (median):",
+        gloo,
+        f"# Fitted: t = 2 x {prof['gloo_lat'] * 1e6:.0f} us + bytes / {prof['gloo_bw'] / 1e9:.3f} GB/s.",
+        f'name = "{name}"',
+        f'description = "this machine, profiled: {cores} local ranks on {cores} CPU cores, gloo over loopback"',
+        "",
+        "[devices.cpu-local]",
+        'base = "cpu"',
+        'description = "one rank on one thread while every core runs a rank (isthmus profile)"',
+        f"peak_tflops = {peaks(1 / shared)}",
+        f"gemm_max_fraction = {prof['fraction']:.4f}",
+        f"gemm_half_dim = {prof['half_dim']:g}",
+        f"memory_bandwidth_gb_s = {prof['memory_bandwidth'] / shared / 1e9:.3f}",
+        f"kernel_launch_us = {prof['launch_s'] * shared * 1e6:.2f}",
+        "",
+    ]
+    if t > 1:
+        lines += [
+            f"[devices.cpu-local-{t}t]",
+            'base = "cpu-local"',
+            f'description = "one rank alone with {t} threads on this machine (isthmus profile)"',
+            f"peak_tflops = {peaks(speed)}",
+            f"memory_bandwidth_gb_s = {prof['memory_bandwidth'] * speed / 1e9:.3f}",
+            f"kernel_launch_us = {prof['launch_s'] * 1e6:.2f}",
+            "",
+        ]
+    lines += [
+        "[[datacenters]]",
+        'name = "local"',
+        'device = "cpu-local"',
+        "nodes = 1",
+        f"devices_per_node = {cores}",
+        f"intra_node = {{ bandwidth_gb_s = {prof['gloo_bw'] / 1e9:.4f}, latency_us = {prof['gloo_lat'] * 1e6:.1f} }}",
+        "",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,354 @@
+"""Wire one data-parallel replica of a layout into the engine: devices, links, programs.
+
+Symmetry keeps it small. Data-parallel replicas run identical programs on identical links, so one
+replica is simulated and its data-parallel collectives are timed on the links the planner puts
+them on (with the other replicas' share of a WAN link taken out). Inside the replica the tensor-
+and context-parallel peers of a pipeline stage are symmetric too: one simulated *device* stands for
+the ``tp x cp`` devices of each pipeline rank, and its tensor-parallel collectives run inside its
+ops on the group's own NVLink share (blocking, as the planner assumes, uncontended); pipeline
+sends and data-parallel traffic go over that device's ports and WAN links, where they share
+bandwidth with whatever else is in flight.
+
+Per device, per step: the pipeline schedule's actions in torch's order (schedule.py), each a
+forward, backward, input-gradient or weight-gradient pass of one microbatch through one stage
+(costs.py); receives block, sends do not (isthmus) or do (Megatron 2021); weight gathers of
+ZeRO/FSDP overlap the op that needs them; a gradient bucket (one per block, plus the embedding and
+the head) starts its reduction when the last microbatch's backward has produced it, queued behind
+the device's earlier buckets; the optimizer runs when all buckets are reduced; steps are separated
+by a barrier (the loss and gradient-norm all-reduces make one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+from isthmus.planner import comm
+from isthmus.planner.compute import ends_times, optimizer_time
+from isthmus.planner.cost import block_cost, recompute_share, stage_costs
+from isthmus.planner.pipeline import partition_layers
+from isthmus.planner.geo import dp_sync
+from isthmus.planner.layout import Layout, Runtime, Workload
+from isthmus.planner.placement import Placement, SiteSpans, place
+from isthmus.sim import costs
+from isthmus.sim.costs import DpPlan, PhaseSpec, StageOps
+from isthmus.sim.engine import Device, Engine, Link, Phase, Stream, Token, Transfer
+from isthmus.sim.schedule import Action, peak_in_flight, rank_actions, stage_ranks
+from isthmus.topology import DeviceKind, Topology
+
+
+@dataclass
+class RankStats:
+    """What one simulated device did in one step (seconds from the step's start unless noted)."""
+
+    pipe_end: float = 0.0
+    """End of its last forward/backward/weight op."""
+    op_busy: float = 0.0
+    """Seconds inside ops, plus waits on the weights an op needed."""
+    gather_wait: float = 0.0
+    tail_wait: float = 0.0
+    """Waiting for gradient reductions after its last op."""
+    tail_wan: float = 0.0
+    """Of tail_wait, the part with a WAN phase of its own in flight."""
+    p2p_block: float = 0.0
+    """Blocking sends and tp gathers of received activations (Megatron's p2p)."""
+    optimizer: float = 0.0
+    outer: float = 0.0
+    """DiLoCo's amortised blocking outer sync."""
+    end: float = 0.0
+
+
+@dataclass
+class RankPlan:
+    rank: int
+    site: SiteSpans
+    kind: DeviceKind
+    stages: dict[int, StageOps]
+    actions: list[Action]
+    params: float
+    dp: DpPlan
+    wan_bytes: float
+    """Bytes all data-parallel groups of this pipeline rank send across datacenters per step."""
+    stats: list[RankStats] = field(default_factory=list)
+
+
+class Simulation:
+    """One replica of ``layout`` on ``topo``, built and run for ``iterations`` steps."""
+
+    def __init__(self, work: Workload, topo: Topology, layout: Layout, runtime: Runtime, iterations: int = 1,
+                 record: bool = False) -> None:
+        self.work, self.topo, self.layout, self.runtime = work, topo, layout, runtime
+        self.iterations = iterations
+        self.engine = Engine(record)
+        self.placement: Placement = place(topo, layout)
+        self.stage_layers = [s.layers for s in stage_costs(work, layout, runtime, self.placement)]
+        p, v = layout.pp, layout.virtual_stages
+        self.n_stages = p * v if p > 1 else 1
+        self.stage_rank = stage_ranks(layout.schedule, p, v) if p > 1 else [0]
+        self.stage_blocks = self._stage_blocks()
+        self.ranks = [self._plan_rank(r) for r in range(p)]
+        self.stage_layers = [sum(o.layers for o in plan.stages.values()) for plan in self.ranks]
+        self.links: dict[str, Link] = {}
+        self.act: dict[tuple[int, int, int], Token] = {}
+        """(step, stage, microbatch) -> the stage's input activation has arrived."""
+        self.grad: dict[tuple[int, int, int], Token] = {}
+        """(step, stage, microbatch) -> the gradient of the stage's output has arrived."""
+        self._deferred: dict[int, list[Transfer]] = {}
+        self._routes: dict[tuple[int, int], Phase] = {}
+        first, self.first_layer = 0, []
+        for s in range(self.n_stages):
+            self.first_layer.append(first)
+            first += self.ranks[self.stage_rank[s]].stages[s].layers
+        self.msg = costs.p2p_message(work, layout, runtime)
+        self.iter_start = [Token() for _ in range(iterations + 1)]
+        self.iter_time: list[float] = []
+        self.streams = {(r, "gather"): Stream() for r in range(p)}
+        self.devices = [Device(self.engine, r, self._program(r)) for r in range(p)]
+        self._left = p
+
+    # --- building --------------------------------------------------------------------------------
+    def _stage_blocks(self) -> list[int]:
+        """Blocks per stage: the planner's per-rank split with one stage per rank; with several, the
+        runtime's rule: stages balanced by cost, the embedding on the first and the head on the last
+        (which ZB-V puts on rank 0)."""
+        lay, work = self.layout, self.work
+        if self.n_stages == lay.pp:
+            return list(self.stage_layers)
+        rc = recompute_share(lay.recompute)
+        per_rank = []
+        for r in range(lay.pp):
+            site = self.placement.sites[self.placement.stage_sites[r][0]]
+            bc = block_cost(site.dc.kind, site, work, lay.tp, lay.cp, lay.sp, lay.cp_impl, lay.micro_batch, self.runtime)
+            per_rank.append(bc.fwd * (1 + rc) + bc.bwd)
+        site = self.placement.sites[0]
+        emb, head = ends_times(site.dc.kind, work.dtype, work.args, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sp)
+        extra = [0.0] * self.n_stages
+        extra[0] += emb.fwd + emb.backward
+        extra[-1] += head.fwd + head.backward
+        return partition_layers(work.args.n_layers, [per_rank[r] for r in self.stage_rank], extra)
+
+    def _plan_rank(self, r: int) -> RankPlan:
+        lay, work = self.layout, self.work
+        mine = [s for s in range(self.n_stages) if self.stage_rank[s] == r]
+        counts = {s: self.stage_blocks[s] for s in mine}
+        best: RankPlan | None = None
+        for i in self.placement.stage_sites[r]:  # datacenters that run this rank: keep the slowest
+            site = self.placement.sites[i]
+            kind = site.dc.kind
+            ops = {s: costs.stage_ops(kind, site, work, lay, self.runtime, s, counts[s], s == 0, s == self.n_stages - 1)
+                   for s in mine}
+            total = sum(o.fwd.seconds + o.full_bwd.seconds for o in ops.values())
+            params = sum(o.params for o in ops.values())
+            plan = RankPlan(r, site, kind, ops, rank_actions(lay.schedule, lay.pp, lay.virtual_stages, lay.microbatches, r),
+                            params, costs.dp_plan(site, lay, self.runtime),
+                            dp_sync(params, site, lay, self.runtime, lay.microbatches).wan_bytes)
+            if best is None or total > sum(o.fwd.seconds + o.full_bwd.seconds for o in best.stages.values()):
+                best = plan
+        assert best is not None
+        return best
+
+    def _link(self, name: str, kind: str) -> Link:
+        link = self.links.get(name)
+        if link is None:
+            link = self.links[name] = Link(self.engine, name, kind)
+        return link
+
+    def _phases(self, r: int, specs: list[PhaseSpec], wan_bytes: float = 0.0) -> list[Phase]:
+        """Phases of rank r's data-parallel collective on its ports and the WAN."""
+        site, out = self.ranks[r].site, []
+        for ph in specs:
+            if ph.tier == "wan":
+                # Every pipeline rank's groups share the WAN link at nominal speed (the planner's
+                # view); one alone goes up to pp times faster, but never faster than its NIC.
+                floor = ph.bandwidth / max(site.dc.fabric.bandwidth, site.dc.intra_node.bandwidth)
+                wan = self._link("wan dp", "wan")
+                out.append(Phase(wan, ph.latency, ph.seconds, 1.0 / self.layout.pp, floor, wan_bytes))
+            else:
+                out.append(Phase(self._link(f"stage{r}.{ph.tier}", ph.tier), ph.latency, ph.seconds))
+        return out
+
+    def _send(self, it: int, r: int, src: int, dst: int, mb: int, forward: bool) -> Transfer | None:
+        """The transfer carrying stage src's output (or input gradient) to stage dst; None if local."""
+        peer = self.stage_rank[dst]
+        table = self.act if forward else self.grad
+        token = table.setdefault((it, dst, mb), Token())
+        if peer == r:
+            return None
+        phase = self._routes.get((r, peer))
+        if phase is None:
+            link, share, crosses = self._boundary(r, peer)
+            if crosses:
+                a, b = (self.ranks[r].site.dc.name, self.ranks[peer].site.dc.name)
+                res = self._link(f"wan {a}->{b}", "wan")
+            else:
+                tier = "intra" if link == self.ranks[r].site.dc.intra_node else "fabric"
+                res = self._link(f"stage{r}.{tier}", tier)
+            seconds = comm.p2p(self.msg, link, share) - link.latency
+            # A message stands for all dp x cp x tp devices' messages on a WAN boundary (share).
+            wan_bytes = self.msg * share if crosses else 0.0
+            phase = self._routes[(r, peer)] = Phase(res, link.latency, seconds, 1.0, 0.0, wan_bytes)
+        name = f"{'act' if forward else 'grad'} mb{mb} s{src}->s{dst}" if self.engine.record else ""
+        xfer = Transfer(self.engine, [phase], name, "p2p", f"device:{r}", "p2p")
+        xfer.token = token
+        return xfer
+
+    def _boundary(self, a: int, b: int) -> tuple[Any, int, bool]:
+        """The link between pipeline ranks a and b (neighbours, or the last and the first)."""
+        pl, p = self.placement, self.layout.pp
+        lo, hi = min(a, b), max(a, b)
+        if hi - lo == 1:
+            return pl.boundary_links[lo]
+        sa, sb = pl.stage_sites[a][0], pl.stage_sites[b][0]
+        if sa != sb and self.layout.dc_axis == "pp":
+            da, db = pl.sites[sa].dc, pl.sites[sb].dc
+            flows = self.layout.dp * self.layout.cp * self.layout.tp
+            return self.topo.wan_link(da.name, db.name), flows, True
+        return pl.sites[sa].pp_link, 1, False
+
+    def _transfer(self, r: int, specs: list[PhaseSpec], params: float, name: str, stream: str | None,
+                  wan_bytes: float = 0.0) -> Transfer:
+        phases = self._phases(r, costs.scale(specs, params), wan_bytes)
+        return Transfer(self.engine, phases, name, "dp", f"device:{r}", "dp", self.streams[(r, stream)] if stream else None)
+
+    # --- one device's program ----------------------------------------------------------------------
+    def _program(self, r: int) -> Iterator[tuple[Any, ...]]:
+        eng, lay, plan = self.engine, self.layout, self.ranks[r]
+        m, blocking = lay.microbatches, not self.runtime.p2p_async
+        gather_tp = costs.tp_gather(self.work, lay, plan.site) if blocking and self.runtime.scatter_gather else 0.0
+        dp = plan.dp
+        labels = {s: f"L{self.first_layer[s]}-{self.first_layer[s] + o.layers - 1}" for s, o in plan.stages.items()}
+        for it in range(self.iterations):
+            yield ("wait", self.iter_start[it])
+            t0 = eng.now
+            st = RankStats()
+            # Weights gathered once per step (ZeRO-1's broadcast, ZeRO-2/3 under pp), stage by stage.
+            step_gathers = {}
+            for s, ops in plan.stages.items():
+                if dp.step_gather:
+                    xf = self._transfer(r, dp.step_gather, ops.params, f"gather s{s}", "gather")
+                    xf.start()
+                    step_gathers[s] = xf.token
+            buckets: list[Token] = []
+            bwd_gathers: dict[tuple[int, int], Token] = {}
+            wan_log: list[tuple[float, float]] = []
+            for kind, s, mb in plan.actions:
+                ops = plan.stages[s]
+                name = f"{kind} mb{mb} {labels[s]}" if eng.record else kind
+                if kind == "F":
+                    if s > 0:
+                        yield ("wait", self.act.setdefault((it, s, mb), Token()))
+                        if gather_tp and self.stage_rank[s - 1] != r:
+                            st.p2p_block += gather_tp
+                            yield ("compute", gather_tp, f"tp gather mb{mb}", "p2p", None)
+                    op = ops.fwd
+                    need = []
+                    if dp.mb_gather:
+                        xf = self._transfer(r, dp.mb_gather, ops.params, f"gather {name}", "gather")
+                        xf.start()
+                        need.append(xf.token)
+                    if dp.bwd_gather:  # FSDP prefetches the backward's gather behind this one
+                        xf = self._transfer(r, dp.mb_gather, ops.params, f"gather B mb{mb} {labels[s]}", "gather")
+                        xf.start()
+                        bwd_gathers[(s, mb)] = xf.token
+                    if mb == 0 and s in step_gathers:
+                        need.append(step_gathers[s])
+                    t_op = eng.now
+                    yield from self._run_op(op, name, "fwd", need)
+                    st.gather_wait += eng.now - t_op - op.seconds
+                    st.op_busy += eng.now - t_op
+                    if s < self.n_stages - 1:
+                        yield from self._emit(it, r, s, s + 1, mb, True, blocking, st)
+                    continue
+                if kind in ("B", "I"):
+                    if s < self.n_stages - 1:
+                        yield ("wait", self.grad.setdefault((it, s, mb), Token()))
+                        if gather_tp and self.stage_rank[s + 1] != r:
+                            st.p2p_block += gather_tp
+                            yield ("compute", gather_tp, f"tp gather mb{mb}", "p2p", None)
+                    op = ops.full_bwd if kind == "B" else ops.input_bwd
+                else:
+                    op = ops.weight_bwd
+                need = []
+                if dp.bwd_gather and kind != "W":
+                    need.append(bwd_gathers.pop((s, mb)))
+                if mb == m - 1 and kind in ("B", "W") and dp.grad:
+                    for off, params in op.bucket_ends:
+                        share = plan.wan_bytes * params / plan.params if plan.params else 0.0
+                        label = f"grad s{s} +{off * 1e3:.1f}ms" if eng.record else ""
+                        xf = self._transfer(r, dp.grad, params, label, None, share)
+                        xf.wan_log = wan_log
+                        buckets.append(xf.token)
+                        if self.runtime.dp_overlap:
+                            yield ("start_at", off, xf)
+                        else:
+                            self._deferred.setdefault(r, []).append(xf)
+                t_op = eng.now
+                yield from self._run_op(op, name, "bwd" if kind != "W" else "wgrad", need)
+                st.gather_wait += eng.now - t_op - op.seconds
+                st.op_busy += eng.now - t_op
+                if kind in ("B", "I") and s > 0:
+                    yield from self._emit(it, r, s, s - 1, mb, False, blocking, st)
+            st.pipe_end = eng.now - t0
+            # Megatron 2021 starts the gradient all-reduce after the pipeline flush.
+            for xf in self._deferred.pop(r, []):
+                xf.start()
+            t_wait = eng.now
+            for tok in buckets:
+                yield ("wait", tok)
+            st.tail_wait = eng.now - t_wait
+            st.tail_wan = min(st.tail_wait, sum(max(0.0, e - max(s0, t_wait)) for s0, e in wan_log))
+            st.optimizer = optimizer_time(plan.kind, plan.params / max(1, lay.shard_degree))
+            yield ("compute", st.optimizer, "optimizer", "optimizer", None)
+            if dp.outer:
+                t_outer = eng.now
+                xf = self._transfer(r, dp.outer, plan.params, "diloco outer sync", None, plan.wan_bytes)
+                yield ("start", xf)
+                yield ("wait", xf.token)
+                st.outer = eng.now - t_outer
+            st.end = eng.now - t0
+            plan.stats.append(st)
+            self._rank_done(it)
+
+    def _run_op(self, op: costs.Op, name: str, cat: str, need: list[Token]) -> Iterator[tuple[Any, ...]]:
+        """The op, and the weights it needs: gathered behind it (overlap), or before it."""
+        if not self.runtime.dp_overlap:
+            for tok in need:
+                yield ("wait", tok)
+        yield ("compute", op.seconds, name, cat, op.detail)
+        for tok in need:
+            yield ("wait", tok)
+
+    def _emit(self, it: int, r: int, src: int, dst: int, mb: int, forward: bool, blocking: bool, st: RankStats
+              ) -> Iterator[tuple[Any, ...]]:
+        xf = self._send(it, r, src, dst, mb, forward)
+        table = self.act if forward else self.grad
+        if xf is None:
+            tok = table[(it, dst, mb)]
+            tok.done, tok.time = True, self.engine.now
+            return
+        yield ("start", xf)
+        if blocking:
+            t = self.engine.now
+            yield ("wait", xf.token)
+            st.p2p_block += self.engine.now - t
+
+    def _rank_done(self, it: int) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self._left = len(self.devices)
+            self.iter_time.append(self.engine.now - (self.iter_start[it].time if it else 0.0))
+            self.engine.fire(self.iter_start[it + 1])
+
+    # --- running ---------------------------------------------------------------------------------
+    def run(self) -> "Simulation":
+        self.engine.fire(self.iter_start[0])
+        for d in self.devices:
+            d.start()
+        self.engine.run()
+        stuck = [d.index for d in self.devices if not d.done.done]
+        assert not stuck, f"pipeline ranks {stuck} never finished: the schedule deadlocked"
+        return self
+
+    def peak_in_flight(self, r: int) -> float:
+        """Peak live microbatch activations of rank r, in units of all its blocks."""
+        return peak_in_flight(self.ranks[r].actions) / max(1, len(self.ranks[r].stages))

@@ -1,0 +1,156 @@
+"""``simulate``: run a layout through the event simulator and report what the planner reports.
+
+The figures (step time, tokens/s, TFLOP/s per device, MFU, memory, bubble, WAN bytes, breakdown,
+bottleneck) have the planner's definitions and its JSON keys, so ``isthmus simulate --json`` and
+``isthmus plan --json`` compare field by field; ``simulated`` adds the cost model's step time for
+the same layout and what the simulation covered.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from statistics import mean
+
+from isthmus.models.flops import flops_per_token
+from isthmus.planner.cost import Estimate, estimate, recompute_share
+from isthmus.planner.layout import Layout, Runtime, Workload
+from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory
+from isthmus.sim.engine import Event
+from isthmus.sim.program import Simulation
+from isthmus.topology import Topology
+
+
+@dataclass
+class SimResult:
+    layout: Layout
+    work: Workload
+    runtime: str
+    step_time_s: float
+    """Mean over the simulated steps."""
+    step_times_s: list[float]
+    tokens_per_s: float
+    effective_tokens_per_s: float
+    tflops_per_device: float
+    mfu: float
+    mem_per_device_gb: float
+    memory: MemoryBreakdown
+    fits: bool
+    bubble_fraction: float
+    wan_bytes_per_step: float
+    breakdown: dict[str, float]
+    stage_layers: tuple[int, ...]
+    planner: Estimate
+    """The cost model's estimate of the same layout."""
+    devices_simulated: int
+    events: int
+    wall_s: float
+    trace_events: list[Event] = field(default_factory=list)
+    track_names: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def bottleneck(self) -> str:
+        name = max((k for k in self.breakdown if k != "compute"), key=lambda k: self.breakdown[k])
+        return name if self.breakdown[name] > 0.05 * self.step_time_s else "compute"
+
+    def as_json(self) -> dict[str, object]:
+        """The planner's JSON fields for this layout, simulated; plus ``simulated`` (what was run)."""
+        lay = self.layout
+        return {
+            "layout": lay.as_dict(), "label": lay.label(), "parallel": lay.parallel_config(),
+            "train": lay.train_config(self.work), "model": lay.model_overrides(self.work.args),
+            "global_batch": self.work.global_batch, "seq_len": self.work.seq_len, "runtime": self.runtime,
+            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "effective_tokens_per_s": self.effective_tokens_per_s, "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu, "mem_per_device_gb": self.mem_per_device_gb, "fits": self.fits,
+            "bubble_fraction": self.bubble_fraction, "wan_bytes_per_step": self.wan_bytes_per_step,
+            "bottleneck": self.bottleneck, "breakdown_s": self.breakdown, "stage_layers": list(self.stage_layers),
+            "simulated": {
+                "iterations": len(self.step_times_s), "step_times_s": self.step_times_s,
+                "devices_simulated": self.devices_simulated,
+                "devices_represented": lay.world,
+                "events": self.events, "wall_s": self.wall_s,
+                "cost_model_step_time_s": self.planner.step_time_s,
+                "vs_cost_model": self.step_time_s / self.planner.step_time_s - 1,
+            },
+        }
+
+
+def simulate(work: Workload, topo: Topology, layout: Layout, runtime: Runtime, iterations: int = 1,
+             record: bool = False) -> SimResult:
+    """Simulate ``iterations`` optimizer steps of ``layout`` (one data-parallel replica; see program.py).
+
+    ``record`` keeps every interval for a trace or a timeline (memory grows with the op count).
+    """
+    assert iterations >= 1
+    t0 = time.perf_counter()
+    sim = Simulation(work, topo, layout, runtime, iterations, record).run()
+    wall = time.perf_counter() - t0
+    step = mean(sim.iter_time)
+    p, m = layout.pp, layout.microbatches
+    # Per step, averaged over steps: the pipeline phase ends when the last rank's last op does.
+    stats = [[plan.stats[i] for plan in sim.ranks] for i in range(iterations)]
+    pipe = mean(max(s.pipe_end for s in row) for row in stats)
+    idle = mean(mean(pipe_end_all - s.op_busy - s.p2p_block for s in row)
+                for row, pipe_end_all in ((row, max(s.pipe_end for s in row)) for row in stats))
+    heavy = max(range(p), key=lambda r: sim.ranks[r].stats[0].op_busy)
+    slow = max(range(p), key=lambda r: sim.ranks[r].stats[0].end - sim.ranks[r].stats[0].pipe_end)
+    dev = sim.devices[heavy]
+    per_step = {k: v / iterations for k, v in dev.by_cat.items()}
+    s_slow = [plan.stats for plan in sim.ranks][slow]
+    tail_wan = mean(s.tail_wan + s.outer for s in s_slow)
+    breakdown = {
+        "compute": sum(per_step.get(k, 0.0) for k in ("fwd", "bwd", "wgrad", "recompute")),
+        "tp comm": per_step.get("tp", 0.0), "cp comm": per_step.get("cp", 0.0),
+        "pp p2p": mean(s.p2p_block for s in sim.ranks[heavy].stats),
+        "dp comm": mean(s.tail_wait - s.tail_wan for s in s_slow) + mean(s.gather_wait for s in sim.ranks[heavy].stats),
+        "wan": tail_wan, "bubble": max(0.0, idle), "optimizer": mean(s.optimizer for s in s_slow),
+    }
+    # Each WAN phase carries the bytes of every device it stands for (all replicas included).
+    wan_bytes = sum(link.wan_bytes for link in sim.links.values()) / iterations
+    est = estimate(work, topo, layout, runtime)
+    memory = max((_rank_memory(sim, r) for r in range(p)), key=lambda mb: mb.total)
+    kinds = [s.dc.kind for s in sim.placement.sites]
+    usable = min(k.memory_bytes for k in kinds) * USABLE_FRACTION
+    tokens_per_s = work.tokens_per_step / step
+    a = work.args
+    model_flops = flops_per_token(a, work.seq_len, False)
+    hw_flops = model_flops + recompute_share(layout.recompute) * (flops_per_token(a, work.seq_len, True) - model_flops)
+    peak = sum(k.peak(work.dtype) for k in kinds) / len(kinds) * layout.world
+    return SimResult(
+        layout=layout, work=work, runtime=runtime.name, step_time_s=step, step_times_s=list(sim.iter_time),
+        tokens_per_s=tokens_per_s, effective_tokens_per_s=tokens_per_s * runtime.quality_of(layout.geo),
+        tflops_per_device=hw_flops * tokens_per_s / layout.world / 1e12, mfu=model_flops * tokens_per_s / peak,
+        mem_per_device_gb=memory.total / 1e9, memory=memory, fits=memory.total <= usable,
+        bubble_fraction=max(0.0, idle) / step if p > 1 else 0.0, wan_bytes_per_step=wan_bytes, breakdown=breakdown,
+        stage_layers=tuple(sim.stage_layers), planner=est, devices_simulated=p, events=sim.engine.processed,
+        wall_s=wall, trace_events=sim.engine.events, track_names=_track_names(sim),
+    )
+
+
+def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
+    """Peak memory of rank r with the activations its simulated schedule actually keeps in flight."""
+    lay, work, plan = sim.layout, sim.work, sim.ranks[r]
+    layers = sum(o.layers for o in plan.stages.values())
+    first = any(o.first for o in plan.stages.values())
+    last = any(o.last for o in plan.stages.values())
+    return device_memory(
+        work.args, sim.runtime, layers=layers, first=first, last=last, pp=lay.pp, tp=lay.tp, cp=lay.cp, sp=lay.sp,
+        micro_batch=lay.micro_batch, seq_len=work.seq_len, recompute=lay.recompute,
+        in_flight=min(float(lay.microbatches), sim.peak_in_flight(r)) if lay.pp > 1 else 1.0,
+        zero_stage=lay.zero_stage, shard=lay.shard_degree, accumulate=lay.microbatches > 1, dtype=work.dtype,
+    )
+
+
+def _track_names(sim: Simulation) -> dict[str, str]:
+    lay = sim.layout
+    group = lay.tp * lay.cp
+    names = {}
+    for plan in sim.ranks:
+        who = f"{group} devices (tp{lay.tp}" + (f" x cp{lay.cp}" if lay.cp > 1 else "") + ")" if group > 1 else "1 device"
+        stages = ",".join(str(s) for s in sorted(plan.stages))
+        names[f"device:{plan.rank}"] = (f"pp rank {plan.rank} (stage{'s' if len(plan.stages) > 1 else ''} {stages}; "
+                                        f"{who}, {plan.site.dc.name})")
+    for name, link in sim.links.items():
+        names["link:" + name] = ("WAN " + name[4:]) if link.kind == "wan" else f"link {name}"
+    return names

@@ -1,0 +1,135 @@
+"""`isthmus simulate`: run one layout through the discrete-event simulator.
+
+    isthmus simulate --model gpt3-145.6b --model.n_layers 80 --topology selene-a100 --gpus 1536 \\
+        --global-batch 2304 --seq-len 2048 --micro-batch 1 --recompute full --runtime megatron-2021 \\
+        --plan 'tp=8,pp=8,pp_schedule=interleaved_1f1b,pp_virtual_stages=2' --trace t.json --png t.png
+
+Takes ``isthmus plan``'s arguments plus a layout: ``--plan`` names ``[parallel]`` keys, and the
+search fills in whatever it leaves out (no ``--plan``: the planner's best). Prints the planner's
+figures as simulated (``--json``: the fields of ``isthmus plan --json``), next to the cost model's
+step time. cli.py wires this in with ``add_simulate_parser(subparsers)`` and ``run_simulate(ns)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from isthmus.errors import ConfigError
+
+if TYPE_CHECKING:
+    from isthmus.sim.run import SimResult
+
+
+def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    """Add the ``simulate`` sub-command: every ``plan`` flag, plus the layout and the outputs."""
+    from isthmus.plan_cli import add_plan_parser
+
+    # The plan flags, from plan_cli itself so the two commands never drift apart.
+    scratch = argparse.ArgumentParser(add_help=False).add_subparsers()
+    plan = add_plan_parser(scratch)
+    p = subparsers.add_parser(
+        "simulate", parents=[plan], conflict_handler="resolve", allow_abbrev=False,
+        help="simulate a layout event by event: step time, bubbles, a trace and a timeline (no GPU needed)",
+        description="Simulate one or more training steps of a layout op by op (compute per device, transfers "
+        "sharing links, the pipeline schedule per microbatch) and report the planner's figures; write a "
+        "Chrome/Perfetto trace and a PNG timeline.",
+    )
+    p.add_argument("--plan", default=None, metavar="K=V,...",
+                   help="the layout, as [parallel] keys (e.g. 'tp=8,pp=4,dp_shard=16,pp_schedule=interleaved_1f1b,"
+                   "pp_virtual_stages=3,sequence_parallel=true'); what it leaves out is searched (default: the best)")
+    p.add_argument("--iterations", type=int, default=1, metavar="N", help="optimizer steps to simulate (default: 1)")
+    p.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
+    p.add_argument("--png", default=None, metavar="FILE.png", help="write a timeline (needs the plot extra)")
+    p.add_argument("--json", action="store_true", help="print JSON (the fields of isthmus plan --json) instead of a table")
+    return p
+
+
+def run_simulate(ns: argparse.Namespace) -> int:
+    """Choose the layout, simulate it, print and write what was asked; 0 on success."""
+    from isthmus.autoplan import choose_layout, parse_plan
+    from isthmus.config import ModelConfig
+    from isthmus.models.resolve import resolve_model_args
+    from isthmus.plan_cli import _SHAPE_FLAGS, _check
+    from isthmus.planner.layout import GEO_STRATEGIES, RUNTIMES
+    from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace
+    from isthmus.sim import simulate, write_png, write_trace
+    from isthmus.topology import load_topology
+
+    _check(ns)
+    if ns.iterations < 1:
+        raise ConfigError("--iterations", ns.iterations, "must be at least 1")
+    fixed = parse_plan(ns.plan) if ns.plan else {}
+    model = ModelConfig(flavor=ns.model, mlp=ns.model_mlp, tie_embeddings=ns.model_tie_embeddings,
+                        **{key: getattr(ns, f"model_{key}") for key, _ in _SHAPE_FLAGS})
+    args = resolve_model_args(model)
+    topo = load_topology(ns.topology)
+    if ns.gpus is not None:
+        topo = topo.subset(ns.gpus)
+    if ns.wan_bandwidth is not None:
+        topo = topo.with_wan(bandwidth_gb_s=ns.wan_bandwidth)
+    geo = GEO_STRATEGIES if ns.geo is None else tuple(g.strip() for g in ns.geo.split(",") if g.strip())
+    for g in geo:
+        if g not in GEO_STRATEGIES:
+            raise ConfigError("--geo", g, f"choose from: {', '.join(GEO_STRATEGIES)}")
+    space = SearchSpace(
+        global_batch=ns.global_batch, seq_len=ns.seq_len, micro_batch=ns.micro_batch, recompute=ns.recompute,
+        tp=ns.tp, pp=ns.pp, cp=ns.cp, dp_shard=ns.dp_shard, zero_stage=ns.zero_stage, schedule=ns.schedule,
+        virtual_stages=ns.virtual_stages, dc_axis=ns.dc_axis, geo=geo, diloco_h=ns.diloco_h,
+        max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
+    )
+    runtime = RUNTIMES[ns.runtime]
+    dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
+    chosen = choose_layout(args, topo, space, fixed, runtime, dtype, top=ns.top)
+    if "nproc" in fixed and fixed["nproc"] != topo.n_devices:
+        topo = topo.subset(fixed["nproc"])
+    record = bool(ns.trace or ns.png)
+    result = simulate(chosen.work, topo, chosen.layout, runtime, iterations=ns.iterations, record=record)
+    written = []
+    if ns.trace:
+        n = write_trace(result, ns.trace)
+        written.append(f"trace: {ns.trace} ({n:,} events; open in ui.perfetto.dev)")
+    if ns.png:
+        write_png(result, ns.png)
+        written.append(f"timeline: {ns.png}")
+    if ns.json:
+        out = result.as_json()
+        out["topology"] = topo.name
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+        return 0
+    sys.stdout.write(format_result(result, topo.name) + "\n")
+    for line in written:
+        sys.stdout.write(line + "\n")
+    return 0
+
+
+def format_result(r: "SimResult", topo_name: str) -> str:
+    """The simulated figures beside the cost model's, and the step by cause."""
+    est = r.planner
+    lay, work = r.layout, r.work
+    sim: dict[str, Any] = r.as_json()["simulated"]  # type: ignore[assignment]
+    rows = [
+        ("step time", f"{r.step_time_s:.4g} s", f"{est.step_time_s:.4g} s"),
+        ("tokens/s", f"{r.tokens_per_s:,.0f}", f"{est.tokens_per_s:,.0f}"),
+        ("TFLOP/s per device", f"{r.tflops_per_device:.1f}", f"{est.tflops_per_device:.1f}"),
+        ("MFU", f"{100 * r.mfu:.1f}%", f"{100 * est.mfu:.1f}%"),
+        ("memory per device", f"{r.mem_per_device_gb:.2f} GB", f"{est.mem_per_device_gb:.2f} GB"),
+        ("bubble", f"{100 * r.bubble_fraction:.1f}%", f"{100 * est.bubble_fraction:.1f}%"),
+        ("WAN per step", f"{r.wan_bytes_per_step / 1e9:.3g} GB", f"{est.wan_bytes_per_step / 1e9:.3g} GB"),
+        ("bottleneck", r.bottleneck, est.bottleneck),
+    ]
+    w0 = max(len(a) for a, _, _ in rows)
+    w1 = max(len(b) for _, b, _ in rows + [("", "simulated", "")])
+    lines = [
+        f"isthmus simulate: {lay.label()} on {topo_name} ({lay.world:,} devices; {sim['devices_simulated']} simulated: "
+        f"one data-parallel replica, one device per pipeline rank), {work.global_batch} x {work.seq_len} tokens, "
+        f"{sim['iterations']} step(s), {sim['events']:,} events in {sim['wall_s']:.2f} s",
+        "",
+        f"{'':{w0}}  {'simulated':>{w1}}  cost model",
+    ]
+    lines += [f"{a:{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
+    parts = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.breakdown.items() if v > 0)
+    lines += ["", f"step by cause: {parts}"]
+    return "\n".join(lines)

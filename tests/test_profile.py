@@ -1,0 +1,86 @@
+"""`isthmus profile` writes a topology the planner loads; local ranks; `--parallel.plan auto`."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from isthmus.autoplan import choose_local_layout, local_topology, threads_per_rank
+from isthmus.cli import _ArgumentParser
+from isthmus.config import build_config
+from isthmus.errors import IsthmusError
+from isthmus.profile_cli import add_profile_parser, fit_alpha_beta, fit_gemm_curve, run_profile
+from isthmus.topology import load_topology
+
+
+def profile(argv: list[str]) -> int:
+    parser = _ArgumentParser(prog="isthmus")
+    sub = parser.add_subparsers(dest="command", parser_class=_ArgumentParser)
+    add_profile_parser(sub)
+    return run_profile(parser.parse_args(["profile", *argv]))
+
+
+def test_profile_writes_a_loadable_topology(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "me.toml"
+    quick = ["--seconds", "0.5", "--threads", "2", "--model", "tiny", "--batch", "4", "--seq-len", "32"]
+    assert profile(["--out", str(out), *quick]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    topo = load_topology(str(out))
+    dc = topo.datacenters[0]
+    assert dc.kind.name == "cpu-local" and dc.devices >= 1
+    assert 1e8 < dc.intra_node.bandwidth < 1e11 and 0 < dc.intra_node.latency < 0.01
+    assert 0 < dc.kind.gemm_max_fraction <= 1 and dc.kind.kernel_launch_s > 0
+    two = local_topology(1, str(out), cores=2)  # one rank with both cores: the profiled 2-thread kind
+    assert two.datacenters[0].kind.name == "cpu-local-2t"
+    assert two.datacenters[0].kind.peak("fp32") > 0  # faster than one thread on an idle machine; not when loaded
+
+
+def test_bad_profile_flags(tmp_path: Path) -> None:
+    with pytest.raises(IsthmusError, match="--seconds = 0.0: must be positive"):
+        profile(["--out", str(tmp_path / "x.toml"), "--seconds", "0"])
+    with pytest.raises(IsthmusError, match="--out = .*: its directory does not exist"):
+        profile(["--out", str(tmp_path / "no" / "x.toml")])
+
+
+def test_fits_recover_known_constants() -> None:
+    peak, frac, d0 = 200e9, 0.8, 12.0
+    shapes = [(64, 64, 64), (256, 256, 256), (2048, 256, 256), (2048, 2048, 2048), (256, 704, 2048)]
+    samples = [(m, n, k, peak * frac * m / (m + d0) * n / (n + d0) * k / (k + d0)) for m, n, k in shapes]
+    f, d, err = fit_gemm_curve(samples, peak)
+    assert f == pytest.approx(frac, rel=0.01) and d == pytest.approx(d0, abs=0.5) and err < 0.01
+    lat, bw = 150e-6, 1.1e9
+    lat_fit, bw_fit = fit_alpha_beta([(n, 2 * lat + n / bw) for n in (4096, 65536, 1 << 20, 1 << 24, 1 << 26)])
+    assert lat_fit == pytest.approx(lat, rel=1e-6) and bw_fit == pytest.approx(bw, rel=1e-6)
+
+
+def test_local_ranks_share_the_cores() -> None:
+    assert threads_per_rank(1, 2) == 2 and threads_per_rank(2, 2) == 1 and threads_per_rank(4, 2) == 1
+    base = load_topology("local").datacenters[0]
+    one, two, four = (local_topology(n, "local", cores=2).datacenters[0] for n in (1, 2, 4))
+    assert (one.devices, two.devices, four.devices) == (1, 2, 4)
+    assert two.kind.peak("fp32") == base.kind.peak("fp32") and two.intra_node == base.intra_node
+    assert one.kind.peak("fp32") > base.kind.peak("fp32")  # two threads
+    # Four ranks on two cores: each gets half a core, and so does its share of gloo.
+    assert four.kind.peak("fp32") == pytest.approx(base.kind.peak("fp32") / 2)
+    assert four.intra_node.bandwidth == pytest.approx(base.intra_node.bandwidth / 2)
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 4])
+def test_plan_auto_chooses_a_valid_local_layout(nproc: int) -> None:
+    cfg = build_config(None, [("model.flavor", "small"), ("parallel.nproc", str(nproc)), ("train.batch_size", "16"),
+                              ("train.seq_len", "128")])
+    choice = choose_local_layout(cfg)
+    par = choice.parallel
+    assert par["nproc"] == nproc
+    product = par["dp_replicate"] * par["dp_shard"] * par["tp"] * par["cp"] * par["pp"]
+    assert product == nproc and choice.summary.startswith("plan auto: ")
+    assert "\n" not in choice.summary and math.isfinite(choice.estimate.step_time_s)
+    # The values apply to the config as they are, and the result passes the trainer's own checks.
+    from isthmus.config import set_value
+    from isthmus.parallel.dims import check_layout
+
+    for key, value in {**par, **{f"train.{k}": v for k, v in choice.train.items()}}.items():
+        set_value(cfg, key if key.startswith("train.") else f"parallel.{key}", value, from_cli=False)
+    check_layout(cfg, 4, 2, 4)

@@ -1,0 +1,81 @@
+"""`isthmus simulate` through cli.py's one-line-error parser class: layouts, JSON, trace, timeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from isthmus.cli import _ArgumentParser
+from isthmus.errors import IsthmusError
+from isthmus.plan_cli import add_plan_parser, run_plan
+from isthmus.sim_cli import add_simulate_parser, run_simulate
+
+LOCAL = ["--model", "small", "--topology", "local", "--global-batch", "16", "--seq-len", "128"]
+
+
+def run(command: str, argv: list[str]) -> int:
+    parser = _ArgumentParser(prog="isthmus")
+    sub = parser.add_subparsers(dest="command", parser_class=_ArgumentParser)
+    add_plan_parser(sub)
+    add_simulate_parser(sub)
+    ns = parser.parse_args([command, *argv])
+    return run_plan(ns) if command == "plan" else run_simulate(ns)
+
+
+def test_json_has_the_plan_fields_and_no_plan_takes_the_best(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run("plan", [*LOCAL, "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["layouts"][0]
+    assert run("simulate", [*LOCAL, "--json"]) == 0
+    simulated = json.loads(capsys.readouterr().out)
+    assert set(planned) <= set(simulated)
+    assert simulated["layout"] == planned["layout"] and simulated["parallel"] == planned["parallel"]
+    assert simulated["simulated"]["cost_model_step_time_s"] == pytest.approx(planned["step_time_s"])
+    assert simulated["step_time_s"] == pytest.approx(planned["step_time_s"], rel=0.03)
+
+
+def test_a_partial_plan_fixes_what_it_names(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = "pp=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2,microbatches=4"
+    assert run("simulate", [*LOCAL, "--plan", plan, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    par = out["parallel"]
+    assert (par["pp"], par["pp_schedule"], par["pp_virtual_stages"], par["microbatches"]) == (2, "interleaved_1f1b", 2, 4)
+    assert run("simulate", [*LOCAL, "--plan", "tp=2,sequence_parallel=false", "--json"]) == 0
+    par = json.loads(capsys.readouterr().out)["parallel"]
+    assert par["tp"] == 2 and par["sequence_parallel"] is False
+    assert run("simulate", [*LOCAL, "--plan", "nproc=1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["parallel"]["nproc"] == 1
+
+
+def test_table_trace_and_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    trace, png = tmp_path / "t.json", tmp_path / "t.png"
+    argv = [*LOCAL, "--plan", "pp=2,pp_schedule=1f1b,microbatches=4", "--iterations", "2", "--trace", str(trace),
+            "--png", str(png)]
+    assert run("simulate", argv) == 0
+    out = capsys.readouterr().out
+    for word in ("step time", "tokens/s", "bubble", "simulated", "cost model", "trace:", "timeline:"):
+        assert word in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" and e["name"].startswith("F mb") for e in events) == 2 * 2 * 4
+    assert png.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("plan, needle", [
+    ("bogus=1", "--plan = 'bogus=1': expected key=value"),
+    ("tp=two", "--plan tp = 'two': must be an integer"),
+    ("pp_schedule=warp", "--plan pp_schedule = 'warp': must be one of"),
+    ("sequence_parallel=maybe", "must be true or false"),
+    ("tp=0", "must be at least 1"),
+    ("tp=3", "--plan = 'tp=3': no layout that fits matches it"),
+])
+def test_bad_plans_are_one_line_errors(plan: str, needle: str) -> None:
+    with pytest.raises(IsthmusError) as info:
+        run("simulate", [*LOCAL, "--plan", plan])
+    assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_bad_iterations() -> None:
+    with pytest.raises(IsthmusError, match="--iterations = 0: must be at least 1"):
+        run("simulate", [*LOCAL, "--iterations", "0"])
