@@ -86,6 +86,20 @@ def _check(ns: argparse.Namespace) -> None:
         raise ConfigError("--wan-bandwidth", ns.wan_bandwidth, "must be positive (GB/s)")
 
 
+def search_space(ns: argparse.Namespace) -> SearchSpace:
+    """The search space the shared `plan` / `simulate` flags describe."""
+    geo = GEO_STRATEGIES if ns.geo is None else tuple(g.strip() for g in ns.geo.split(",") if g.strip())
+    for g in geo:
+        if g not in GEO_STRATEGIES:
+            raise ConfigError("--geo", g, f"choose from: {', '.join(GEO_STRATEGIES)}")
+    return SearchSpace(
+        global_batch=ns.global_batch, seq_len=ns.seq_len, micro_batch=ns.micro_batch, recompute=ns.recompute,
+        tp=ns.tp, pp=ns.pp, cp=ns.cp, dp_shard=ns.dp_shard, zero_stage=ns.zero_stage, schedule=ns.schedule,
+        virtual_stages=ns.virtual_stages, dc_axis=ns.dc_axis, geo=geo, diloco_h=ns.diloco_h,
+        max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
+    )
+
+
 def run_plan(ns: argparse.Namespace) -> int:
     """Run the search for a parsed ``plan`` command and print the result; 0 on success."""
     from isthmus.config import ModelConfig
@@ -104,18 +118,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         topo = topo.subset(ns.gpus)
     if ns.wan_bandwidth is not None:
         topo = topo.with_wan(bandwidth_gb_s=ns.wan_bandwidth)
-    geo = GEO_STRATEGIES
-    if ns.geo is not None:
-        geo = tuple(g.strip() for g in ns.geo.split(",") if g.strip())
-        for g in geo:
-            if g not in GEO_STRATEGIES:
-                raise ConfigError("--geo", g, f"choose from: {', '.join(GEO_STRATEGIES)}")
-    space = SearchSpace(
-        global_batch=ns.global_batch, seq_len=ns.seq_len, micro_batch=ns.micro_batch, recompute=ns.recompute,
-        tp=ns.tp, pp=ns.pp, cp=ns.cp, dp_shard=ns.dp_shard, zero_stage=ns.zero_stage, schedule=ns.schedule,
-        virtual_stages=ns.virtual_stages, dc_axis=ns.dc_axis, geo=geo, diloco_h=ns.diloco_h,
-        max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
-    )
+    space = search_space(ns)
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
     result = search(args, topo, space, RUNTIMES[ns.runtime], top=ns.top, dtype=dtype)
     if ns.json:

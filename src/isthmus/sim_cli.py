@@ -52,9 +52,8 @@ def run_simulate(ns: argparse.Namespace) -> int:
     from isthmus.autoplan import choose_layout, parse_plan
     from isthmus.config import ModelConfig
     from isthmus.models.resolve import resolve_model_args
-    from isthmus.plan_cli import _SHAPE_FLAGS, _check
-    from isthmus.planner.layout import GEO_STRATEGIES, RUNTIMES
-    from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace
+    from isthmus.plan_cli import _SHAPE_FLAGS, _check, search_space
+    from isthmus.planner.layout import RUNTIMES
     from isthmus.sim import simulate, write_png, write_trace
     from isthmus.topology import load_topology
 
@@ -70,16 +69,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
         topo = topo.subset(ns.gpus)
     if ns.wan_bandwidth is not None:
         topo = topo.with_wan(bandwidth_gb_s=ns.wan_bandwidth)
-    geo = GEO_STRATEGIES if ns.geo is None else tuple(g.strip() for g in ns.geo.split(",") if g.strip())
-    for g in geo:
-        if g not in GEO_STRATEGIES:
-            raise ConfigError("--geo", g, f"choose from: {', '.join(GEO_STRATEGIES)}")
-    space = SearchSpace(
-        global_batch=ns.global_batch, seq_len=ns.seq_len, micro_batch=ns.micro_batch, recompute=ns.recompute,
-        tp=ns.tp, pp=ns.pp, cp=ns.cp, dp_shard=ns.dp_shard, zero_stage=ns.zero_stage, schedule=ns.schedule,
-        virtual_stages=ns.virtual_stages, dc_axis=ns.dc_axis, geo=geo, diloco_h=ns.diloco_h,
-        max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
-    )
+    space = search_space(ns)
     runtime = RUNTIMES[ns.runtime]
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
     chosen = choose_layout(args, topo, space, fixed, runtime, dtype, top=ns.top)
