@@ -86,8 +86,11 @@ def _check(ns: argparse.Namespace) -> None:
         raise ConfigError("--wan-bandwidth", ns.wan_bandwidth, "must be positive (GB/s)")
 
 
-def search_space(ns: argparse.Namespace) -> SearchSpace:
+def search_space(ns: argparse.Namespace) -> "SearchSpace":
     """The search space the shared `plan` / `simulate` flags describe."""
+    from isthmus.planner.layout import GEO_STRATEGIES
+    from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace
+
     geo = GEO_STRATEGIES if ns.geo is None else tuple(g.strip() for g in ns.geo.split(",") if g.strip())
     for g in geo:
         if g not in GEO_STRATEGIES:
@@ -105,8 +108,8 @@ def run_plan(ns: argparse.Namespace) -> int:
     from isthmus.config import ModelConfig
     from isthmus.models.resolve import resolve_model_args
     from isthmus.planner.explain import explain, format_table, result_json
-    from isthmus.planner.layout import GEO_STRATEGIES, RUNTIMES
-    from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace, search
+    from isthmus.planner.layout import RUNTIMES
+    from isthmus.planner.search import search
     from isthmus.topology import load_topology
 
     _check(ns)
