@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from isthmus.autoplan import choose_layout, local_runtime, local_topology
+from isthmus.autoplan import SIMPLEST_WITHIN, choose_layout, local_runtime, local_topology
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.layout import Layout, Workload
 from isthmus.planner.search import SearchSpace
@@ -155,7 +155,8 @@ def predict(rows: list[Row], topology: str) -> None:
 def planner_choice(nproc: int, topology: str) -> Layout:
     topo = local_topology(nproc, topology)
     space = SearchSpace(global_batch=BATCH, seq_len=SEQ, recompute="none", dc_axis="none")
-    return choose_layout(get_flavor("small"), topo, space, {"nproc": nproc}, local_runtime(), "fp32").layout
+    return choose_layout(get_flavor("small"), topo, space, {"nproc": nproc}, local_runtime(), "fp32", top=50,
+                         band=SIMPLEST_WITHIN).layout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,7 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
                     help="before each run, wait until other work keeps fewer cores busy (default: 0.3)")
     ap.add_argument("--max-wait", type=float, default=120.0, metavar="S", help="longest wait for quiet (default: 120)")
+    ap.add_argument("--nice", type=int, default=0, metavar="N",
+                    help="run the profile and every training run at this niceness (negative needs root: other jobs "
+                    "on a shared machine then take less of the cores)")
     ns = ap.parse_args(argv)
+    if ns.nice:
+        os.nice(ns.nice)  # children (the profile's gloo ranks, every `isthmus train`) inherit it
     root = Path(tempfile.mkdtemp(prefix="isthmus-pvm-"))
     load0 = os.getloadavg()[0]
     topology = ns.topology
@@ -205,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - start
     print_table(rows, choices, ns.markdown)
     print(f"\n{len(rows)} layouts x {ns.rounds} round(s) in {wall / 60:.1f} min; topology {topology}; "
-          f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after")
+          f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; niceness {os.nice(0)}")
     if ns.save:
         save(rows, ns.save)
     return 0
@@ -252,7 +258,10 @@ def print_table(rows: list[Row], choices: dict[int, Layout], markdown: bool) -> 
     measured = [lay for lay in choices.values() if any(r.layout == lay for r in rows)]
     if not measured:
         return
-    overall = min(measured, key=lambda lay: next(r.sim_s for r in rows if r.layout == lay))
+    # The same rule as within one rank count: the fewest ranks within SIMPLEST_WITHIN of the best.
+    predicted = {lay: next(r.sim_s for r in rows if r.layout == lay) for lay in measured}
+    fastest = min(predicted.values())
+    overall = min((lay for lay in measured if predicted[lay] <= fastest / (1 - SIMPLEST_WITHIN)), key=lambda lay: lay.world)
     chosen = next(r for r in rows if r.layout == overall)
     print(f"planner's choice for this machine: {overall.label()} on {overall.world} rank(s), measured {chosen.measured:.3f} s; "
           f"best measured {best.name} {best.measured:.3f} s ({100 * (chosen.measured / best.measured - 1):+.1f}%)")

@@ -98,12 +98,13 @@ def _matches(lay: Layout, fixed: dict[str, Any]) -> bool:
 
 
 def choose_layout(args: ModelArgs, topo: Topology, space: SearchSpace, fixed: dict[str, Any], runtime: Runtime,
-                  dtype: str, top: int = 10) -> Estimate:
+                  dtype: str, top: int = 10, band: float = 0.0) -> Estimate:
     """The best layout whose ``[parallel]`` values include ``fixed``.
 
     The search pins what it can (degrees, schedule, ZeRO stage, recomputation); the best result
     that also has the named dp_replicate, microbatches and cp_impl wins; ``sequence_parallel``
-    is set as named (the search always prefers it when tp > 1).
+    is set as named (the search always prefers it when tp > 1). With ``band`` > 0, the simplest
+    layout (:func:`mechanisms`) among those within ``band`` of the best tokens/s wins instead.
     """
     if "nproc" in fixed and fixed["nproc"] != topo.n_devices:
         topo = topo.subset(fixed["nproc"])
@@ -121,6 +122,9 @@ def choose_layout(args: ModelArgs, topo: Topology, space: SearchSpace, fixed: di
         raise ConfigError("--plan", names, f"no layout that fits matches it on {topo.name} "
                           f"({topo.n_devices} devices; best: {result.best.layout.label()})")
     best = pool[0]
+    if band > 0:
+        near = [e for e in pool if e.effective_tokens_per_s >= (1 - band) * best.effective_tokens_per_s]
+        best = min(near, key=lambda e: (mechanisms(e.layout), -e.effective_tokens_per_s))
     if "sequence_parallel" in fixed and fixed["sequence_parallel"] != best.layout.sp:
         if fixed["sequence_parallel"] and best.layout.tp == 1:
             raise ConfigError("--plan sequence_parallel", True, "needs tp > 1")
@@ -131,7 +135,21 @@ def choose_layout(args: ModelArgs, topo: Topology, space: SearchSpace, fixed: di
     return best
 
 
+def mechanisms(lay: Layout) -> int:
+    """How many parallel mechanisms a layout runs: tp, sp, cp, pp (and its interleaving), sharding
+    (and its stage), gradient accumulation. Each brings runtime work the cost model does not see."""
+    return (sum([lay.tp > 1, lay.sp, lay.cp > 1, lay.pp > 1, lay.virtual_stages > 1, lay.shard_degree > 1,
+                 lay.pp == 1 and lay.microbatches > 1]) + (lay.zero_stage - 1 if lay.shard_degree > 1 else 0))
+
+
 # --- local ranks ---------------------------------------------------------------------------------------
+
+SIMPLEST_WITHIN = 0.05
+"""``--parallel.plan auto`` takes the simplest layout within this much of the best predicted tokens/s.
+
+On CPU ranks the cost model separates the top layouts by a few % (small models: 1-2%), less than
+what it leaves out: torch's per-op work for DTensor (tp), FSDP2's per-group copies and collectives,
+the pipelining runtime's per-action work. Among near-ties, fewer mechanisms is the safer bet."""
 
 THREAD_EFFICIENCY = 0.9
 """Speed-up per extra thread of one rank, when no profile says (2 threads ~ 1.8 x one)."""
@@ -233,7 +251,7 @@ def choose_local_layout(cfg: Any, topology: str = "local") -> LocalChoice:
     space = SearchSpace(global_batch=t.batch_size, seq_len=t.seq_len, recompute=p.activation_checkpoint, dc_axis="none")
     if args.tie_embeddings:
         space = replace(space, pp=1)  # a tied head cannot be pipelined; the config's model is kept as given
-    est = choose_layout(args, topo, space, {"nproc": p.nproc}, local_runtime(), t.dtype)
+    est = choose_layout(args, topo, space, {"nproc": p.nproc}, local_runtime(), t.dtype, top=50, band=SIMPLEST_WITHIN)
     lay = est.layout
     parallel = {k: v for k, v in lay.parallel_config().items() if k != "activation_checkpoint"}
     train = {"grad_accum": lay.microbatches if lay.pp == 1 else 1}

@@ -1,0 +1,460 @@
+"""Cross-datacenter sync strategies on 2 emulated datacenters x 2 CPU ranks, over a shaped WAN.
+
+    python benchmarks/geo_sync.py --steps 40 --wan-mbit 20      # time to flat's loss, WAN bytes
+    python benchmarks/geo_sync.py --sweep                       # 5..500 Mbit/s vs the planner
+    python benchmarks/geo_sync.py --steps 40 --sweep            # both (the sweep then also
+                                                                # projects time to flat's loss)
+
+Every run is a real `isthmus emulate --topology emulated-2dc --wan-mbit R -- train ...`
+(subprocess; root, network namespaces + tc tbf, removed on exit) of the `small` flavor, global
+batch 16 x 128 tokens, same seed and data for every strategy; numbers are read back from the
+run's metrics JSONL.
+
+Main benchmark: every strategy trains the same N steps (equal tokens). The target is the
+validation loss `flat` has after N steps. "Time" is training time: the sum of the per-step
+`step_time_s` of rank 0 (each includes that step's collectives, all blocking but streaming
+DiLoCo's), i.e. validation, start-up and the final save are left out. The time to the target is
+interpolated linearly, in (training time, val loss), between the validation record before and the
+first one at or under the target (relative tolerance 1e-6: fp32 summation order); "not reached" if
+none is within N steps. A strategy that misses the target within N steps is trained again, for
+--reach-steps (default 2N) steps, its cosine schedule stretched over them, and its time to the
+target is taken from that run (its loss at equal tokens still from the N-step run). WAN bytes are
+the trainer's per-step `wan_bytes` (sum over ranks of what each sent on a link to another
+datacenter, ring accounting: isthmus.geo.accounting).
+
+Sweep: each strategy at each WAN rate for a few steps; the measured step time is the median of
+steps 2.. (per-step strategies) or the mean over one full period of H steps 2..H+1 (DiLoCo kinds:
+one outer sync amortised over H steps), next to `isthmus.planner.estimate` for the same topology
+(`load_topology('emulated-2dc').with_wan(...)`, layout dp_replicate 4 over dc 2, dc_axis dp).
+The planner has no streaming_diloco; its prediction here is the alpha-beta estimate stated in
+:func:`streaming_prediction`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOPOLOGY = "emulated-2dc"
+FLAVOR = "small"
+BATCH, SEQ = 16, 128
+SWEEP_MBIT = (5.0, 20.0, 100.0, 500.0)
+DEFAULT_STRATEGIES = ("flat", "hierarchical", "compressed", "diloco", "streaming_diloco")
+DILOCO_KINDS = ("diloco", "streaming_diloco")
+REACH_RTOL = 1e-6
+"""A val loss this close above the target counts as reaching it: hierarchical sums the same fp32
+gradients as flat in another order, and its val loss differs from flat's in the 8th digit."""
+
+
+# -- one run --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Strategy:
+    """A `geo.sync` value and its extra `[geo]` keys, e.g. ``compressed:wan_dtype=int4``."""
+
+    spec: str
+    kind: str = ""
+    geo: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        kind, _, rest = self.spec.partition(":")
+        self.kind = kind
+        for kv in filter(None, rest.split(",")):
+            k, _, v = kv.partition("=")
+            self.geo[k.strip()] = v.strip()
+
+    def settings(self, inner_steps: int) -> dict[str, str]:
+        """Every `[geo]` key given to the run (defaults of the config apart from these)."""
+        out = dict(self.geo)
+        if self.kind in DILOCO_KINDS:
+            out.setdefault("inner_steps", str(inner_steps))
+            out.setdefault("outer_lr", "0.7")
+            out.setdefault("outer_momentum", "0.9")
+        return out
+
+    def label(self, inner_steps: int) -> str:
+        s = self.settings(inner_steps)
+        if self.kind == "compressed":
+            return f"compressed ({s.get('wan_dtype', 'int8')})"
+        if self.kind == "diloco":
+            return f"diloco (H={s['inner_steps']}, fp32)"
+        if self.kind == "streaming_diloco":
+            return (f"streaming_diloco (H={s['inner_steps']}, {s.get('fragments', '4')} fragments, "
+                    f"tau={s.get('overlap_steps', '1')}, {s.get('outer_dtype', 'int4')})")
+        return self.spec if not self.geo else f"{self.kind} ({', '.join(f'{k}={v}' for k, v in self.geo.items())})"
+
+    def period(self, inner_steps: int) -> int:
+        return int(self.settings(inner_steps)["inner_steps"]) if self.kind in DILOCO_KINDS else 1
+
+
+def world_size() -> int:
+    from isthmus.topology import load_topology
+
+    return sum(dc.devices for dc in load_topology(TOPOLOGY).datacenters)
+
+
+def run_emulated(strategy: Strategy, *, steps: int, wan_mbit: float, inner_steps: int, val_every: int,
+                 val_batches: int, warmup: int, seed: int, out: Path, timeout_s: float,
+                 reuse: bool = False) -> list[dict[str, Any]]:
+    """One `isthmus emulate -- train` run; its metrics records (step and validation).
+
+    ``reuse``: when ``out`` holds a finished run of the very same command, read it instead.
+    """
+    metrics = out / "metrics.jsonl"
+    train = [
+        "train", "--model.flavor", FLAVOR, "--parallel.nproc", str(world_size()),
+        "--geo.sync", strategy.kind,
+        "--train.steps", str(steps), "--train.batch_size", str(BATCH), "--train.seq_len", str(SEQ),
+        "--train.warmup_steps", str(warmup), "--train.seed", str(seed),
+        "--train.val_every", str(val_every), "--train.val_batches", str(val_batches),
+        "--train.run_dir", str(out / "run"), "--metrics.jsonl", str(metrics),
+        "--metrics.progress", "false", "--metrics.log_every", "1000",
+    ]
+    for k, v in strategy.settings(inner_steps).items():
+        train += [f"--geo.{k}", v]
+    cmd = [sys.executable, "-m", "isthmus", "emulate", "--topology", TOPOLOGY, "--wan-mbit", f"{wan_mbit:g}",
+           "--timeout", f"{timeout_s:.0f}", "--log-dir", str(out / "logs"), "--", *train]
+    line = " ".join(cmd[2:]) + "\n"
+    if reuse and (out / "done").exists() and (out / "command.txt").read_text() == line:
+        print(f"  {strategy.spec:<28} {wan_mbit:>5g} Mbit/s  {steps:>3} steps  (reused {out})", file=sys.stderr, flush=True)
+        return [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    (out / "command.txt").write_text(line)
+    t0, load0 = time.perf_counter(), os.getloadavg()[0]
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wall = time.perf_counter() - t0
+    # This machine may be shared: the 1-minute load average before and after says how much.
+    (out / "host.json").write_text(json.dumps({"wall_s": wall, "load_before": load0, "load_after": os.getloadavg()[0],
+                                               "cpus": os.cpu_count()}))
+    (out / "emulate.log").write_text(proc.stdout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{strategy.spec} at {wan_mbit:g} Mbit/s failed (exit {proc.returncode}); see {out}/logs")
+    records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+    (out / "done").write_text("")
+    print(f"  {strategy.spec:<28} {wan_mbit:>5g} Mbit/s  {steps:>3} steps  {wall:6.1f} s wall  "
+          f"load {load0:.1f} -> {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    return records
+
+
+# -- main benchmark -------------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    label: str
+    kind: str
+    steps: int
+    step_s: float
+    """Median step time (steps 2..), or the mean over whole periods for DiLoCo kinds."""
+    train_s: float
+    wan_bytes: int
+    final_val: float
+    reach_s: float | None = None
+    reach_step: float | None = None
+    reach_wan_bytes: float | None = None
+    reach_run: int = 0
+    """Steps of the run the target was reached in: ``steps``, or the longer --reach-steps run."""
+    val: list[tuple[int, float, float]] = field(default_factory=list)
+    """(step, training seconds at that step, val loss)."""
+    val_longer: list[tuple[int, float, float]] = field(default_factory=list)
+    """The same, of the longer run (when there was one)."""
+
+
+def summarise(label: str, strategy: Strategy, records: list[dict[str, Any]], inner_steps: int) -> Summary:
+    steps = [r for r in records if "loss" in r]
+    cum, t, b = {0: 0.0}, 0.0, 0
+    for r in steps:
+        t += r["step_time_s"]
+        b += r.get("wan_bytes", 0)
+        cum[r["step"]] = t
+    val = [(r["step"], cum[r["step"]], r["val_loss"]) for r in records if "val_loss" in r]
+    return Summary(label, strategy.kind, len(steps), step_time(strategy, steps, inner_steps), t, b,
+                   val[-1][2] if val else math.nan, val=val)
+
+
+def step_time(strategy: Strategy, steps: list[dict[str, Any]], inner_steps: int) -> float:
+    times = [r["step_time_s"] for r in steps]
+    period = strategy.period(inner_steps)
+    if period == 1:
+        return statistics.median(times[1:] or times)
+    whole = (len(times) - 1) // period * period  # whole periods after the first step
+    return statistics.fmean(times[1:1 + whole]) if whole else statistics.fmean(times)
+
+
+def reach(s: Summary, target: float, wan_at: dict[int, int]) -> None:
+    """First crossing of ``target`` by the val curve, interpolated in time, steps and WAN bytes."""
+    prev = (0, 0.0, math.inf)
+    for step, secs, loss in s.val:
+        if loss <= target * (1 + REACH_RTOL):
+            if math.isinf(prev[2]):
+                frac = 1.0
+            else:
+                frac = (prev[2] - target) / (prev[2] - loss) if prev[2] != loss else 1.0
+            s.reach_s = prev[1] + frac * (secs - prev[1])
+            s.reach_step = prev[0] + frac * (step - prev[0])
+            s.reach_wan_bytes = wan_at[prev[0]] + frac * (wan_at[step] - wan_at[prev[0]])
+            return
+        prev = (step, secs, loss)
+
+
+def run_dir(ns: argparse.Namespace, kind: str, mbit: float, st: Strategy) -> Path:
+    return Path(ns.out) / f"{kind}_{mbit:g}mbit" / st.spec.replace(":", "_").replace("=", "-").replace(",", "_")
+
+
+def main_benchmark(ns: argparse.Namespace) -> tuple[list[Summary], dict[str, list[dict[str, Any]]]]:
+    out = Path(ns.out)
+    strategies = [Strategy(s) for s in ns.strategies]
+    assert strategies[0].kind == "flat", "the first strategy must be flat: it sets the target"
+    per_step_s = 10.0 * 160 / ns.wan_mbit + 5
+
+    def run(st: Strategy, steps: int, kind: str) -> tuple[Summary, list[dict[str, Any]]]:
+        recs = run_emulated(st, steps=steps, wan_mbit=ns.wan_mbit, inner_steps=ns.inner_steps,
+                            val_every=ns.val_every, val_batches=ns.val_batches, warmup=ns.warmup, seed=ns.seed,
+                            out=run_dir(ns, kind, ns.wan_mbit, st), timeout_s=steps * per_step_s + 300, reuse=ns.reuse)
+        return summarise(st.label(ns.inner_steps), st, recs, ns.inner_steps), recs
+
+    results: list[Summary] = []
+    all_recs: dict[str, list[dict[str, Any]]] = {}
+    for st in strategies:
+        summary, all_recs[st.spec] = run(st, ns.steps, "main")
+        results.append(summary)
+    target = results[0].final_val
+    for st, s in zip(strategies, results):
+        reach(s, target, wan_by_step(all_recs[st.spec]))
+        if s.reach_s is not None:
+            s.reach_run = ns.steps
+        elif ns.reach_steps > ns.steps:
+            # Not within N steps: train it longer (its own cosine schedule over reach_steps) to see when it gets there.
+            longer, recs = run(st, ns.reach_steps, "reach")
+            reach(longer, target, wan_by_step(recs))
+            if longer.reach_s is not None:
+                s.reach_s, s.reach_step, s.reach_wan_bytes = longer.reach_s, longer.reach_step, longer.reach_wan_bytes
+            s.reach_run = ns.reach_steps
+            s.val_longer = longer.val
+    (out / f"main_{ns.wan_mbit:g}mbit.json").write_text(json.dumps(
+        {"steps": ns.steps, "reach_steps": ns.reach_steps, "wan_mbit": ns.wan_mbit, "target": target,
+         "inner_steps": ns.inner_steps, "seed": ns.seed, "results": [s.__dict__ for s in results]}, indent=1))
+    print_main(results, ns)
+    return results, all_recs
+
+
+def wan_by_step(records: list[dict[str, Any]]) -> dict[int, int]:
+    """Cumulative WAN bytes after each step (0 before the first)."""
+    out, b = {0: 0}, 0
+    for r in records:
+        if "loss" in r:
+            b += r.get("wan_bytes", 0)
+            out[r["step"]] = b
+    return out
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:,.1f}"
+
+
+def print_main(results: list[Summary], ns: argparse.Namespace) -> None:
+    flat = results[0]
+    tokens = ns.steps * BATCH * SEQ
+    print(f"\n### {FLAVOR}, {TOPOLOGY} (2 DC x 2 CPU ranks), WAN {ns.wan_mbit:g} Mbit/s, {ns.steps} steps x "
+          f"{BATCH}x{SEQ} tokens ({tokens:,} tokens); target = flat's val loss at step {ns.steps}: {flat.final_val:.4f}\n")
+    print("| strategy | s/step | train time, N steps (s) | time to target (s) | speed-up vs flat | steps to target "
+          "| WAN MB, N steps | WAN MB to target | val loss @ N | vs flat |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s in results:
+        reached = s.reach_s is not None
+        longer = s.reach_run > ns.steps
+        where = f" ({s.reach_run}-step run)" if longer else ""
+        speed = f"{flat.reach_s / s.reach_s:.1f}x" if reached and flat.reach_s else "-"
+        cells = [s.label, f"{s.step_s:.2f}", f"{s.train_s:.0f}",
+                 f"{s.reach_s:.0f}{where}" if reached else f"not reached in {max(s.reach_run, ns.steps)} steps",
+                 speed, f"{s.reach_step:.1f}{where}" if reached else "-", _mb(s.wan_bytes),
+                 f"{_mb(s.reach_wan_bytes)}{where}" if reached else "-",
+                 f"{s.final_val:.4f}", f"{100 * (s.final_val / flat.final_val - 1):+.2f}%"]
+        print("| " + " | ".join(cells) + " |")
+    if any(s.reach_run > ns.steps for s in results):
+        print(f"\nA strategy that missed the target within {ns.steps} steps was run again for {ns.reach_steps} steps "
+              f"(same seed, cosine schedule over {ns.reach_steps}); its time, steps and WAN bytes to the target come "
+              f"from that run, everything else from the {ns.steps}-step run.")
+    print("\nval loss curves (step: loss @ training seconds):")
+    for s in results:
+        print(f"- {s.label}: " + ", ".join(f"{st}: {v:.3f} @ {t:.0f}s" for st, t, v in s.val))
+        if s.val_longer:
+            print(f"  - {s.reach_run}-step run: " + ", ".join(f"{st}: {v:.3f} @ {t:.0f}s" for st, t, v in s.val_longer))
+
+
+# -- sweep ----------------------------------------------------------------------------------------
+
+
+def planner_prediction(kind: str, mbit: float, inner_steps: int, settings: dict[str, str]) -> tuple[float, float, str]:
+    """(predicted step seconds, predicted WAN bytes per step, how) for one strategy at ``mbit``."""
+    from isthmus.models.flavors import get_flavor
+    from isthmus.planner import RUNTIMES, Layout, Workload, estimate
+    from isthmus.topology import load_topology
+
+    topo = load_topology(TOPOLOGY)
+    per_dc = topo.datacenters[0].devices
+    topo = topo.with_wan(bandwidth_gb_s=mbit / 8 / 1000)
+    work = Workload(get_flavor(FLAVOR), BATCH, SEQ, "fp32")
+    n_dc = len(topo.datacenters)
+    world = n_dc * per_dc
+
+    def est(geo: str, h: int = 0):  # noqa: ANN202
+        lay = Layout(dp_replicate=world, dc=n_dc, dc_axis="dp", geo=geo, diloco_h=h,  # type: ignore[arg-type]
+                     micro_batch=BATCH // world, microbatches=1)
+        return estimate(work, topo, lay, RUNTIMES["isthmus"])
+
+    if kind == "streaming_diloco":
+        return streaming_prediction(est, mbit, inner_steps, settings, world, n_dc)
+    e = est(kind, inner_steps if kind == "diloco" else 0)
+    return e.step_time_s, e.wan_bytes_per_step, "planner.estimate"
+
+
+def streaming_prediction(est: Any, mbit: float, h: int, settings: dict[str, str], world: int, n_dc: int) -> tuple[float, float, str]:
+    """Alpha-beta estimate for streaming_diloco (the planner does not model it).
+
+    t_step = t0 + max(0, t_frag - tau * t0) * F / H, where t0 = the planner's step without any
+    WAN time (its diloco estimate minus its 'wan' share), t_frag = the WAN time of one fragment's
+    outer gradients: each datacenter's egress carries its ranks' all-gather payloads, P/F params
+    x (bits/8 + 4/block_size) bytes x (n_dc - 1), at the WAN rate, latency 0 (not emulated).
+    WAN bytes per step = n_dc x that payload x F / H.
+    """
+    from isthmus.models.flavors import get_flavor
+    from isthmus.models.flops import count_params
+
+    base = est("diloco", h)
+    t0 = base.step_time_s - base.breakdown.get("wan", 0.0)
+    frags = int(settings.get("fragments", "4"))
+    tau = int(settings.get("overlap_steps", "1"))
+    dtype = settings.get("outer_dtype", "int4")
+    block = int(settings.get("block_size", "256"))
+    per_elem = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}[dtype] + (4.0 / block if dtype.startswith("int") else 0.0)
+    params = count_params(get_flavor(FLAVOR))
+    egress = params / frags * per_elem * (n_dc - 1)  # one datacenter's ranks together send its whole fragment
+    if dtype in ("fp32", "bf16"):  # all-reduce instead: 2 (n-1)/n of the fragment per datacenter
+        egress = params / frags * per_elem * 2 * (n_dc - 1) / n_dc
+    t_frag = egress / (mbit * 1e6 / 8)
+    return t0 + max(0.0, t_frag - tau * t0) * frags / h, n_dc * egress * frags / h, "alpha-beta (docstring)"
+
+
+def sweep(ns: argparse.Namespace, main: list[Summary] | None, main_recs: dict[str, list[dict[str, Any]]]) -> None:
+    out = Path(ns.out)
+    strategies = [Strategy(s) for s in ns.strategies]
+    rows: dict[float, list[dict[str, Any]]] = {}
+    for mbit in ns.sweep_mbit:
+        rows[mbit] = []
+        for st in strategies:
+            period = st.period(ns.inner_steps)
+            steps = 1 + (period if period > 1 else ns.sweep_steps - 1)
+            per_step_s = 10.0 * 160 / mbit + 5
+            if mbit == ns.wan_mbit and st.spec in main_recs:  # the main benchmark ran this one: reuse its steps
+                recs, source = main_recs[st.spec], "main"
+            else:
+                recs, source = run_emulated(
+                    st, steps=steps, wan_mbit=mbit, inner_steps=ns.inner_steps, val_every=0, val_batches=1,
+                    warmup=ns.warmup, seed=ns.seed, timeout_s=steps * per_step_s + 300, out=run_dir(ns, "sweep", mbit, st),
+                    reuse=ns.reuse,
+                ), "sweep"
+            st_recs = [r for r in recs if "loss" in r]
+            steps = len(st_recs)
+            measured = step_time(st, st_recs, ns.inner_steps)
+            counted = st_recs[1:1 + (len(st_recs) - 1) // period * period] if period > 1 else st_recs[1:]
+            wan_per_step = statistics.fmean(r.get("wan_bytes", 0) for r in counted)
+            pred_s, pred_b, how = planner_prediction(st.kind, mbit, ns.inner_steps, st.settings(ns.inner_steps))
+            rows[mbit].append({"label": st.label(ns.inner_steps), "kind": st.kind, "steps": steps, "measured_s": measured,
+                               "predicted_s": pred_s, "wan_bytes_per_step": wan_per_step, "predicted_wan_bytes": pred_b,
+                               "how": how, "source": source})
+    (out / "sweep.json").write_text(json.dumps({str(k): v for k, v in rows.items()}, indent=1))
+    print_sweep(rows, main, ns)
+
+
+def print_sweep(rows: dict[float, list[dict[str, Any]]], main: list[Summary] | None, ns: argparse.Namespace) -> None:
+    print(f"\n### Sweep: {FLAVOR}, {TOPOLOGY}, step time per strategy, measured vs predicted (same topology, every WAN "
+          f"link set to the rate)\n")
+    print("| WAN Mbit/s | strategy | steps (run) | measured s/step | predicted s/step | meas/pred | WAN MB/step measured | "
+          "WAN MB/step predicted | prediction |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
+    for mbit, rs in rows.items():
+        for r in rs:
+            print(f"| {mbit:g} | {r['label']} | {r['steps']} ({r['source']}) | {r['measured_s']:.2f} | {r['predicted_s']:.3f} | "
+                  f"{r['measured_s'] / r['predicted_s']:.1f} | {r['wan_bytes_per_step'] / 1e6:.2f} | "
+                  f"{r['predicted_wan_bytes'] / 1e6:.2f} | {r['how']} |")
+    steps_to = {s.label: s.reach_step for s in main} if main else {}
+    print("\nWinner per bandwidth. Fastest step: lowest s/step (equal tokens per step). Fastest to flat's loss: "
+          "steps-to-target from the main benchmark"
+          + (f" ({ns.wan_mbit:g} Mbit/s, {ns.steps} steps)" if main else " (not run: pass --steps N with --sweep)")
+          + " x measured s/step here; strategies that did not reach it are out. Planner: its step time, and its "
+          "ranking key (tokens/s x assumed quality: compressed 0.98, diloco 0.9; streaming_diloco not modelled).\n")
+    from isthmus.planner.layout import RUNTIMES
+
+    q = RUNTIMES["isthmus"].quality_of
+    print("| WAN Mbit/s | fastest step (measured) | fastest step (predicted) | fastest to flat's loss (measured) "
+          "| planner's pick (quality-weighted) |")
+    print("|---:|---|---|---|---|")
+    for mbit, rs in rows.items():
+        fast_m = min(rs, key=lambda r: r["measured_s"])
+        fast_p = min(rs, key=lambda r: r["predicted_s"])
+        proj = [(steps_to[r["label"]] * r["measured_s"], r) for r in rs if steps_to.get(r["label"]) is not None]
+        if proj:
+            t, best = min(proj, key=lambda x: x[0])
+            reach_cell = f"{best['label']} ({t:.0f} s; " + ", ".join(f"{r['kind']} {x:.0f}" for x, r in proj) + ")"
+        else:
+            reach_cell = "-"
+        planned = [r for r in rs if r["kind"] != "streaming_diloco"]
+        pick = min(planned, key=lambda r: r["predicted_s"] / q(r["kind"])) if planned else None
+        print(f"| {mbit:g} | {fast_m['label']} ({fast_m['measured_s']:.2f} s) | {fast_p['label']} "
+              f"({fast_p['predicted_s']:.3f} s) | {reach_cell} | {pick['label'] if pick else '-'} |")
+
+
+# -- entry ----------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap.add_argument("--steps", type=int, default=None, help="main benchmark: steps per strategy (equal tokens)")
+    ap.add_argument("--wan-mbit", type=float, default=20.0, help="main benchmark: WAN rate (default 20)")
+    ap.add_argument("--sweep", action="store_true", help="run the bandwidth sweep")
+    ap.add_argument("--sweep-mbit", type=lambda s: [float(x) for x in s.split(",")], default=list(SWEEP_MBIT))
+    ap.add_argument("--sweep-steps", type=int, default=4, help="sweep: steps of per-step strategies, the first untimed "
+                    "(DiLoCo kinds: H + 1); the main benchmark's runs are reused at its --wan-mbit")
+    ap.add_argument("--strategies", type=lambda s: s.split(), default=list(DEFAULT_STRATEGIES),
+                    help="space-separated kind[:key=value,...]; the first must be flat")
+    ap.add_argument("--inner-steps", type=int, default=20, help="H of diloco and streaming_diloco (default 20)")
+    ap.add_argument("--val-every", type=int, default=5)
+    ap.add_argument("--val-batches", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=5, help="train.warmup_steps (default 5)")
+    ap.add_argument("--seed", type=int, default=2, help="train.seed (default 2; seeds 0 and 1 were the pilots')")
+    ap.add_argument("--reach-steps", type=int, default=None,
+                    help="train a strategy that misses flat's loss within --steps again for this many steps to time "
+                    "its reaching it (default 2 x --steps; 0 = off)")
+    ap.add_argument("--out", default="runs/geo_sync_bench")
+    ap.add_argument("--reuse", action="store_true", help="read runs already finished under --out with the same command")
+    ns = ap.parse_args(argv)
+    if ns.reach_steps is None:
+        ns.reach_steps = 2 * (ns.steps or 0)
+    if ns.steps is None and not ns.sweep:
+        ap.error("give --steps N (main benchmark) and/or --sweep")
+    if os.geteuid() != 0:
+        ap.error("isthmus emulate needs root (network namespaces, tc)")
+    Path(ns.out).mkdir(parents=True, exist_ok=True)
+    main_results, main_recs = main_benchmark(ns) if ns.steps else (None, {})
+    if ns.sweep:
+        sweep(ns, main_results, main_recs)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
