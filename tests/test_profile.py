@@ -84,3 +84,55 @@ def test_plan_auto_chooses_a_valid_local_layout(nproc: int) -> None:
     for key, value in {**par, **{f"train.{k}": v for k, v in choice.train.items()}}.items():
         set_value(cfg, key if key.startswith("train.") else f"parallel.{key}", value, from_cli=False)
     check_layout(cfg, 4, 2, 4)
+
+
+def test_train_plan_auto_runs_the_choice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`isthmus train --parallel.plan auto` prints the planner's choice and trains with it on real ranks."""
+    import tomllib
+
+    from isthmus.cli import main
+
+    run = tmp_path / "auto"
+    argv = ["train", "--model.flavor", "tiny", "--train.steps", "3", "--train.val_every", "0", "--train.val_batches", "1",
+            "--train.batch_size", "8", "--train.seq_len", "32", "--metrics.progress", "false",
+            "--parallel.nproc", "2", "--parallel.plan", "auto", "--train.run_dir", str(run)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.startswith("plan auto: "))
+    written = tomllib.loads((run / "config.toml").read_text())["parallel"]
+    degrees = written["dp_replicate"] * written["dp_shard"] * written["tp"] * written["cp"] * written["pp"]
+    assert degrees == 2 and written["plan"] == "auto" and "on 2 local rank(s)" in line
+    lines = [ln for ln in (run / "metrics.jsonl").read_text().splitlines() if '"loss"' in ln and "val" not in ln]
+    assert len(lines) == 3
+
+
+def test_plan_auto_keeps_what_the_command_line_fixes(capsys: pytest.CaptureFixture[str]) -> None:
+    import tomllib
+
+    from isthmus.cli import main
+
+    base = ["train", "--model.flavor", "small", "--parallel.plan", "auto", "--print-config"]
+    assert main([*base, "--parallel.nproc", "4", "--parallel.tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("# plan auto: ") and "tp2" in out.splitlines()[0]
+    par = tomllib.loads(out)["parallel"]  # the comment keeps --print-config's output valid TOML
+    assert par["tp"] == 2 and par["dp_replicate"] * par["dp_shard"] * par["cp"] * par["pp"] == 2
+    assert main([*base, "--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.pp_schedule", "gpipe"]) == 0
+    par = tomllib.loads(capsys.readouterr().out)["parallel"]
+    assert (par["pp"], par["pp_schedule"], par["dp_replicate"] * par["dp_shard"]) == (2, "gpipe", 1)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--parallel.tp", "3"], "parallel.tp = 3: must divide parallel.nproc = 2"),
+    (["--parallel.nproc", "4", "--parallel.tp", "4"], "parallel.tp = 4: must divide model.n_kv_heads = 2"),
+    (["--parallel.pp", "2", "--parallel.pp_virtual_stages", "4"], "8 stages is more than model.n_layers = 4"),
+    (["--parallel.plan_topology", "nowhere.toml"], "parallel.plan_topology = 'nowhere.toml': no such file or preset"),
+    (["--parallel.plan", "sometimes"], "parallel.plan = 'sometimes'"),
+    (["--parallel.nproc", "4", "--geo.datacenters", "2"], "parallel.plan = 'auto': plans the local ranks of one datacenter"),
+])
+def test_plan_auto_bad_input_is_one_line(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from isthmus.cli import main
+
+    assert main(["train", "--model.flavor", "small", "--parallel.plan", "auto", "--print-config", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("isthmus: error: ") and message in err, err

@@ -217,15 +217,23 @@ class LocalChoice:
     estimate: Estimate
 
 
-def apply_local_choice(cfg: Any, topology: str | None = None) -> LocalChoice:
+def apply_local_choice(cfg: Any, fixed: dict[str, Any] | None = None, world_size: int | None = None) -> LocalChoice:
     """``--parallel.plan auto`` in one call: choose, write the choice into ``cfg``, re-validate.
 
-    ``topology``: the ``local`` preset or an ``isthmus profile`` file (default: ``parallel.plan_topology``
-    when the config has it, else ``local``). Returns the choice; print its ``summary``.
+    ``fixed``: ``[parallel]`` values the user named on the command line; the choice keeps them.
+    ``world_size``: the launcher's, under torchrun (else ``parallel.nproc``). Plans for
+    ``parallel.plan_topology`` (the ``local`` preset or an ``isthmus profile`` file). Returns the
+    choice; print its ``summary``.
     """
     from isthmus.config import set_value, validate
 
-    choice = choose_local_layout(cfg, topology or getattr(cfg.parallel, "plan_topology", "local"))
+    g = cfg.geo
+    if g.datacenters > 1 or g.sync != "none" or g.fault_tolerant:
+        raise ConfigError("parallel.plan", "auto", "plans the local ranks of one datacenter; set the layout by hand "
+                          "with geo.* (or plan it with isthmus plan --topology)")
+    if world_size is not None:
+        set_value(cfg, "parallel.nproc", world_size, from_cli=False)
+    choice = choose_local_layout(cfg, cfg.parallel.plan_topology, fixed or {})
     for key, value in choice.parallel.items():
         set_value(cfg, f"parallel.{key}", value, from_cli=False)
     for key, value in choice.train.items():
@@ -234,24 +242,39 @@ def apply_local_choice(cfg: Any, topology: str | None = None) -> LocalChoice:
     return choice
 
 
-def choose_local_layout(cfg: Any, topology: str = "local") -> LocalChoice:
+def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any] | None = None) -> LocalChoice:
     """``--parallel.plan auto``: the planner's best layout of ``cfg``'s model for ``parallel.nproc`` local ranks.
 
     Keeps ``cfg``'s model, batch, sequence length, dtype and recomputation; chooses dp_replicate,
     dp_shard, zero_stage, tp, sequence_parallel, cp, pp, pp_schedule, microbatches and
-    pp_virtual_stages (and ``train.grad_accum`` when there is no pipeline). ``topology``: the
-    ``local`` preset or a file from ``isthmus profile``.
+    pp_virtual_stages (and ``train.grad_accum`` when there is no pipeline), keeping what ``fixed``
+    names. ``topology``: the ``local`` preset or a file from ``isthmus profile``.
     """
     from isthmus.models.resolve import resolve_model_args
     from isthmus.preflight import expected_vocab
 
     p, t = cfg.parallel, cfg.train
     args = resolve_model_args(cfg.model, expected_vocab(cfg))
-    topo = local_topology(p.nproc, topology, t.threads)
+    try:
+        topo = local_topology(p.nproc, topology, t.threads)
+    except ConfigError as e:
+        raise ConfigError("parallel.plan_topology", topology, e.rule) from None
     space = SearchSpace(global_batch=t.batch_size, seq_len=t.seq_len, recompute=p.activation_checkpoint, dc_axis="none")
     if args.tie_embeddings:
         space = replace(space, pp=1)  # a tied head cannot be pipelined; the config's model is kept as given
-    est = choose_layout(args, topo, space, {"nproc": p.nproc}, local_runtime(), t.dtype, top=50, band=SIMPLEST_WITHIN)
+    pins = {k: v for k, v in (fixed or {}).items() if k in PLAN_KEYS and k != "activation_checkpoint"}
+    _check_pins(pins, args, p.nproc)
+    if pins.get("pp", 1) > 1 and args.tie_embeddings:
+        raise ConfigError("parallel.pp", pins["pp"], "cannot be combined with model.tie_embeddings (embedding and head live on different stages)")
+    try:
+        est = choose_layout(args, topo, space, {**pins, "nproc": p.nproc}, local_runtime(), t.dtype, top=50,
+                            band=SIMPLEST_WITHIN)
+    except ConfigError as e:
+        if not pins:
+            raise
+        named = ",".join(f"{k}={v}" for k, v in pins.items())
+        raise ConfigError("parallel.plan", "auto", f"no layout of {p.nproc} local rank(s) with {named} fits "
+                          f"({e.rule})") from None
     lay = est.layout
     parallel = {k: v for k, v in lay.parallel_config().items() if k != "activation_checkpoint"}
     train = {"grad_accum": lay.microbatches if lay.pp == 1 else 1}
@@ -259,3 +282,18 @@ def choose_local_layout(cfg: Any, topology: str = "local") -> LocalChoice:
                f"predicted {est.step_time_s:.3g} s/step, {est.tokens_per_s:,.0f} tokens/s, "
                f"{est.mem_per_device_gb:.2f} GB/rank")
     return LocalChoice(parallel, train, summary, est)
+
+
+def _check_pins(pins: dict[str, Any], args: ModelArgs, nproc: int) -> None:
+    """The layout rules a fixed value can break on its own, in the trainer's words, before the search."""
+    for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp"):
+        if nproc % pins.get(key, 1):
+            raise ConfigError(f"parallel.{key}", pins[key], f"must divide parallel.nproc = {nproc}")
+    tp = pins.get("tp", 1)
+    for heads, name in ((args.n_heads, "n_heads"), (args.n_kv_heads, "n_kv_heads")):
+        if heads % tp:
+            raise ConfigError("parallel.tp", tp, f"must divide model.{name} = {heads}")
+    stages = pins.get("pp", 1) * pins.get("pp_virtual_stages", 1)
+    if stages > args.n_layers:
+        raise ConfigError("parallel.pp", pins.get("pp", 1), f"pp * pp_virtual_stages = {stages} stages is more than "
+                          f"model.n_layers = {args.n_layers}")

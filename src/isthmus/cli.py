@@ -95,7 +95,10 @@ def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
 
     from isthmus.preflight import preflight
 
-    cfg = build_config(find_config(ns.config), parse_overrides(rest))
+    overrides = parse_overrides(rest)
+    cfg = build_config(find_config(ns.config), overrides)
+    if cfg.parallel.plan == "auto":
+        _plan_auto(cfg, overrides, as_comment=ns.print_config)
     preflight(cfg)
     if ns.print_config:
         sys.stdout.write(cfg.to_toml())
@@ -108,6 +111,21 @@ def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
     if not launched_externally() or os.environ.get("RANK") == "0":
         _print_summary(result)
     return 0
+
+
+def _plan_auto(cfg: object, overrides: list[tuple[str, str]], as_comment: bool) -> None:
+    """``--parallel.plan auto``: the planner sets the layout; what the command line names stays fixed.
+
+    The choice is printed first (as a TOML comment above ``--print-config``'s output)."""
+    from isthmus.autoplan import PLAN_KEYS, apply_local_choice
+
+    named = {key.split(".", 1)[1] for key, _ in overrides if key.startswith("parallel.")}
+    fixed = {k: getattr(cfg.parallel, k) for k in named if k in PLAN_KEYS and k != "nproc"}  # type: ignore[attr-defined]
+    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None  # torchrun
+    choice = apply_local_choice(cfg, fixed, world)
+    if world is None or os.environ.get("RANK") == "0":
+        sys.stdout.write(("# " if as_comment else "") + choice.summary + "\n")
+        sys.stdout.flush()
 
 
 def _print_summary(result: object) -> None:

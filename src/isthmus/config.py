@@ -133,6 +133,10 @@ class ParallelConfig:
     """Process-group backend: auto picks nccl on CUDA, gloo on CPU."""
     max_restarts: int = 0
     """Restart all ranks up to N times when one dies; they resume from the newest good checkpoint."""
+    plan: Literal["manual", "auto"] = "manual"
+    """manual: the degrees above; auto: the planner chooses them for parallel.nproc local ranks (keys given on the command line stay fixed)."""
+    plan_topology: str = "local"
+    """What parallel.plan auto plans for: the local preset or a file written by isthmus profile."""
 
 
 @dataclass

@@ -154,8 +154,11 @@ def search(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime
             continue
         counter = _variants(cand, topo, runtime, space, heap, top, result, counter)
     if not heap:
-        raise ConfigError("--topology", topo.name, f"no layout of this {count_params(args) / 1e9:.2f}B-parameter model fits "
-                          f"in device memory ({result.considered} considered, {result.pruned_memory} over memory)")
+        n = count_params(args)
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        why = (f"fits in device memory ({result.considered} considered, {result.pruned_memory} over memory)"
+               if result.considered else "is valid for this model's shape and the search's fixed values")
+        raise ConfigError("--topology", topo.name, f"no layout of this {size}-parameter model {why}")
     result.ranked = [est for _, _, est in sorted(heap, key=lambda x: (-x[0], x[1]))]
     return result
 
