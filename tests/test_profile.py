@@ -32,6 +32,10 @@ def test_profile_writes_a_loadable_topology(tmp_path: Path, capsys: pytest.Captu
     assert dc.kind.name == "cpu-local" and dc.devices >= 1
     assert 1e8 < dc.intra_node.bandwidth < 1e11 and 0 < dc.intra_node.latency < 0.01
     assert 0 < dc.kind.gemm_max_fraction <= 1 and dc.kind.kernel_launch_s > 0
+    # The 2-rank layouts ran for real: their per-block runtime work is written down (0 or more).
+    text = out.read_text()
+    assert "tp_block_us" in text and "shard_block_us" in text
+    assert dc.kind.tp_block_s >= 0 and dc.kind.shard_block_s >= 0 and dc.kind.tp_block_s + dc.kind.sp_block_s >= 0
     two = local_topology(1, str(out), cores=2)  # one rank with both cores: the profiled 2-thread kind
     assert two.datacenters[0].kind.name == "cpu-local-2t"
     assert two.datacenters[0].kind.peak("fp32") > 0  # faster than one thread on an idle machine; not when loaded
@@ -136,3 +140,86 @@ def test_plan_auto_bad_input_is_one_line(extra: list[str], message: str, capsys:
     assert main(["train", "--model.flavor", "small", "--parallel.plan", "auto", "--print-config", *extra]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("isthmus: error: ") and message in err, err
+
+
+def _with_overheads(tp_us: float, sp_us: float, shard_us: float) -> str:
+    extra = f"tp_block_us = {tp_us}\nsp_block_us = {sp_us}\nshard_block_us = {shard_us}\n"
+    text = (Path(__file__).resolve().parents[1] / "topologies" / "local.toml").read_text()
+    return text.replace('device = "cpu"', 'device = "cpu-o"') + f'\n[devices.cpu-o]\nbase = "cpu"\n{extra}'
+
+
+def test_runtime_overheads_enter_cost_model_and_simulator_alike() -> None:
+    """Measured per-block runtime work: tp per block and pass, FSDP2 per block and collective."""
+    import tomllib
+
+    from isthmus.autoplan import local_runtime
+    from isthmus.models.flavors import get_flavor
+    from isthmus.planner.cost import estimate
+    from isthmus.planner.layout import Layout, Workload
+    from isthmus.sim import simulate
+    from isthmus.topology import parse_topology
+
+    plain = load_topology("local")
+    over = parse_topology(tomllib.loads(_with_overheads(1000, 500, 2000)))
+    assert over.datacenters[0].kind.tp_block_s == pytest.approx(1e-3)
+    work, rt = Workload(get_flavor("small"), 16, 128, "fp32"), local_runtime()
+    cases = [  # layout, seconds the overheads add (4 blocks)
+        (Layout(tp=2, micro_batch=16, microbatches=1), 4 * 2 * 1e-3),
+        (Layout(tp=2, sp=True, micro_batch=16, microbatches=1), 4 * 2 * 1.5e-3),
+        (Layout(dp_shard=2, zero_stage=3, micro_batch=8, microbatches=1), 4 * 3 * 2e-3),
+        (Layout(dp_shard=2, zero_stage=2, micro_batch=8, microbatches=1), 4 * 2 * 2e-3),
+        (Layout(dp_replicate=2, micro_batch=8, microbatches=1), 0.0),
+    ]
+    for lay, added in cases:
+        a, b = estimate(work, plain, lay, rt).step_time_s, estimate(work, over, lay, rt).step_time_s
+        assert b - a == pytest.approx(added, rel=1e-6, abs=1e-9), lay.label()
+        sim = simulate(work, over, lay, rt)
+        assert sim.step_time_s == pytest.approx(b, rel=0.03), lay.label()
+    # Time-sliced ranks (4 on 2 cores) take twice as long for the same work.
+    four = local_topology(4, str(_write(_with_overheads(1000, 500, 2000))), cores=2).datacenters[0].kind
+    assert four.tp_block_s == pytest.approx(2e-3) and four.shard_block_s == pytest.approx(4e-3)
+
+
+def _write(text: str) -> Path:
+    import tempfile
+
+    path = Path(tempfile.mkdtemp()) / "t.toml"
+    path.write_text(text)
+    return path
+
+
+def test_mechanism_fit_recovers_known_overheads() -> None:
+    """Steps made of the planner's own prediction plus known per-block work give that work back."""
+    from dataclasses import replace as dc_replace
+
+    from isthmus.autoplan import local_runtime
+    from isthmus.models.flavors import get_flavor
+    from isthmus.planner.cost import estimate
+    from isthmus.planner.layout import Layout, Workload
+    from isthmus.profile_cli import MECHANISMS, SHARD_EVENTS, fit_mechanisms
+
+    text = (Path(__file__).resolve().parents[1] / "topologies" / "local.toml").read_text()
+    topo = load_topology("local")
+    tp, sp, shard = 3e-3, 1e-3, 5e-3
+    measured = {}
+    for name, v in MECHANISMS.items():
+        d = v.get("dp_shard", 1)
+        lay = Layout(tp=v.get("tp", 1), sp=v.get("sequence_parallel", False), dp_shard=d,
+                     zero_stage=v.get("zero_stage", 1), micro_batch=16 // d, microbatches=1)
+        per_block = (2 * (tp + (sp if lay.sp else 0.0)) if lay.tp > 1 else SHARD_EVENTS[lay.zero_stage] * shard)
+        measured[name] = [estimate(Workload(dc_replace(get_flavor("small"), n_layers=n), 16, 128, "fp32"),
+                                   topo.subset(2), lay, local_runtime()).step_time_s + n * per_block + 0.01
+                          for n in (1, 3)]
+    got = fit_mechanisms(text, "small", 16, 128, measured)
+    assert got["tp_block_s"] == pytest.approx(tp, rel=1e-6) and got["sp_block_s"] == pytest.approx(sp, rel=1e-6)
+    assert got["shard_block_s"] == pytest.approx(shard, rel=1e-6)
+
+
+def test_bad_overhead_key_is_one_line() -> None:
+    import tomllib
+
+    from isthmus.errors import ConfigError
+    from isthmus.topology import parse_topology
+
+    with pytest.raises(ConfigError, match=r"devices.cpu-o.tp_block_us = -1: must be a number of microseconds, 0 or more"):
+        parse_topology(tomllib.loads(_with_overheads(-1, 0, 0)))

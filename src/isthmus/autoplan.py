@@ -24,7 +24,7 @@ from typing import Any
 from isthmus.errors import ConfigError
 from isthmus.models.args import ModelArgs
 from isthmus.planner.cost import Estimate, estimate
-from isthmus.planner.layout import Layout, Runtime, Workload
+from isthmus.planner.layout import Layout, Runtime
 from isthmus.planner.pipeline import check_pipeline
 from isthmus.planner.search import SearchSpace, search
 from isthmus.topology import DeviceKind, Topology, load_topology, parse_topology, shipped_topologies_dir
@@ -202,9 +202,11 @@ def local_topology(nproc: int, source: str = "local", threads: int = 0, cores: i
 
 
 def _scaled(kind: DeviceKind, factor: float, name: str) -> DeviceKind:
-    """A kind whose compute and memory bandwidth are ``factor`` times ``kind``'s."""
+    """A kind whose compute and memory bandwidth are ``factor`` times ``kind``'s (its per-block
+    runtime work, CPU time too, takes 1 / ``factor`` as long)."""
     return replace(kind, name=name, peak_flops={k: v * factor for k, v in kind.peak_flops.items()},
-                   memory_bandwidth=kind.memory_bandwidth * factor)
+                   memory_bandwidth=kind.memory_bandwidth * factor, tp_block_s=kind.tp_block_s / factor,
+                   sp_block_s=kind.sp_block_s / factor, shard_block_s=kind.shard_block_s / factor)
 
 
 @dataclass(frozen=True)

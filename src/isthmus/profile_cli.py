@@ -16,7 +16,12 @@ What it measures, as one rank sees it (torch on CPU, fp32), at the shapes of one
   does not count as GEMM, norms, rotary embeddings, the CPU attention kernel, lands there), and
   the threads' speed-up scales the ``-<t>t`` kind;
 - gloo all-reduce between 2 local ranks over loopback (two fresh interpreters, one thread each,
-  4 KB to 64 MB), fitted to the planner's alpha-beta form t = 2 latency + bytes / bandwidth.
+  4 KB to 64 MB), fitted to the planner's alpha-beta form t = 2 latency + bytes / bandwidth;
+- whole training steps of the model with 1 and with 3 blocks on those 2 ranks under tp, tp + sp,
+  ZeRO-2 and ZeRO-3 (isthmus.api, as the trainer lays them out): what one block costs beyond the
+  planner's count of the same steps is the runtime's own work per block (DTensor's dispatch, FSDP2's
+  hooks and copies; Galvatron profiles each strategy's layer for the same reason) and becomes the
+  kind's ``tp_block_us``, ``sp_block_us`` and ``shard_block_us``.
 
 It writes a topology in the format of ``topologies/local.toml``: a ``[devices.cpu-local]`` kind
 (one rank, one thread), ``[devices.cpu-local-<t>t]`` (one rank with t threads, which
@@ -95,6 +100,8 @@ def run_profile(ns: argparse.Namespace) -> int:
         f"effective; {prof['block_nt'] * 1e3:.1f} ms on {threads} threads ({prof['speedup']:.2f} x); "
         f"{prof['shared']:.2f} x slower with both ranks computing\n"
         f"  gloo all-reduce, 2 ranks: {prof['gloo_bw'] / 1e9:.2f} GB/s, latency {prof['gloo_lat'] * 1e6:.0f} us\n"
+        f"  runtime work per block on 2 ranks: tp {dc.kind.tp_block_s * 1e3:.1f} ms per pass "
+        f"(sp {dc.kind.sp_block_s * 1e3:+.1f} ms), FSDP2 {dc.kind.shard_block_s * 1e3:.1f} ms per collective\n"
         f"wrote {out} ({dc.devices} x {dc.kind.name}); use it with --topology {out}\n"
     )
     if max(load, os.getloadavg()[0]) > 0.5 * cores:
@@ -213,9 +220,100 @@ def _gloo_worker(rank: int, port: int, sizes: list[int], budget: float, out: str
 def measure_gloo(budget: float, sizes: tuple[int, ...] = ALLREDUCE_BYTES, block: list[Any] | None = None
                  ) -> tuple[list[tuple[int, float]], float]:
     """((bytes, median seconds) of a gloo all-reduce between two local ranks over loopback, and, when
-    ``block`` asks, how much slower a block runs with both ranks computing than with one alone).
+    ``block`` asks, how much slower a block runs with both ranks computing than with one alone)."""
+    got = _two_ranks("_gloo_worker", lambda port, out: [port, list(sizes), budget, out, block], 120 + 10 * budget,
+                     "the gloo ranks")
+    shared = got["block_together"] / got["block_alone"] if got["block_alone"] > 0 else 1.0
+    return list(zip(sizes, got["allreduce"])), shared
 
-    Two fresh interpreters rather than multiprocessing: spawn would re-import the caller's main module.
+
+MECHANISMS: dict[str, dict[str, Any]] = {
+    "tp": {"tp": 2},
+    "sp": {"tp": 2, "sequence_parallel": True},
+    "zero2": {"dp_shard": 2, "zero_stage": 2},
+    "zero3": {"dp_shard": 2, "zero_stage": 3},
+}
+"""The 2-rank layouts whose runtime work :func:`measure_mechanisms` times (``[parallel]`` values)."""
+
+SHARD_EVENTS = {2: 2, 3: 3}
+"""FSDP2 collectives per block and step with one microbatch: ZeRO-2 gathers once and
+reduce-scatters once; ZeRO-3 gathers again for the backward."""
+
+
+def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, steps: int, out: str) -> None:
+    """One of the two ranks of :func:`measure_mechanisms` (its own interpreter, one thread, gloo):
+    the median time of a whole training step (forward, backward, clipping, AdamW) of ``flavor``
+    with 1 and with 3 blocks under each of :data:`MECHANISMS`, as isthmus.api lays it out."""
+    import json
+    import statistics
+    from dataclasses import replace
+
+    import torch
+    import torch.distributed as dist
+
+    from isthmus.api import clip_grad_norm, parallelize, shard_batch, step
+    from isthmus.config import ParallelConfig
+    from isthmus.models.flavors import get_flavor
+    from isthmus.models.llama import build_model
+    from isthmus.parallel.dims import ParallelDims
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    args = get_flavor(flavor)
+    times: dict[str, list[float]] = {}
+    for name, values in MECHANISMS.items():
+        par = ParallelConfig(nproc=2, **values)
+        dims = ParallelDims(dp_replicate=1, dp_shard=par.dp_shard, cp=1, tp=par.tp, pp=1, world_size=2)
+        mesh = dims.build_mesh("cpu")
+        dp = dims.dp
+        times[name] = []
+        for layers in (1, 3):
+            a = replace(args, n_layers=layers)
+            pm = parallelize(build_model(a, device="meta"), dims, parallel=par, mesh=mesh, device="cpu", seq_len=seq)
+            opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)  # as the trainer's (train/optim.py)
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randint(0, a.vocab_size, (batch, seq + 1), generator=gen)
+            local = x.chunk(dp)[mesh["dp"].get_local_rank()] if dp > 1 else x
+            inputs, targets = shard_batch(pm, local[:, :-1], local[:, 1:], mesh)
+            samples = []
+            for i in range(steps + 2):
+                dist.barrier()
+                t = time.perf_counter()
+                step(pm, inputs, targets)
+                clip_grad_norm(pm, 1.0, mesh)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if i >= 2:  # the first steps allocate and warm caches
+                    samples.append(time.perf_counter() - t)
+            times[name].append(statistics.median(samples))
+            del pm, opt
+    if rank == 0:
+        Path(out).write_text(json.dumps(times))
+    dist.destroy_process_group()
+
+
+def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float) -> dict[str, list[float]]:
+    """Per mechanism, the median training-step seconds of ``flavor`` with 1 and with 3 blocks on 2
+    local ranks (two fresh interpreters, as :func:`measure_gloo`)."""
+    from isthmus.models.flavors import get_flavor
+    from isthmus.planner.compute import layer_times
+    from isthmus.planner.layout import RUNTIMES
+    from isthmus.topology import device_kinds
+
+    # As many steps as the budget allows, from the cpu kind's guess at one 3-block step.
+    a = get_flavor(flavor)
+    t = layer_times(device_kinds()["cpu"], "fp32", a, batch, seq, 1, 1, False, RUNTIMES["isthmus"])
+    guess = 4 * (t.fwd + t.bwd + t.wgrad)
+    steps = max(3, min(12, int(budget / (len(MECHANISMS) * 2 * 2 * max(guess, 1e-3)))))
+    return _two_ranks("_mechanism_worker", lambda port, out: [port, flavor, batch, seq, steps, out],
+                      300 + 10 * budget, "the 2-rank layouts")
+
+
+def _two_ranks(worker: str, worker_args: Any, timeout_s: float, what: str) -> Any:
+    """Run ``profile_cli.<worker>(rank, *worker_args(port, out))`` in two fresh interpreters (one
+    thread each) and return the JSON rank 0 wrote to ``out``.
+
+    Fresh interpreters rather than multiprocessing: spawn would re-import the caller's main module.
     """
     import json
     import subprocess
@@ -225,22 +323,60 @@ def measure_gloo(budget: float, sizes: tuple[int, ...] = ALLREDUCE_BYTES, block:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "gloo.txt")
-        code = "import json, sys; from isthmus.profile_cli import _gloo_worker; _gloo_worker(*json.loads(sys.argv[1]))"
+        out = os.path.join(tmp, "result.json")
+        code = f"import json, sys; from isthmus.profile_cli import {worker}; {worker}(*json.loads(sys.argv[1]))"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, port, list(sizes), budget, out, block])],
-                                  env=env) for rank in range(2)]
+        procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, *worker_args(port, out)])], env=env)
+                 for rank in range(2)]
         try:
-            codes = [p.wait(timeout=120 + 10 * budget) for p in procs]
+            codes = [p.wait(timeout=timeout_s) for p in procs]
         finally:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
         if any(codes) or not os.path.exists(out):
-            raise RuntimeError(f"the gloo ranks of isthmus profile failed (exit codes {codes})")
-        got = json.loads(Path(out).read_text())
-    shared = got["block_together"] / got["block_alone"] if got["block_alone"] > 0 else 1.0
-    return list(zip(sizes, got["allreduce"])), shared
+            raise RuntimeError(f"{what} of isthmus profile failed (exit codes {codes})")
+        return json.loads(Path(out).read_text())
+
+
+def fit_mechanisms(topology_text: str, flavor: str, batch: int, seq: int, measured: dict[str, list[float]]
+                   ) -> dict[str, float]:
+    """Seconds per block of runtime work each mechanism adds beyond what the planner counts.
+
+    For each layout the planner predicts the same 2-rank steps on the profiled topology; the
+    measured minus the predicted growth from 1 to 3 blocks, halved, is what one block adds: for tp
+    per pass (forward, backward: DTensor's dispatch, the collectives' copies), for sequence
+    parallelism on top of that, for FSDP2 per collective of a block (its hooks, copy-in and
+    copy-out), least squares over ZeRO-2 (2 per step) and ZeRO-3 (3).
+    """
+    from dataclasses import replace
+
+    from isthmus.models.flavors import get_flavor
+    from isthmus.planner.cost import estimate
+    from isthmus.planner.layout import Layout, Workload
+    from isthmus.autoplan import local_runtime
+    from isthmus.topology import parse_topology
+    import tomllib
+
+    topo = parse_topology(tomllib.loads(topology_text))
+    runtime = local_runtime()
+    args = get_flavor(flavor)
+
+    def per_block(name: str) -> float:
+        v = MECHANISMS[name]
+        shard = v.get("dp_shard", 1)
+        lay = Layout(tp=v.get("tp", 1), sp=v.get("sequence_parallel", False), dp_shard=shard,
+                     zero_stage=v.get("zero_stage", 1), micro_batch=batch // shard, microbatches=1)
+        pred = [estimate(Workload(replace(args, n_layers=n), batch, seq, "fp32"), topo.subset(2), lay, runtime).step_time_s
+                for n in (1, 3)]
+        got = measured[name]
+        return ((got[1] - got[0]) - (pred[1] - pred[0])) / 2
+
+    tp = max(0.0, per_block("tp") / 2)
+    sp = max(-tp, per_block("sp") / 2 - tp)
+    z = [(SHARD_EVENTS[2], per_block("zero2")), (SHARD_EVENTS[3], per_block("zero3"))]
+    shard = max(0.0, sum(e * r for e, r in z) / sum(e * e for e, _ in z))
+    return {"tp_block_s": tp, "sp_block_s": sp, "shard_block_s": shard}
 
 
 def fit_alpha_beta(samples: list[tuple[int, float]]) -> tuple[float, float]:
@@ -426,7 +562,9 @@ def measure(budget: float, threads: int, flavor: str = "small", batch: int = 16,
     kind = replace(kind, kernel_launch_s=launch, memory_bandwidth=bw)
     gloo, shared = measure_gloo(0.2 * budget, sizes, [flavor, half, seq, 0.15 * budget])
     lat, link_bw = fit_alpha_beta(gloo)
+    mechanisms = measure_mechanisms(flavor, batch, seq, 0.3 * budget)
     return {
+        "mechanisms": mechanisms,
         "seconds": time.perf_counter() - start, "threads": threads, "flavor": flavor, "batch": batch, "seq": seq,
         "gemms": gemms, "fraction": frac, "half_dim": d0, "fit_error": err, "launch_s": launch, "launch_floor": floor,
         "memory_bandwidth": bw, "block_1t": block_1t, "block_quarter": block_q, "quarter": quarter, "ends_1t": ends_1t,
@@ -437,7 +575,15 @@ def measure(budget: float, threads: int, flavor: str = "small", batch: int = 16,
 
 
 def topology_toml(prof: dict[str, Any], name: str, cores: int) -> str:
-    """The topology file: one rank among ``cores`` busy ones, one rank alone with all threads, one node."""
+    """The topology file: one rank among ``cores`` busy ones, one rank alone with all threads, one node.
+
+    With ``prof["mechanisms"]`` the 2-rank layouts' per-block overheads are fitted against the
+    planner on the file without them (:func:`fit_mechanisms`) and written into ``cpu-local``.
+    """
+    if "mechanisms" in prof and "overheads" not in prof:
+        bare = topology_toml({**prof, "overheads": {}}, name, cores)
+        prof["overheads"] = fit_mechanisms(bare, prof["flavor"], prof["batch"], prof["seq"], prof["mechanisms"])
+    over = prof.get("overheads") or {}
     base = prof["base"]
     t = prof["threads"]
     speed, shared = prof["speedup"], prof["shared"]
@@ -478,6 +624,18 @@ def topology_toml(prof: dict[str, Any], name: str, cores: int) -> str:
         f"gemm_half_dim = {prof['half_dim']:g}",
         f"memory_bandwidth_gb_s = {prof['memory_bandwidth'] / shared / 1e9:.3f}",
         f"kernel_launch_us = {prof['launch_s'] * shared * 1e6:.2f}",
+    ]
+    if over:
+        m = prof["mechanisms"]
+        lines += [
+            "# 2 ranks, one thread each, a whole training step with 1 and with 3 blocks (median ms): "
+            + "; ".join(f"{k} {v[0] * 1e3:.0f} / {v[1] * 1e3:.0f}" for k, v in m.items()) + ".",
+            "# What one block adds beyond the planner's count of the same steps (per pass; FSDP2 per collective):",
+            f"tp_block_us = {over['tp_block_s'] * 1e6:.0f}",
+            f"sp_block_us = {over['sp_block_s'] * 1e6:.0f}",
+            f"shard_block_us = {over['shard_block_s'] * 1e6:.0f}",
+        ]
+    lines += [
         "",
     ]
     if t > 1:

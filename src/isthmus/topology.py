@@ -21,6 +21,7 @@ is a :class:`ConfigError` naming the key, e.g. ``topology.datacenters[1].nodes``
 
 from __future__ import annotations
 
+import math
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,7 +32,8 @@ from isthmus.errors import ConfigError
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 _DEVICE_KEYS = {
     "base", "description", "memory_gb", "memory_bandwidth_gb_s", "peak_tflops", "gemm_max_fraction",
-    "gemm_half_dim", "memory_bw_fraction", "kernel_launch_us", "default_dtype",
+    "gemm_half_dim", "memory_bw_fraction", "kernel_launch_us", "default_dtype", "tp_block_us", "sp_block_us",
+    "shard_block_us",
 }
 _DC_KEYS = {"name", "device", "nodes", "devices_per_node", "intra_node", "fabric"}
 _LINK_KEYS = {"bandwidth_gb_s", "latency_us"}
@@ -59,12 +61,21 @@ class DeviceKind:
     description: str = ""
     default_dtype: str = "bf16"
     """The dtype training uses on this kind unless told otherwise (fp32 on CPUs)."""
+    tp_block_s: float = 0.0
+    """Runtime work per block and pass (forward or backward) under tensor parallelism that the ops
+    above leave out: DTensor's dispatch, the collectives' copies. ``isthmus profile`` measures it
+    on CPU ranks; 0 on GPUs, where it runs ahead of the kernels."""
+    sp_block_s: float = 0.0
+    """What sequence parallelism changes in that, per block and pass (may be negative)."""
+    shard_block_s: float = 0.0
+    """FSDP2's work per block and collective (its hooks, copy-in and copy-out); measured like tp_block_s."""
 
     def __hash__(self) -> int:  # peak_flops is a dict; the planner caches per-kind results
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.gemm_max_fraction,
-                           self.gemm_half_dim, self.memory_bw_fraction, self.memory_bandwidth, self.kernel_launch_s))
+                           self.gemm_half_dim, self.memory_bw_fraction, self.memory_bandwidth, self.kernel_launch_s,
+                           self.tp_block_s, self.sp_block_s, self.shard_block_s))
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -289,7 +300,20 @@ def _parse_device(name: str, table: Any, known: dict[str, DeviceKind], where_roo
         kernel_launch_s=pick("kernel_launch_us", 1e-6, "kernel_launch_s"),
         description=str(table.get("description", base.description if base else "")),
         default_dtype=_dtype(table, where, base.default_dtype if base else "bf16"),
+        tp_block_s=_overhead(table, "tp_block_us", where, base.tp_block_s if base else 0.0),
+        sp_block_s=_overhead(table, "sp_block_us", where, base.sp_block_s if base else 0.0, signed=True),
+        shard_block_s=_overhead(table, "shard_block_us", where, base.shard_block_s if base else 0.0),
     )
+
+
+def _overhead(table: dict[str, Any], key: str, where: str, default: float, signed: bool = False) -> float:
+    """A per-block runtime overhead in microseconds (optional; 0 unless measured)."""
+    if key not in table:
+        return default
+    v = table[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (v < 0 and not signed):
+        raise ConfigError(f"{where}.{key}", v, "must be a number of microseconds" + ("" if signed else ", 0 or more"))
+    return float(v) * 1e-6
 
 
 def _dtype(table: dict[str, Any], where: str, default: str) -> str:

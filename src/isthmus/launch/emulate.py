@@ -62,6 +62,9 @@ DC_IFNAME = "wan0"
 """The veth inside each datacenter's namespace (bind gloo here: GLOO_SOCKET_IFNAME)."""
 BRIDGE = "br0"
 RDZV_PORT = 29400
+LIGHTHOUSE_ADDRESS = f"{SUBNET}.1"
+"""The torchft Lighthouse of a fault-tolerant run: on the bridge, in no datacenter, so any may die."""
+LIGHTHOUSE_PORT = 29510
 PROBE_PORT = 5201
 
 
@@ -418,6 +421,93 @@ def torchrun_argv(em: Emulation, dc_index: int, train_argv: Sequence[str], scrip
     ]
 
 
+def torchrun_dc_job_argv(em: Emulation, dc_index: int, train_argv: Sequence[str], max_restarts: int,
+                         rdzv_port: int = RDZV_PORT) -> list[str]:
+    """Datacenter ``dc_index`` as a job of its own (``geo.fault_tolerant``): one node, its own c10d
+    store on its own address, and torch's elastic restarts of its ranks (up to ``max_restarts``),
+    which then rejoin the others through torchft."""
+    dc = em.dcs[dc_index]
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1",
+        "--nproc-per-node", str(dc.ranks),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", f"{dc.address}:{rdzv_port}",
+        "--rdzv-id", f"isthmus-{em.run_id}-dc{dc_index}",
+        "--rdzv-conf", "is_host=1",
+        "--local-addr", dc.address,
+        "--max-restarts", str(max_restarts),
+        "-m", "isthmus", *train_argv,
+    ]
+
+
+_LIGHTHOUSE = r"""
+import sys, time
+from isthmus.geo.fault import start_lighthouse
+lh = start_lighthouse(sys.argv[1], int(sys.argv[2]), heartbeat_timeout_ms=int(sys.argv[3]), join_timeout_ms=int(sys.argv[4]))
+print(lh.address, flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def serve_lighthouse(em: Emulation, heartbeat_timeout_ms: int = 5000, join_timeout_ms: int = 10000,
+                     port: int = LIGHTHOUSE_PORT) -> str:
+    """Start a torchft Lighthouse on the bridge (``LIGHTHOUSE_ADDRESS``, given to the bridge here)
+    and return its ``http://`` address; it is stopped with the emulation's other children."""
+    wan = em.bridge_namespace
+    netns.sh("ip", "-n", wan, "addr", "add", f"{LIGHTHOUSE_ADDRESS}/24", "dev", BRIDGE)
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", wan, sys.executable, "-c", _LIGHTHOUSE, LIGHTHOUSE_ADDRESS, str(port),
+         str(heartbeat_timeout_ms), str(join_timeout_ms)],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    em._children.append(proc)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60.0)
+    line = proc.stdout.readline().strip() if ready else ""
+    if not line.startswith("http://"):
+        raise RuntimeError(f"the torchft lighthouse did not start in {wan} (exit code {proc.poll()})")
+    return line
+
+
+def _wait_all(procs: list[subprocess.Popen[Any]], names: list[str], timeout_s: float | None, grace_s: float) -> int:
+    """geo.fault_tolerant: a datacenter that fails does not stop the others; wait for every one.
+
+    Returns 0 when at least one datacenter completed (the run survived), else the first failure's code."""
+    log = get_logger()
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    reported: set[int] = set()
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            for i, c in enumerate(codes):
+                if c not in (None, 0) and i not in reported:
+                    reported.add(i)
+                    others = [n for j, n in enumerate(names) if codes[j] is None]
+                    log.warning("datacenter %s ended with exit code %d; %s train on", names[i], c,
+                                ", ".join(others) if others else "no other datacenter is running to")
+            if all(c is not None for c in codes):
+                done = [n for n, c in zip(names, codes) if c == 0]
+                if done:
+                    if reported:
+                        log.info("the run survived: %s completed", ", ".join(done))
+                    return 0
+                return next(c for c in codes if c)  # type: ignore[return-value]
+            if deadline is not None and time.monotonic() > deadline:
+                log.error("emulated run passed its %ss limit: stopping every datacenter", timeout_s)
+                rc = 124
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        rc = 128 + signal.SIGINT
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else 1
+    with _signals_ignored():
+        stop_process_groups(procs, grace_s)
+    return rc
+
+
 def _wait_first_failure(procs: list[subprocess.Popen[Any]], timeout_s: float | None, grace_s: float) -> int:
     """Wait for every agent; on the first non-zero exit, Ctrl-C, SIGTERM or timeout stop the rest."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -455,6 +545,8 @@ def launch_emulated(
     timeout_s: float | None = None,
     grace_s: float = 10.0,
     rdzv_port: int = RDZV_PORT,
+    fault_tolerant: bool = False,
+    max_restarts: int = 0,
 ) -> int:
     """Run ``isthmus <train_argv>`` (or ``script``) on emulated datacenters; return the exit code.
 
@@ -462,23 +554,38 @@ def launch_emulated(
     first non-zero exit (or Ctrl-C: 130, SIGTERM: 143, ``timeout_s``: 124) stops the others;
     the network is removed in every case. ``log_dir`` takes each agent's output as
     ``<log_dir>/dc<i>.log``; without it, output goes to this process's console.
+
+    ``fault_tolerant`` (``geo.fault_tolerant``): a torchft Lighthouse on the bridge, each datacenter
+    a job of its own whose ranks torch restarts up to ``max_restarts`` times (they rejoin from the
+    global model); one datacenter's failure stops nothing, and the run succeeds when one completes.
     """
     log = get_logger()
     with emulated_network(net) as em:
         files: list[IO[str]] = []
         procs: list[subprocess.Popen[Any]] = []
         try:
+            extra: dict[str, str] = {}
+            if fault_tolerant:
+                extra["TORCHFT_LIGHTHOUSE"] = serve_lighthouse(em)
+                log.info("fault tolerant: torchft lighthouse at %s; each datacenter is its own job (restarts: %d)",
+                         extra["TORCHFT_LIGHTHOUSE"], max_restarts)
             for dc in em.dcs:
                 out: IO[str] | None = None
                 if log_dir is not None:
                     Path(log_dir).mkdir(parents=True, exist_ok=True)
                     out = open(Path(log_dir) / f"dc{dc.index}.log", "w")
                     files.append(out)
-                argv = torchrun_argv(em, dc.index, train_argv, script, rdzv_port)
-                procs.append(em.run_in(dc.index, argv, env={**em.dc_env(dc.index), **(env or {})},
+                if fault_tolerant:
+                    argv = torchrun_dc_job_argv(em, dc.index, train_argv, max_restarts, rdzv_port)
+                else:
+                    argv = torchrun_argv(em, dc.index, train_argv, script, rdzv_port)
+                procs.append(em.run_in(dc.index, argv, env={**em.dc_env(dc.index), **extra, **(env or {})},
                                        stdout=out, stderr=subprocess.STDOUT if out else None, text=True))
             log.info("started %d rank(s) in %d emulated datacenter(s)", net.world_size, len(em.dcs))
-            rc = _wait_first_failure(procs, timeout_s, grace_s)
+            if fault_tolerant:
+                rc = _wait_all(procs, [dc.name for dc in em.dcs], timeout_s, grace_s)
+            else:
+                rc = _wait_first_failure(procs, timeout_s, grace_s)
         except KeyboardInterrupt:  # while starting
             rc = 128 + signal.SIGINT
         except SystemExit as e:
@@ -500,6 +607,7 @@ __all__ = [
     "Emulation",
     "emulated_network",
     "launch_emulated",
+    "serve_lighthouse",
     "throughput_probe",
     "torchrun_argv",
 ]

@@ -27,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wan-mbit", type=float, default=None, help="override every WAN link's rate, in Mbit/s")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument("--log-dir", default=None, help="where each datacenter's launcher log goes (default: <run_dir>/logs)")
+    p.add_argument("--dc-restarts", type=int, default=0, metavar="N",
+                   help="with --geo.fault_tolerant true: restart a datacenter's ranks up to N times when they die; "
+                   "they rejoin from the global model (default: 0)")
 
 
 def _train_args(argv: list[str], n_dc: int, ranks_per_dc: int) -> list[str]:
@@ -68,10 +71,40 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
         wan_mbit=min(rates),
         wan_mbit_per_pair=per_pair if len(rates) > 1 else None,
     )
+    if ns.dc_restarts < 0:
+        raise ConfigError("--dc-restarts", ns.dc_restarts, "must be 0 or more")
     train_argv = _train_args(rest, len(names), sizes.pop())
+    fault_tolerant = _fault_tolerant(train_argv)
+    if ns.dc_restarts and not fault_tolerant:
+        raise ConfigError("--dc-restarts", ns.dc_restarts, "needs --geo.fault_tolerant true in the train command")
     log = get_logger()
     log.warning("%s", LATENCY_NOTE)
     log.info("emulating %d datacenters (%s), WAN %s Mbit/s", len(names), ", ".join(names),
              "/".join(f"{r:g}" for r in sorted(rates)))
     log_dir = Path(ns.log_dir) if ns.log_dir else None
-    return launch_emulated(net, train_argv, log_dir=log_dir, timeout_s=ns.timeout)
+    return launch_emulated(net, train_argv, log_dir=log_dir, timeout_s=ns.timeout, fault_tolerant=fault_tolerant,
+                           max_restarts=ns.dc_restarts)
+
+
+def _fault_tolerant(train_argv: list[str]) -> bool:
+    """Whether the train command (its --config and overrides, validated here first) asks for geo.fault_tolerant."""
+    from isthmus.cli import find_config
+    from isthmus.config import build_config, parse_overrides
+
+    config, rest, i = None, [], 1
+    while i < len(train_argv):
+        a = train_argv[i]
+        if a == "--config" and i + 1 < len(train_argv):
+            config, i = train_argv[i + 1], i + 2
+            continue
+        if a.startswith("--config="):
+            config = a.split("=", 1)[1]
+        elif a != "--print-config":
+            rest.append(a)
+        i += 1
+    cfg = build_config(find_config(config), parse_overrides(rest))
+    if cfg.geo.fault_tolerant:
+        from isthmus.geo.fault import check_config
+
+        check_config(cfg.geo)
+    return cfg.geo.fault_tolerant

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from isthmus.models.args import ModelArgs
-from isthmus.planner.layout import Runtime
+from isthmus.planner.layout import Layout, Runtime
 from isthmus.topology import DeviceKind
 
 ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -179,3 +179,23 @@ def ends_times(
 def optimizer_time(kind: DeviceKind, local_params: float) -> float:
     """Seconds of the optimizer step over the parameters this device updates."""
     return memory_time(kind, OPTIMIZER_BYTES_PER_PARAM * local_params, kernels=4)
+
+
+def shard_collectives(zero_stage: int, shard: int, pp: int, microbatches: int) -> int:
+    """FSDP2 collectives per block and step, as ``geo.dp_sync`` counts them: ZeRO-2 gathers per
+    microbatch (once per step under a pipeline), ZeRO-3 per forward and per backward (a pipeline
+    keeps the step's first gather), and one reduce-scatter per step."""
+    if shard <= 1 or zero_stage == 1:
+        return 0
+    m = microbatches
+    gathers = (m if pp == 1 else 1) if zero_stage == 2 else (2 * m if pp == 1 else m + 1)
+    return gathers + 1
+
+
+def shard_overhead(kind: DeviceKind, layout: Layout, layers: int) -> float:
+    """Seconds of FSDP2's runtime work per step on a device holding ``layers`` blocks (``kind.shard_block_s``
+    per block and collective; 0 unless a profile measured it)."""
+    if not kind.shard_block_s:
+        return 0.0
+    n = shard_collectives(layout.zero_stage, layout.shard_degree, layout.pp, layout.microbatches)
+    return kind.shard_block_s * layers * n

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 from isthmus.models.flops import flops_per_token
 from isthmus.planner import comm
-from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_times, optimizer_time
+from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_times, optimizer_time, shard_overhead
 from isthmus.planner.geo import dp_sync
 from isthmus.planner.layout import Layout, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory, stage_params
@@ -53,6 +53,8 @@ def block_cost(kind: DeviceKind, site: SiteSpans, work: Workload, tp: int, cp: i
     act = b * s / cp * a.dim * e
     # Two all-reduces per block each way (with sp an all-gather + reduce-scatter: the same bytes).
     tp_time = 2 * comm.all_reduce(act, site.tp)
+    if tp > 1:  # measured runtime work of a tensor-parallel block (0 unless a profile says)
+        tp_time += kind.tp_block_s + (kind.sp_block_s if sp else 0.0)
     cp_f = cp_b = 0.0
     if cp > 1:
         kv = b * s / cp * 2 * a.n_kv_heads * a.head_dim / tp * e
@@ -174,7 +176,7 @@ def rank_sync(work: Workload, layout: Layout, runtime: Runtime, pl: Placement, r
         outer = sc.wan if layout.geo == "diloco" else 0.0  # DiLoCo's outer sync blocks, every H steps
         grad = max(0.0, sc.grad - outer - window) + outer
         params_exposed = max(0.0, sc.params - st.fwd) if runtime.dp_overlap else sc.params
-        opt = optimizer_time(site.dc.kind, params / max(1, layout.shard_degree))
+        opt = optimizer_time(site.dc.kind, params / max(1, layout.shard_degree)) + shard_overhead(site.dc.kind, layout, st.layers)
         wan = min(grad, sc.wan)
         cost = RankSync(grad + params_exposed + opt, grad + params_exposed - wan, wan, opt, sc.per_microbatch, sc.wan_bytes)
         if worst is None or cost.tail > worst.tail:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from isthmus.planner import comm
-from isthmus.planner.compute import ends_times, optimizer_time
+from isthmus.planner.compute import ends_times, optimizer_time, shard_overhead
 from isthmus.planner.cost import block_cost, recompute_share, stage_costs
 from isthmus.planner.pipeline import partition_layers
 from isthmus.planner.geo import dp_sync
@@ -194,7 +194,7 @@ class Simulation:
 
     def _boundary(self, a: int, b: int) -> tuple[Any, int, bool]:
         """The link between pipeline ranks a and b (neighbours, or the last and the first)."""
-        pl, p = self.placement, self.layout.pp
+        pl = self.placement
         lo, hi = min(a, b), max(a, b)
         if hi - lo == 1:
             return pl.boundary_links[lo]
@@ -298,6 +298,8 @@ class Simulation:
             st.tail_wait = eng.now - t_wait
             st.tail_wan = min(st.tail_wait, sum(max(0.0, e - max(s0, t_wait)) for s0, e in wan_log))
             st.optimizer = optimizer_time(plan.kind, plan.params / max(1, lay.shard_degree))
+            # FSDP2's measured per-block work, where the cost model puts it too: with the optimizer.
+            st.optimizer += shard_overhead(plan.kind, lay, sum(o.layers for o in plan.stages.values()))
             yield ("compute", st.optimizer, "optimizer", "optimizer", None)
             if dp.outer:
                 t_outer = eng.now

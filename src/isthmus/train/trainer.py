@@ -11,7 +11,7 @@ import math
 import os
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -264,8 +264,12 @@ class Trainer:
             flops_per_token=flops_per_token(self.model_args, t.seq_len),
             peak_flops_total=peak_flops(self.device, t.dtype) * self.world,
         )
+        mcfg = self.cfg.metrics
+        if self.ft_job is not None and mcfg.jsonl:  # each datacenter's job writes its own records
+            path = Path(mcfg.jsonl)
+            mcfg = replace(mcfg, jsonl=str(path.with_name(f"{path.stem}.dc{self.ft_job.dc_index}{path.suffix}")))
         metrics = (
-            MetricsLogger(self.cfg.metrics, self.run_dir, t.steps, throughput, self.device, self.step)
+            MetricsLogger(mcfg, self.run_dir, t.steps, throughput, self.device, self.step)
             if self.rank == 0 else None
         )
         result = TrainResult(run_dir=self.run_dir, n_params=self.n_params, world_size=self.world)

@@ -1,0 +1,132 @@
+"""A datacenter dies and comes back, in `isthmus emulate` (2 emulated datacenters x 2 ranks, real netns).
+
+`--geo.fault_tolerant true` with diloco: the emulator serves a torchft Lighthouse on the bridge and
+runs each datacenter as a job of its own with `--dc-restarts 1`. Once dc1 has trained a few steps,
+every one of its ranks is killed with SIGKILL (its torchrun agent stays: it restarts them). dc0
+must keep training, with no pause longer than the lighthouse's heartbeat timeout, and complete all
+its steps with a finite, falling loss; dc1's new ranks must rejoin at a later outer sync with the
+global model and complete too. Needs root (ip netns, tc), as CI has.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+        reason="needs root with ip and tc (network namespaces)",
+    ),
+]
+
+STEPS, INNER, KILL_AFTER = 36, 3, 6
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:  # being written
+            continue
+        if "loss" in r:
+            out.append(r)
+    return out
+
+
+def _namespace(prefix_of: str) -> str:
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout.split()
+    hits = [n for n in names if n.startswith("ist-") and n.endswith(prefix_of)]
+    assert len(hits) == 1, names
+    return hits[0]
+
+
+def _kill_workers(namespace: str) -> int:
+    """SIGKILL every training rank in ``namespace`` (not its torchrun agent, which restarts them)."""
+    pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=True).stdout.split()
+    killed = 0
+    for pid in map(int, pids):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"isthmus" in cmd and b"torch.distributed.run" not in cmd and b"train" in cmd:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+    return killed
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("geo_emulated_failure")
+    metrics = tmp / "metrics.jsonl"
+    cmd = [
+        sys.executable, "-m", "isthmus", "emulate", "--topology", "emulated-2dc", "--wan-mbit", "20",
+        "--timeout", "240", "--dc-restarts", "1", "--log-dir", str(tmp / "logs"), "--",
+        "train", "--config", "tiny", "--geo.sync", "diloco", "--geo.inner_steps", str(INNER),
+        "--geo.fault_tolerant", "true", "--geo.outer_dtype", "fp32", "--train.steps", str(STEPS),
+        "--train.val_every", "0", "--train.val_batches", "1", "--data.max_bytes", "200000",
+        "--train.run_dir", str(tmp / "run"), "--metrics.jsonl", str(metrics), "--metrics.progress", "false",
+    ]
+    # Short torchft timeouts: a dead peer's collective fails in seconds, not minutes.
+    env = {**os.environ, "TORCHFT_TIMEOUT_SEC": "20", "TORCHFT_QUORUM_TIMEOUT_SEC": "60"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    dc1 = metrics.with_name("metrics.dc1.jsonl")
+    deadline = time.monotonic() + 150
+    try:
+        while len(_records(dc1)) < KILL_AFTER:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "dc1 did not reach its kill point"
+            time.sleep(0.05)
+        killed_at = _records(dc1)[-1]["step"]
+        assert _kill_workers(_namespace("dc1")) == 2
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {"rc": proc.returncode, "out": out, "killed_at": killed_at, "left": left,
+            "dc0": _records(metrics.with_name("metrics.dc0.jsonl")), "dc1": _records(dc1),
+            "dc1_log": (tmp / "logs" / "dc1.log").read_text()}
+
+
+def test_survivor_completes_with_a_falling_loss(run: dict[str, Any]) -> None:
+    assert run["rc"] == 0, run["out"][-3000:]
+    steps = [r["step"] for r in run["dc0"]]
+    assert steps == list(range(1, STEPS + 1))
+    losses = [r["loss"] for r in run["dc0"]]
+    assert all(math.isfinite(x) for x in losses)
+    assert sum(losses[-INNER:]) / INNER < 0.8 * sum(losses[:INNER]) / INNER
+    assert "datacenter dc1 ended" not in run["out"]  # dc1's agent restarted its ranks; it never gave up
+
+
+def test_lost_datacenter_rejoins_from_the_global_model(run: dict[str, Any]) -> None:
+    steps = [r["step"] for r in run["dc1"]]
+    first = [s for s in steps if s <= run["killed_at"]]
+    second = [s for s in steps if s > run["killed_at"]]
+    # The second generation continues where the others are, at an outer sync after the kill: a
+    # gap, then every step to the end.
+    assert first == list(range(1, run["killed_at"] + 1))
+    assert second and second[0] > run["killed_at"] + 1 and (second[0] - 1) % INNER == 0
+    assert second == list(range(second[0], STEPS + 1))
+    assert f"rejoined at step {second[0] - 1} with the global model" in run["dc1_log"]
+    assert all(math.isfinite(r["loss"]) for r in run["dc1"])
+
+
+def test_no_namespace_is_left(run: dict[str, Any]) -> None:
+    assert "ist-" not in run["left"]
