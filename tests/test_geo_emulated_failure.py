@@ -1,8 +1,8 @@
 """A datacenter dies and comes back, in `isthmus emulate` (2 emulated datacenters x 2 ranks, real netns).
 
 `--geo.fault_tolerant true` with diloco: the emulator serves a torchft Lighthouse on the bridge and
-runs each datacenter as a job of its own with `--dc-restarts 1`. Once dc1 has trained a few steps,
-every one of its ranks is killed with SIGKILL (its torchrun agent stays: it restarts them). dc0
+runs each datacenter as a job of its own with `--dc-restarts 1`. Once both have trained an outer round
+together, every one of dc1's ranks is killed with SIGKILL (its torchrun agent stays: it restarts them). dc0
 must keep training, with no pause longer than the lighthouse's heartbeat timeout, and complete all
 its steps with a finite, falling loss; dc1's new ranks must rejoin at a later outer sync with the
 global model and complete too. Needs root (ip netns, tc), as CI has.
@@ -31,7 +31,7 @@ pytestmark = [
     ),
 ]
 
-STEPS, INNER, KILL_AFTER = 36, 3, 6
+STEPS, INNER = 120, 3
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
@@ -46,6 +46,10 @@ def _records(path: Path) -> list[dict[str, Any]]:
         if "loss" in r:
             out.append(r)
     return out
+
+
+def _text(path: Path) -> str:
+    return path.read_text(errors="replace") if path.is_file() else ""
 
 
 def _namespace(prefix_of: str) -> str:
@@ -75,8 +79,8 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("geo_emulated_failure")
     metrics = tmp / "metrics.jsonl"
     cmd = [
-        sys.executable, "-m", "isthmus", "emulate", "--topology", "emulated-2dc", "--wan-mbit", "20",
-        "--timeout", "240", "--dc-restarts", "1", "--log-dir", str(tmp / "logs"), "--",
+        sys.executable, "-m", "isthmus", "emulate", "--topology", "emulated-2dc", "--wan-mbit", "10",
+        "--timeout", "200", "--dc-restarts", "1", "--log-dir", str(tmp / "logs"), "--",
         "train", "--config", "tiny", "--geo.sync", "diloco", "--geo.inner_steps", str(INNER),
         "--geo.fault_tolerant", "true", "--geo.outer_dtype", "fp32", "--train.steps", str(STEPS),
         "--train.val_every", "0", "--train.val_batches", "1", "--data.max_bytes", "200000",
@@ -85,33 +89,42 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # Short torchft timeouts: a dead peer's collective fails in seconds, not minutes.
     env = {**os.environ, "TORCHFT_TIMEOUT_SEC": "20", "TORCHFT_QUORUM_TIMEOUT_SEC": "60"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    dc1 = metrics.with_name("metrics.dc1.jsonl")
-    deadline = time.monotonic() + 150
+    dc0, dc1 = metrics.with_name("metrics.dc0.jsonl"), metrics.with_name("metrics.dc1.jsonl")
+    logs = tmp / "logs"
+    deadline = time.monotonic() + 120
     try:
-        while len(_records(dc1)) < KILL_AFTER:
+        # Kill once both datacenters have trained a round together (one that started late joins the
+        # other at an outer sync first) and dc1 has gone on a little.
+        while not (all("2 datacenter(s) in the quorum, 2 contributed" in _text(logs / f"dc{i}.log") for i in (0, 1))
+                   and _records(dc1) and _records(dc1)[-1]["step"] % INNER == 1):
             assert proc.poll() is None, proc.communicate()[0][-3000:]
-            assert time.monotonic() < deadline, "dc1 did not reach its kill point"
-            time.sleep(0.05)
+            assert time.monotonic() < deadline, "the datacenters did not train a round together"
+            time.sleep(0.02)
         killed_at = _records(dc1)[-1]["step"]
         assert _kill_workers(_namespace("dc1")) == 2
-        out, _ = proc.communicate(timeout=240)
+        out, _ = proc.communicate(timeout=260)  # past emulate's own --timeout: its teardown runs first
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {"rc": proc.returncode, "out": out, "killed_at": killed_at, "left": left,
-            "dc0": _records(metrics.with_name("metrics.dc0.jsonl")), "dc1": _records(dc1),
+            "dc0": _records(dc0), "dc1": _records(dc1),
             "dc1_log": (tmp / "logs" / "dc1.log").read_text()}
 
 
 def test_survivor_completes_with_a_falling_loss(run: dict[str, Any]) -> None:
     assert run["rc"] == 0, run["out"][-3000:]
+    # dc0 trains every step from its first to the last (when it started after dc1 it joined it
+    # first, at an outer sync: then its first step follows that sync).
     steps = [r["step"] for r in run["dc0"]]
-    assert steps == list(range(1, STEPS + 1))
+    assert steps == list(range(steps[0], STEPS + 1)) and (steps[0] - 1) % INNER == 0
     losses = [r["loss"] for r in run["dc0"]]
     assert all(math.isfinite(x) for x in losses)
-    assert sum(losses[-INNER:]) / INNER < 0.8 * sum(losses[:INNER]) / INNER
+    # Falling: from ln(256) = 5.55 nats of the untrained byte model (6.07 at step 1 here) to well below
+    # (dc0 may have started from the global model of a datacenter that began first).
+    assert sum(losses[-INNER:]) / INNER < 0.6 * math.log(256)
+    assert sum(losses[-INNER:]) / INNER < max(losses)
     assert "datacenter dc1 ended" not in run["out"]  # dc1's agent restarted its ranks; it never gave up
 
 
@@ -121,10 +134,10 @@ def test_lost_datacenter_rejoins_from_the_global_model(run: dict[str, Any]) -> N
     second = [s for s in steps if s > run["killed_at"]]
     # The second generation continues where the others are, at an outer sync after the kill: a
     # gap, then every step to the end.
-    assert first == list(range(1, run["killed_at"] + 1))
+    assert first and first == list(range(first[0], run["killed_at"] + 1))
     assert second and second[0] > run["killed_at"] + 1 and (second[0] - 1) % INNER == 0
     assert second == list(range(second[0], STEPS + 1))
-    assert f"rejoined at step {second[0] - 1} with the global model" in run["dc1_log"]
+    assert f"datacenter 1 rejoined at step {second[0] - 1} with the global model" in run["dc1_log"]
     assert all(math.isfinite(r["loss"]) for r in run["dc1"])
 
 

@@ -567,6 +567,10 @@ def launch_emulated(
             extra: dict[str, str] = {}
             if fault_tolerant:
                 extra["TORCHFT_LIGHTHOUSE"] = serve_lighthouse(em)
+                if max_restarts:
+                    # As in launch/local.py: restarted ranks must not read the dead ones' gloo
+                    # addresses from the agent's shared store (pytorch/pytorch#135712).
+                    extra["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
                 log.info("fault tolerant: torchft lighthouse at %s; each datacenter is its own job (restarts: %d)",
                          extra["TORCHFT_LIGHTHOUSE"], max_restarts)
             for dc in em.dcs:

@@ -321,7 +321,8 @@ class Trainer:
         result.elapsed_s = time.perf_counter() - start
         # The first step warms up the allocator and kernels (and pipeline shape inference): leave it out.
         timed = step_times[1:] or step_times
-        result.tokens_per_s = throughput.tokens_per_step * len(timed) / sum(timed)
+        # No step at all: a datacenter that (re)joined the others at their last outer sync.
+        result.tokens_per_s = throughput.tokens_per_step * len(timed) / sum(timed) if timed else 0.0
         result.mfu = result.tokens_per_s * throughput.flops_per_token / throughput.peak_flops_total
         state = gather_full_state(self.pm.modules, self.world)
         if self.rank == 0:
