@@ -29,7 +29,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch

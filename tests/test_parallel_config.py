@@ -27,6 +27,9 @@ BAD_LAYOUTS = [
     (["--parallel.nproc", "4", "--geo.datacenters", "2", "--parallel.tp", "2", "--geo.sync", "flat"], "dp_replicate) only"),
     (["--parallel.nproc", "3", "--geo.datacenters", "2", "--parallel.dp_replicate", "2"], "must equal dc*dp_replicate*dp_shard*cp*tp*pp = 2*2*1*1*1*1 = 4"),
     (["--geo.inner_steps", "0"], "geo.inner_steps = 0: must be at least 1"),
+    (["--parallel.nproc", "4", "--geo.datacenters", "2", "--geo.dc_axis", "pp", "--parallel.pp", "1", "--parallel.dp_replicate", "4"], "parallel.pp = 1: must be a multiple of geo.datacenters = 2 with geo.dc_axis = pp"),
+    (["--parallel.nproc", "4", "--geo.datacenters", "2", "--geo.dc_axis", "pp", "--parallel.pp", "2", "--parallel.dp_replicate", "2", "--parallel.microbatches", "2", "--geo.sync", "flat"], "geo.sync = 'flat': must be none with geo.dc_axis = pp"),
+    (["--parallel.nproc", "4", "--geo.datacenters", "2", "--geo.dc_axis", "pp", "--parallel.pp", "2", "--parallel.microbatches", "2"], "must equal dp_replicate*dp_shard*cp*tp*pp = 1*1*1*1*2 = 2"),
     (["--parallel.nproc", "8", "--parallel.cp", "8", "--parallel.cp_impl", "ulysses"], "ulysses needs cp to divide the heads per tensor-parallel rank, n_heads/tp = 4"),
 ]
 

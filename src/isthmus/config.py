@@ -175,6 +175,8 @@ class GeoConfig:
     """Cross-datacenter sync: none, flat, hierarchical, compressed, diloco or streaming_diloco."""
     datacenters: int = 1
     """Datacenters the data-parallel ranks are split into, equally: rank = dc * ranks_per_dc + local."""
+    dc_axis: Literal["dp", "pp"] = "dp"
+    """What the datacenters split: dp (replicas, geo.sync crosses the WAN) or pp (consecutive pipeline stages: activations cross the WAN, gradients stay inside)."""
     wan_dtype: Literal["int8", "int4"] = "int8"
     """compressed: dtype of gradient shards on the WAN hop (per-block absmax scales, fp32)."""
     block_size: int = 256
@@ -436,6 +438,12 @@ def validate(cfg: JobConfig) -> None:
         _require(Path(c.resume).is_dir(), "checkpoint.resume", c.resume, "no such checkpoint directory (or use none or auto)")
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", cfg.metrics.log_every, "must be at least 1")
     validate_geo(cfg.geo)
+    g = cfg.geo
+    if g.dc_axis == "pp":
+        _require(p.pp % g.datacenters == 0, "parallel.pp", p.pp,
+                 f"must be a multiple of geo.datacenters = {g.datacenters} with geo.dc_axis = pp (each holds pp / datacenters stages)")
+        _require(g.sync == "none", "geo.sync", g.sync,
+                 "must be none with geo.dc_axis = pp: data parallelism stays inside each datacenter")
 
 
 def validate_geo(cfg: GeoConfig) -> None:

@@ -14,8 +14,12 @@ import argparse
 import json
 import sys
 import textwrap
+from typing import TYPE_CHECKING
 
 from isthmus.errors import ConfigError
+
+if TYPE_CHECKING:
+    from isthmus.planner.search import SearchSpace
 
 _SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
     ("n_layers", int), ("dim", int), ("n_heads", int), ("n_kv_heads", int), ("ffn_dim", int), ("vocab_size", int),
@@ -86,7 +90,7 @@ def _check(ns: argparse.Namespace) -> None:
         raise ConfigError("--wan-bandwidth", ns.wan_bandwidth, "must be positive (GB/s)")
 
 
-def search_space(ns: argparse.Namespace) -> "SearchSpace":
+def search_space(ns: argparse.Namespace) -> SearchSpace:
     """The search space the shared `plan` / `simulate` flags describe."""
     from isthmus.planner.layout import GEO_STRATEGIES
     from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace

@@ -12,7 +12,6 @@ concurrent calls are safe (cache files are written atomically) but would each do
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sysconfig
 import tempfile

@@ -139,7 +139,9 @@ def check_layout(
     ``world_size`` is the launcher's (under torchrun); by default ``parallel.nproc``.
     """
     p, t = cfg.parallel, cfg.train
-    dims = ParallelDims.from_config(p, world_size, cfg.geo.datacenters)
+    # geo.dc_axis = pp: the datacenters hold consecutive pipeline stages. Ranks are datacenter-major
+    # and pp is the outermost dimension after dc, so pp's blocks of ranks line up with them.
+    dims = ParallelDims.from_config(p, world_size, cfg.geo.datacenters if cfg.geo.dc_axis == "dp" else 1)
     if n_heads % p.tp:
         raise ConfigError("parallel.tp", p.tp, f"must divide model.n_heads = {n_heads}")
     if n_kv_heads % p.tp:

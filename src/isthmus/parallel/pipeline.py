@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -207,6 +208,40 @@ def _check_even_split(batch: Tensor | None, microbatches: int) -> None:
 def _local_stages(schedule: _PipelineSchedule) -> list[PipelineStage]:
     # torch keeps a rank's stages in `_stage` (single-stage) or `_stages` (multi-stage).
     return list(getattr(schedule, "_stages", None) or [schedule._stage])  # type: ignore[attr-defined]
+
+
+def count_cross_dc_sends(schedule: _PipelineSchedule, pp: int, datacenters: int, counter: dict[str, int]) -> int:
+    """Count, in ``counter["wan"]``, the bytes this rank's stages exchange with stages in another
+    datacenter (``geo.dc_axis = pp``: datacenter d holds pp ranks d * pp / datacenters onwards).
+
+    Each local stage whose next stage lives in another datacenter has its ``forward_one_chunk``
+    wrapped (the schedule calls it once per micro-batch; the stage's one-off metadata inference
+    runs the module directly and sends only shapes, so a module forward hook would over-count):
+    its output's bytes are added twice per training micro-batch, the activation it sends and the
+    gradient of the same shape that comes back. Forward-only validation sends are not counted.
+    Returns how many local stages are wrapped.
+    """
+    per_dc = pp // datacenters
+    hooked = 0
+    for st in _local_stages(schedule):
+        nxt = st.stage_index_to_group_rank.get(st.stage_index + 1)
+        here = st.stage_index_to_group_rank[st.stage_index]
+        if nxt is None or nxt // per_dc == here // per_dc:
+            continue
+        st.forward_one_chunk = _counting(st.forward_one_chunk, counter)  # type: ignore[method-assign]
+        hooked += 1
+    return hooked
+
+
+def _counting(forward: Callable[..., Any], counter: dict[str, int]) -> Callable[..., Any]:
+    def forward_one_chunk(*args: Any, **kwargs: Any) -> Any:
+        out = forward(*args, **kwargs)
+        if torch.is_grad_enabled():  # validation: forward only, not a training step's traffic
+            tensors = out if isinstance(out, (tuple, list)) else (out,)
+            counter["wan"] += 2 * sum(t.numel() * t.element_size() for t in tensors if isinstance(t, Tensor))
+        return out
+
+    return forward_one_chunk
 
 
 def pipeline_step(

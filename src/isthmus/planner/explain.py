@@ -118,7 +118,7 @@ def _wan_sentences(result: SearchResult, topo: Topology) -> list[str]:
         s = f"It uses one datacenter: the WAN ({links}) would cost more than the other datacenters add."
     if rival is not None:
         r = rival.layout
-        what = (f"pipeline stages across datacenters" if r.dc_axis == "pp" else
+        what = ("pipeline stages across datacenters" if r.dc_axis == "pp" else
                 f"data parallelism across datacenters ({r.geo})" if r.dc_axis == "dp" else "one datacenter")
         s += (f" The best with {what} ({r.label()}) reaches {rival.tokens_per_s:,.0f} tokens/s, "
               f"{_pct(best.effective_tokens_per_s, rival.effective_tokens_per_s)} behind.")

@@ -87,10 +87,9 @@ def simulate(work: Workload, topo: Topology, layout: Layout, runtime: Runtime, i
     sim = Simulation(work, topo, layout, runtime, iterations, record).run()
     wall = time.perf_counter() - t0
     step = mean(sim.iter_time)
-    p, m = layout.pp, layout.microbatches
+    p = layout.pp
     # Per step, averaged over steps: the pipeline phase ends when the last rank's last op does.
     stats = [[plan.stats[i] for plan in sim.ranks] for i in range(iterations)]
-    pipe = mean(max(s.pipe_end for s in row) for row in stats)
     idle = mean(mean(pipe_end_all - s.op_busy - s.p2p_block for s in row)
                 for row, pipe_end_all in ((row, max(s.pipe_end for s in row)) for row in stats))
     heavy = max(range(p), key=lambda r: sim.ranks[r].stats[0].op_busy)

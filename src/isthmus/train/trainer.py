@@ -123,6 +123,12 @@ class Trainer:
         if self.ft_job is not None:  # datacenter-major data-parallel ranks, as the mesh lays them out
             self.dp_rank = self.ft_job.dc_index * self.world + self.rank
         self.geo = self._build_geo_sync()
+        self.pp_wan: dict[str, int] | None = None  # geo.dc_axis = pp: activations across datacenters
+        if cfg.geo.dc_axis == "pp" and cfg.geo.datacenters > 1 and self.pm.schedule is not None:
+            from isthmus.parallel.pipeline import count_cross_dc_sends
+
+            self.pp_wan = {"wan": 0}
+            count_cross_dc_sends(self.pm.schedule, self.dims.pp, cfg.geo.datacenters, self.pp_wan)
         self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler)
         self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
         self.n_params = count_params(a)
@@ -275,6 +281,7 @@ class Trainer:
         result = TrainResult(run_dir=self.run_dir, n_params=self.n_params, world_size=self.world)
         step_times: list[float] = []
         sent_before: dict[str, int] = {}
+        wan_before = 0
         start = time.perf_counter()
         try:
             while self.step < t.steps:
@@ -294,6 +301,12 @@ class Trainer:
                     step_bytes = total_over_ranks(bytes_delta(sent_before, self.geo.bytes_sent))
                     sent_before = dict(self.geo.bytes_sent)
                     extra.update({f"{tier}_bytes": n for tier, n in step_bytes.items()})
+                if self.pp_wan is not None:
+                    from isthmus.geo import total_over_ranks
+
+                    step_wan = total_over_ranks({"intra_node": 0, "intra_dc": 0, "wan": self.pp_wan["wan"] - wan_before})
+                    wan_before = self.pp_wan["wan"]
+                    extra["wan_bytes"] = step_wan["wan"]
                 if metrics is not None:
                     metrics.log_step(self.step, loss, lr, step_times[-1], extra)
                 if (t.val_every and self.step % t.val_every == 0) or self.step == t.steps:
@@ -318,6 +331,12 @@ class Trainer:
             result.bytes_by_tier = total_over_ranks(self.geo.bytes_sent)
             self.log.info("geo %s sent %s", self.cfg.geo.sync,
                           ", ".join(f"{format_bytes(n)} {tier}" for tier, n in result.bytes_by_tier.items()))
+        if self.pp_wan is not None:
+            from isthmus.geo import format_bytes, total_over_ranks
+
+            result.bytes_by_tier = {"wan": total_over_ranks({"intra_node": 0, "intra_dc": 0, **self.pp_wan})["wan"]}
+            self.log.info("pipeline across %d datacenters sent %s over the WAN (activations and their gradients)",
+                          self.cfg.geo.datacenters, format_bytes(result.bytes_by_tier["wan"]))
         result.elapsed_s = time.perf_counter() - start
         # The first step warms up the allocator and kernels (and pipeline shape inference): leave it out.
         timed = step_times[1:] or step_times
