@@ -143,9 +143,10 @@ def test_plan_auto_bad_input_is_one_line(extra: list[str], message: str, capsys:
 
 
 def _with_overheads(tp_us: float, sp_us: float, shard_us: float) -> str:
-    extra = f"tp_block_us = {tp_us}\nsp_block_us = {sp_us}\nshard_block_us = {shard_us}\n"
-    text = (Path(__file__).resolve().parents[1] / "topologies" / "local.toml").read_text()
-    return text.replace('device = "cpu"', 'device = "cpu-o"') + f'\n[devices.cpu-o]\nbase = "cpu"\n{extra}'
+    """Two ranks of the shipped cpu kind on one node, with the given runtime work per block."""
+    return (f'name = "t"\n[devices.cpu-o]\nbase = "cpu"\ntp_block_us = {tp_us}\nsp_block_us = {sp_us}\n'
+            f'shard_block_us = {shard_us}\n[[datacenters]]\nname = "local"\ndevice = "cpu-o"\nnodes = 1\n'
+            'devices_per_node = 2\nintra_node = { bandwidth_gb_s = 1.2, latency_us = 200 }\n')
 
 
 def test_runtime_overheads_enter_cost_model_and_simulator_alike() -> None:
@@ -159,7 +160,7 @@ def test_runtime_overheads_enter_cost_model_and_simulator_alike() -> None:
     from isthmus.sim import simulate
     from isthmus.topology import parse_topology
 
-    plain = load_topology("local")
+    plain = parse_topology(tomllib.loads(_with_overheads(0, 0, 0)))
     over = parse_topology(tomllib.loads(_with_overheads(1000, 500, 2000)))
     assert over.datacenters[0].kind.tp_block_s == pytest.approx(1e-3)
     work, rt = Workload(get_flavor("small"), 16, 128, "fp32"), local_runtime()

@@ -42,7 +42,7 @@ def test_selene_and_geo_shapes() -> None:
     names = [d.name for d in geo.datacenters]
     assert len(geo.wan) == 3 and geo.wan_link(names[0], names[2]).latency > geo.wan_link(names[0], names[1]).latency
     local = load_topology("local")
-    assert local.n_devices == 2 and local.datacenters[0].kind.name == "cpu"
+    assert local.n_devices == 2 and local.datacenters[0].kind.name == "cpu-local"
 
 
 def test_presets_ship_as_package_data_and_repo_symlink() -> None:
