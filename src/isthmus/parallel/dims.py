@@ -180,8 +180,9 @@ def check_layout(
                 f"geo.sync = {g.sync} runs over data-parallel replicas (dp_replicate) only; shard, tensor, "
                 "context and pipeline parallelism inside a datacenter are not combined with it yet",
             )
-        if cfg.checkpoint.every:
-            raise ConfigError("checkpoint.every", cfg.checkpoint.every, f"checkpoints are not yet saved with geo.sync = {g.sync}")
+        if cfg.checkpoint.every and g.fault_tolerant:
+            raise ConfigError("checkpoint.every", cfg.checkpoint.every,
+                              "is not combined with geo.fault_tolerant yet: a datacenter that fails rejoins from the live ones")
     if dims.pp_enabled:
         from isthmus.parallel.pipeline import check_schedule
 

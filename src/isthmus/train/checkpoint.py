@@ -6,6 +6,12 @@ What goes where:
   ``rng.rank<r>`` (each rank's RNG states). Keys are canonical full-model names, so a tensor is
   found by name whatever layout saved or loads it: DTensors (FSDP2, TP) reshard on load, pipeline
   stages ask only for their own layers, plain tensors (DDP, one process) are read whole.
+- Under ``geo.sync``: ``geo.rank<r>.*``, each rank's strategy state (error-feedback residuals,
+  DiLoCo's global snapshot, outer momentum and transfers in flight: `GeoSync.state_dict`), its
+  tensors as data and its structure as JSON bytes. DiLoCo's datacenters train apart between outer
+  steps, so datacenter d > 0 keeps its own model and inner-optimizer state under ``dc<d>.model.*``
+  and ``dc<d>.optim.*``; datacenter 0's are the plain ``model.*`` / ``optim.*`` any run loads.
+  A geo run resumes its geo state only under the layout that saved it.
 - ``isthmus.json`` (rank 0; see `checkpoint_manifest`): step, model shape, layout, config, the
   data-loader position and the LR-scheduler state, and checksums of every file.
 
@@ -42,7 +48,7 @@ from torch import nn
 
 from isthmus.config import CheckpointConfig
 from isthmus.data.loader import BatchSampler
-from isthmus.errors import CheckpointError
+from isthmus.errors import CheckpointError, IsthmusError
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.llama import canonical_name
@@ -71,6 +77,11 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: BatchSampler
+    replica: str = ""
+    """Key prefix of this rank's model and optimizer entries: "" where every replica holds the same
+    values; "dc<d>" for datacenter d > 0 of a DiLoCo run (its datacenters train apart)."""
+    geo: Any = None
+    """The `GeoSync` strategy, or None; restored separately by `Checkpointer.load_geo`."""
 
 
 @dataclass
@@ -110,7 +121,7 @@ def optimizer_state(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) 
 
 
 def _optimizer_targets(
-    optimizer: torch.optim.Optimizer, modules: list[nn.Module], saved: dict[str, Any], path: Path
+    optimizer: torch.optim.Optimizer, modules: list[nn.Module], saved: dict[str, Any], path: Path, prefix: str = ""
 ) -> dict[str, dict[str, torch.Tensor]]:
     """Empty tensors, laid out like this rank's parameters, for the optimizer state the checkpoint holds.
 
@@ -119,9 +130,10 @@ def _optimizer_targets(
     plain tensor. DCP fills them in place.
     """
     by_param: dict[str, dict[str, Any]] = {}
+    head = prefix + "optim."
     for key, meta in saved.items():
-        if key.startswith("optim."):
-            fqn, _, entry = key[len("optim.") :].rpartition(".")
+        if key.startswith(head):
+            fqn, _, entry = key[len(head) :].rpartition(".")
             by_param.setdefault(fqn, {})[entry] = meta
     targets: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in _local_params(optimizer, modules):
@@ -173,6 +185,44 @@ def _rng_tensor(state: dict[str, Any]) -> torch.Tensor:
 
 def _rng_from_tensor(t: torch.Tensor) -> dict[str, Any]:
     return json.loads(t.numpy().tobytes().decode())
+
+
+# --- geo strategy state ---------------------------------------------------------------------------
+def _flatten(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """``obj`` as JSON values, each tensor replaced by ``{"tensor": key}`` and put in ``tensors``."""
+    if isinstance(obj, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = obj
+        return {"tensor": key}
+    if isinstance(obj, dict):
+        return {"dict": {k: _flatten(v, tensors) for k, v in obj.items()}}
+    if isinstance(obj, (list, tuple)):
+        return {"list": [_flatten(v, tensors) for v in obj]}
+    assert obj is None or isinstance(obj, (int, float, str, bool)), type(obj)
+    return {"value": obj}
+
+
+def _unflatten(node: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+    if "tensor" in node:
+        return tensors[node["tensor"]]
+    if "dict" in node:
+        return {k: _unflatten(v, tensors) for k, v in node["dict"].items()}
+    if "list" in node:
+        return [_unflatten(v, tensors) for v in node["list"]]
+    return node["value"]
+
+
+def geo_tree(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """A strategy's ``state_dict()`` as DCP entries: its tensors, and its structure as JSON bytes."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = _flatten(state, tensors)
+    return {"structure": torch.frombuffer(bytearray(json.dumps(skeleton).encode()), dtype=torch.uint8), **tensors}
+
+
+def geo_state(tree: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The inverse of `geo_tree` (nothing unpickled: the structure is JSON)."""
+    skeleton = json.loads(tree["structure"].numpy().tobytes().decode())
+    return _unflatten(skeleton, tree)
 
 
 # --- the checkpointer the trainer drives -------------------------------------------------------------
@@ -243,6 +293,7 @@ class Checkpointer:
         else:
             path = Path(mode)
             manifest = verify_checkpoint(path, self.model)
+        _check_geo_layout(path, manifest.layout, self.layout)
         self.log.info("checkpoint: resuming from %s (step %d)", path, manifest.step)
         return str(path), manifest
 
@@ -260,9 +311,12 @@ class Checkpointer:
         rng_key = f"rank{self.rank}" if same_layout else "rank0"
         parts = [model_state([m]) for m in state.modules]
         model = {k: v for part in parts for k, v in part.items()}
-        optim = _optimizer_targets(state.optimizer, state.modules, saved, path)
+        prefix = state.replica + "." if state.replica else ""
+        if prefix and not any(k.startswith(prefix + "model.") for k in saved):
+            raise CheckpointError(f"{path}: holds no model for {state.replica} (saved under {manifest.layout.get('summary')})")
+        optim = _optimizer_targets(state.optimizer, state.modules, saved, path, prefix)
         rng_meta = saved.get(f"rng.{rng_key}")
-        tree: StateTree = {"model": model, "optim": optim}
+        tree: StateTree = _replica_tree(state.replica, model, optim)
         if rng_meta is not None:
             tree["rng"] = {rng_key: torch.empty(tuple(rng_meta.size), dtype=torch.uint8)}
         try:
@@ -282,6 +336,9 @@ class Checkpointer:
         # The scheduler sets each group's lr only when it steps: put back the lr of the next step.
         for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
+        if self.rank == 0 and state.geo is None and any(k.startswith("geo.") for k in saved):
+            self.log.info("checkpoint: saved with geo.sync = %s; this run takes datacenter 0's model and optimizer state",
+                          manifest.layout.get("geo_sync"))
         if "rng" in tree:
             set_rng_state(_rng_from_tensor(tree["rng"][rng_key]))
         if not same_layout:
@@ -291,6 +348,27 @@ class Checkpointer:
             )
         self.log.info("checkpoint: loaded step %d in %.1f s", manifest.step, time.perf_counter() - start)
         return manifest.step
+
+    def load_geo(self, point: ResumePoint, geo: Any) -> None:
+        """Restore the geo strategy's state after `load` (the strategy is built from the loaded model).
+
+        A checkpoint without geo state (saved by a run without ``geo.sync``) leaves the strategy as
+        built: its global snapshot is the loaded model. One saved under another layout was refused
+        by `find_resume` already.
+        """
+        saved = dcp.FileSystemReader(str(point.path)).read_metadata().state_dict_metadata
+        head = f"geo.rank{self.rank}."
+        mine = {k[len(head):]: v for k, v in saved.items() if k.startswith(head)}
+        if not mine:
+            self.log.info("checkpoint: %s holds no geo state; geo.sync starts from the loaded model", point.path)
+            return
+        tree = {k: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for k, meta in mine.items()}
+        dcp.load({"geo": {f"rank{self.rank}": tree}}, checkpoint_id=str(point.path), process_group=self.group,
+                 no_dist=self.world == 1)
+        try:
+            geo.load_state_dict(geo_state(tree))
+        except IsthmusError as e:
+            raise CheckpointError(f"{point.path}: {e}") from None
 
     # --- save -----------------------------------------------------------------------------------
     def due(self, step: int, last: bool) -> bool:
@@ -305,11 +383,11 @@ class Checkpointer:
             step=step, model=self.model, layout=self.layout, config=self.config_toml,
             sampler=state.sampler.state_dict(), scheduler=_json_safe(state.scheduler.state_dict()),
         )
-        tree: StateTree = {
-            "model": model_state(state.modules),
-            "optim": optimizer_state(state.optimizer, state.modules),
-            "rng": {f"rank{self.rank}": _rng_tensor(rng_state())},
-        }
+        tree = _replica_tree(state.replica, model_state(state.modules), optimizer_state(state.optimizer, state.modules))
+        tree["rng"] = {f"rank{self.rank}": _rng_tensor(rng_state())}
+        if state.geo is not None:
+            # A collective under streaming DiLoCo: transfers in flight are waited for and saved decoded.
+            tree["geo"] = {f"rank{self.rank}": geo_tree(state.geo.state_dict())}
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True, thread_count=1)
         start = time.perf_counter()
         if not self.cfg.async_save:
@@ -358,6 +436,25 @@ class Checkpointer:
         self._pending = None
         if self._executor is not None:
             self._executor.shutdown(wait=False)
+
+
+def _check_geo_layout(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
+    """Geo state is per rank (a datacenter's slice of DiLoCo's snapshot, a rank's residuals): a geo
+    run resumes a geo checkpoint only under the layout that saved it. Runs without geo.sync load any."""
+    theirs = saved.get("geo_sync", "none")
+    if mine.get("geo_sync", "none") == "none" or theirs == "none" or saved == mine:
+        return
+    raise CheckpointError(
+        f"{path}: saved with geo.sync = {theirs} under layout {saved.get('summary')} on {saved.get('world_size')} "
+        f"rank(s); this run ({mine.get('summary')} on {mine.get('world_size')}) can resume it only with the same "
+        "layout, or without geo.sync"
+    )
+
+
+def _replica_tree(replica: str, model: dict[str, torch.Tensor], optim: dict[str, Any]) -> StateTree:
+    """The model and optimizer entries, under ``<replica>.`` when this replica keeps its own."""
+    entries: StateTree = {"model": model, "optim": optim}
+    return {replica: entries} if replica else entries
 
 
 def _json_safe(state: dict[str, Any]) -> dict[str, Any]:

@@ -122,15 +122,20 @@ class Trainer:
         self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
         if self.ft_job is not None:  # datacenter-major data-parallel ranks, as the mesh lays them out
             self.dp_rank = self.ft_job.dc_index * self.world + self.rank
-        self.geo = self._build_geo_sync()
         self.pp_wan: dict[str, int] | None = None  # geo.dc_axis = pp: activations across datacenters
         if cfg.geo.dc_axis == "pp" and cfg.geo.datacenters > 1 and self.pm.schedule is not None:
             from isthmus.parallel.pipeline import count_cross_dc_sends
 
             self.pp_wan = {"wan": 0}
             count_cross_dc_sends(self.pm.schedule, self.dims.pp, cfg.geo.datacenters, self.pp_wan)
-        self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler)
+        self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler,
+                                      replica=self._replica_key())
         self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
+        # Built from the loaded model, so a checkpoint without geo state starts geo.sync from it.
+        self.geo = self._build_geo_sync()
+        self.train_state.geo = self.geo
+        if resume is not None and self.geo is not None:
+            self.checkpointer.load_geo(resume, self.geo)
         self.n_params = count_params(a)
         self.log.info(
             "model %s: %s parameters (%s); %s train / %s val tokens (%s tokenizer, vocab %d); layout %s over %d rank(s)",
@@ -140,6 +145,15 @@ class Trainer:
         )
 
     # --- helpers --------------------------------------------------------------------------
+    def _replica_key(self) -> str:
+        """"dc<d>" for datacenter d > 0 under DiLoCo, whose datacenters hold models of their own
+        between outer steps (see `TrainState.replica`); "" where every replica agrees."""
+        g = self.cfg.geo
+        if g.sync not in ("diloco", "streaming_diloco") or self.dims.dc == 1 or self.ft_job is not None:
+            return ""  # (a fault-tolerant job is one datacenter, and does not checkpoint)
+        dc = self.rank // (self.world // self.dims.dc)
+        return f"dc{dc}" if dc else ""
+
     def _build_geo_sync(self) -> Any:
         """The cross-datacenter strategy (``geo.sync``), which then does all data-parallel communication."""
         g = self.cfg.geo
@@ -366,6 +380,9 @@ def _layout_str(dims: ParallelDims, cfg: JobConfig) -> str:
         parts.append(f"zero={cfg.parallel.zero_stage}")
     if dims.pp_enabled:
         parts.append(cfg.parallel.pp_schedule)
+    g = cfg.geo
+    if g.datacenters > 1:
+        parts.insert(0, f"dc={g.datacenters}" + (f" ({g.sync})" if g.sync != "none" else f" (over {g.dc_axis})"))
     return ",".join(parts) or "single"
 
 
@@ -377,6 +394,7 @@ def _layout(dims: ParallelDims, cfg: JobConfig) -> dict[str, Any]:
         "dp_shard": dims.dp_shard, "zero_stage": p.zero_stage, "tp": dims.tp, "sequence_parallel": p.sequence_parallel,
         "cp": dims.cp, "cp_impl": p.cp_impl, "pp": dims.pp, "pp_schedule": p.pp_schedule,
         "pp_virtual_stages": p.pp_virtual_stages, "microbatches": p.microbatches,
+        "datacenters": cfg.geo.datacenters, "dc_axis": cfg.geo.dc_axis, "geo_sync": cfg.geo.sync,
     }
 
 
