@@ -24,7 +24,7 @@ BAD_LAYOUTS = [
     (["--parallel.nproc", "4", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1"], "ZeRO-1 composes with dp_shard alone"),
     (["--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.microbatches", "2", "--model.tie_embeddings", "true"], "tie_embeddings"),
     (["--geo.sync", "diloco"], "needs geo.datacenters of 2 or more"),
-    (["--parallel.nproc", "4", "--geo.datacenters", "2", "--parallel.tp", "2", "--geo.sync", "flat"], "dp_replicate) only"),
+    (["--parallel.nproc", "4", "--geo.datacenters", "2", "--parallel.dp_shard", "2", "--geo.sync", "flat"], "sharded data parallelism (FSDP) inside a datacenter is not combined"),
     (["--parallel.nproc", "3", "--geo.datacenters", "2", "--parallel.dp_replicate", "2"], "must equal dc*dp_replicate*dp_shard*cp*tp*pp = 2*2*1*1*1*1 = 4"),
     (["--geo.inner_steps", "0"], "geo.inner_steps = 0: must be at least 1"),
     (["--parallel.nproc", "4", "--geo.datacenters", "2", "--geo.dc_axis", "pp", "--parallel.pp", "1", "--parallel.dp_replicate", "4"], "parallel.pp = 1: must be a multiple of geo.datacenters = 2 with geo.dc_axis = pp"),

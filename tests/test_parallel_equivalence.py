@@ -102,6 +102,12 @@ CASES: list[tuple[str, int, list[str]]] = [
     ("dc2_dp_shard2_tp2", 8, ["--geo.datacenters", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"]),
     ("dc2_geo_flat", 4, ["--geo.datacenters", "2", "--parallel.dp_replicate", "2", "--geo.sync", "flat"]),
     ("dc2_geo_hierarchical", 4, ["--geo.datacenters", "2", "--parallel.dp_replicate", "2", "--geo.sync", "hierarchical"]),
+    # geo strategies with model parallelism inside each datacenter: one geo grid per model part.
+    ("dc2_tp2_geo_hierarchical", 4, ["--geo.datacenters", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
+                                     "--geo.sync", "hierarchical"]),
+    ("dc2_pp2_geo_flat", 4, ["--geo.datacenters", "2", "--parallel.pp", "2", "--parallel.microbatches", "2",
+                             "--geo.sync", "flat"]),
+    ("dc2_cp2_geo_hierarchical", 4, ["--geo.datacenters", "2", "--parallel.cp", "2", "--geo.sync", "hierarchical"]),
     ("dp2_tp2_pp2", 8, ["--parallel.dp_replicate", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
 ]
 

@@ -49,21 +49,25 @@ def ring_next(groups: GeoGroups, scope: Scope) -> int:
     """Global rank this rank sends to in a ring over ``scope`` (group-rank order)."""
     k = groups.intra_size
     if scope == "world":
-        return (groups.rank + 1) % groups.world_size
+        return groups.global_rank(*divmod((groups.rank + 1) % groups.world_size, k))
     if scope == "intra":
-        return groups.dc_index * k + (groups.intra_rank + 1) % k
-    return ((groups.dc_index + 1) % groups.n_dc) * k + groups.intra_rank
+        return groups.global_rank(groups.dc_index, (groups.intra_rank + 1) % k)
+    return groups.global_rank((groups.dc_index + 1) % groups.n_dc, groups.intra_rank)
 
 
 def link_tier(groups: GeoGroups, dst: int) -> Tier:
     """Tier of the link from this rank to global rank ``dst``."""
-    k = groups.intra_size
-    if dst // k != groups.dc_index:
+    dc, replica = groups.locate(dst)
+    if dc != groups.dc_index:
         return "wan"
     node = groups.ranks_per_node
-    if node is not None and (dst % k) // node == groups.intra_rank // node:
-        return "intra_node"
-    return "intra_dc"
+    if node is None:
+        return "intra_dc"
+    if groups.grid is None:  # replica indices are local ranks of the datacenter
+        same = replica // node == groups.intra_rank // node
+    else:  # consecutive global ranks share a machine
+        same = dst // node == groups.global_rank(groups.dc_index, groups.intra_rank) // node
+    return "intra_node" if same else "intra_dc"
 
 
 def new_counter() -> dict[str, int]:

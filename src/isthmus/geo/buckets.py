@@ -8,6 +8,20 @@ import torch
 from torch import nn
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (tensor parallelism), else ``t``.
+
+    Datacenters hold the same parts in the same places, so a strategy reduces each rank's local
+    shard with its counterparts; under no_grad the shard aliases the DTensor's storage.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
 @dataclass
 class Bucket:
     """Consecutive parameters packed end to end, zero-padded to a multiple the collective needs."""
@@ -45,12 +59,12 @@ def build_buckets(
         buckets.append(Bucket(list(cur), list(offsets), numel, padded))
 
     for i, p in zip(index, params):
-        if cur and numel + p.numel() > max_numel:
+        if cur and numel + local(p).numel() > max_numel:
             close()
             cur, offsets, numel = [], [], 0
         cur.append(i)
         offsets.append(numel)
-        numel += p.numel()
+        numel += local(p).numel()
     if cur:
         close()
     return buckets
@@ -66,7 +80,7 @@ def split_fragments(params: list[nn.Parameter], n: int) -> list[list[int]]:
     assert 1 <= n <= len(params), f"{n} fragments need at least {n} parameters, have {len(params)}"
     prefix = [0]
     for p in params:
-        prefix.append(prefix[-1] + p.numel())
+        prefix.append(prefix[-1] + local(p).numel())
     total = prefix[-1]
     cuts = [0]
     for j in range(1, n):
@@ -78,32 +92,46 @@ def split_fragments(params: list[nn.Parameter], n: int) -> list[list[int]]:
 
 def pack_grads(params: list[nn.Parameter], bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
     """Pack the gradients of the bucket's parameters; a missing gradient packs as zeros."""
+    from torch.distributed.tensor import DTensor
+
     for i, off in zip(bucket.index, bucket.offsets):
-        p = params[i]
+        param = params[i]
+        p = local(param)
         dst = out[off : off + p.numel()]
-        if p.grad is None:
+        if isinstance(param, DTensor) and param.grad is not None and param.grad.placements != param.placements:
+            # Autograd may leave a tp gradient partial or replicated (vocab-parallel embedding, the
+            # loss-parallel head): lay it out like its parameter, as FSDP would before reducing.
+            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+        grad = param.grad
+        if grad is None:
             dst.zero_()
         else:
-            dst.copy_(p.grad.detach().reshape(-1))
+            dst.copy_(local(grad).detach().reshape(-1))
     out[bucket.numel :].zero_()
     return out
 
 
 def unpack_grads(buf: torch.Tensor, params: list[nn.Parameter], bucket: Bucket) -> None:
     """Write ``buf`` back as the bucket's gradients (creating those that were missing)."""
+    from torch.distributed.tensor import DTensor
+
     for i, off in zip(bucket.index, bucket.offsets):
-        p = params[i]
+        param = params[i]
+        p = local(param)
         src = buf[off : off + p.numel()].view_as(p)
-        if p.grad is None:
-            p.grad = src.to(p.dtype).clone()
+        if param.grad is None:
+            grad = src.to(p.dtype).clone()
+            if isinstance(param, DTensor):
+                grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False)
+            param.grad = grad
         else:
-            p.grad.copy_(src)
+            local(param.grad).copy_(src)
 
 
 def pack_params(params: list[nn.Parameter], bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
     """Pack the bucket's parameter values."""
     for i, off in zip(bucket.index, bucket.offsets):
-        p = params[i]
+        p = local(params[i])
         out[off : off + p.numel()].copy_(p.detach().reshape(-1))
     out[bucket.numel :].zero_()
     return out
@@ -113,5 +141,5 @@ def unpack_params(buf: torch.Tensor, params: list[nn.Parameter], bucket: Bucket)
     """Write ``buf`` back as the bucket's parameter values."""
     with torch.no_grad():
         for i, off in zip(bucket.index, bucket.offsets):
-            p = params[i]
+            p = local(params[i])
             p.copy_(buf[off : off + p.numel()].view_as(p))

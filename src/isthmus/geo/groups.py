@@ -3,6 +3,11 @@
 Ranks are laid out datacenter-major: ``rank = dc * ranks_per_dc + local``. ``intra`` joins the
 ranks of one datacenter, ``inter`` the ranks with the same local index in every datacenter (one per
 datacenter, the WAN hop), ``world_dp`` all of them (the flat baseline).
+
+With tensor or pipeline parallelism inside each datacenter, the ranks that hold the same part of
+the model (same pp stage and tp shard) form one such structure of their own: a *grid* of global
+ranks, ``grid[d][j]`` = replica j (dp_replicate x cp) of datacenter d. `build_geo_groups` takes
+every grid, makes all their groups (every rank must create every group) and keeps this rank's.
 """
 
 from __future__ import annotations
@@ -34,37 +39,63 @@ class GeoGroups:
     """My rank in ``world_dp`` (= dc_index * intra_size + intra_rank)."""
     ranks_per_node: int | None = None
     """Ranks per machine inside a datacenter, for the intra_node byte tier; None = count all as intra_dc."""
+    grid: list[list[int]] | None = None
+    """Global rank of replica j of datacenter d, ``grid[d][j]``; None: ``d * intra_size + j``."""
 
     @property
     def world_size(self) -> int:
         return self.n_dc * self.intra_size
 
+    def global_rank(self, dc: int, replica: int) -> int:
+        return self.grid[dc][replica] if self.grid is not None else dc * self.intra_size + replica
 
-def build_geo_groups(n_dc: int, ranks_per_dc: int, ranks_per_node: int | None = None) -> GeoGroups:
+    def locate(self, global_rank: int) -> tuple[int, int]:
+        """(datacenter, replica index) of a global rank of this rank's grid."""
+        if self.grid is None:
+            return divmod(global_rank, self.intra_size)
+        for d, row in enumerate(self.grid):
+            if global_rank in row:
+                return d, row.index(global_rank)
+        raise ValueError(f"rank {global_rank} is not in this rank's geo grid")
+
+
+def build_geo_groups(
+    n_dc: int, ranks_per_dc: int, ranks_per_node: int | None = None, grids: list[list[list[int]]] | None = None
+) -> GeoGroups:
     """Create the intra, inter and world_dp groups from the default group (a collective call).
 
+    ``grids``: one per part of the model (see the module doc), each ``n_dc`` rows of
+    ``ranks_per_dc`` global ranks; None = one grid of all ranks, datacenter-major.
     Every rank creates every group in the same order, as ``dist.new_group`` requires. ``world_dp``
     is a new group rather than the default one so that the trainer's own collectives on the default
     group (loss logging, checkpoints) never queue behind an asynchronous WAN transfer.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    if n_dc * ranks_per_dc != world:
-        raise ConfigError(
-            "geo.datacenters", n_dc, f"times {ranks_per_dc} ranks per datacenter must equal the world size {world}"
-        )
-    dc, local = divmod(rank, ranks_per_dc)
-    world_dp = dist.new_group(list(range(world)))
-    intra = inter = None
-    for d in range(n_dc):
-        group = dist.new_group([d * ranks_per_dc + j for j in range(ranks_per_dc)])
-        if d == dc:
-            intra = group
-    for j in range(ranks_per_dc):
-        group = dist.new_group([d * ranks_per_dc + j for d in range(n_dc)])
-        if j == local:
-            inter = group
-    assert intra is not None and inter is not None
+    plain = grids is None
+    if grids is None:
+        if n_dc * ranks_per_dc != world:
+            raise ConfigError(
+                "geo.datacenters", n_dc, f"times {ranks_per_dc} ranks per datacenter must equal the world size {world}"
+            )
+        grids = [[[d * ranks_per_dc + j for j in range(ranks_per_dc)] for d in range(n_dc)]]
+    assert sorted(r for g in grids for row in g for r in row) == list(range(world)), "grids must cover every rank once"
+    mine: dict[str, object] = {}
+    for grid in grids:
+        here = any(rank in row for row in grid)
+        world_dp = dist.new_group([r for row in grid for r in row])
+        if here:
+            mine["grid"], mine["world_dp"] = grid, world_dp
+        for d, row in enumerate(grid):
+            group = dist.new_group(row)
+            if rank in row:
+                mine["intra"], mine["dc"], mine["local"] = group, d, row.index(rank)
+        for j in range(ranks_per_dc):
+            group = dist.new_group([row[j] for row in grid])
+            if here and grid[mine["dc"]][j] == rank:  # type: ignore[index]
+                mine["inter"] = group
+    dc, local = int(mine["dc"]), int(mine["local"])  # type: ignore[call-overload]
     return GeoGroups(
-        world_dp=world_dp, intra=intra, inter=inter, dc_index=dc, n_dc=n_dc, intra_rank=local,
-        intra_size=ranks_per_dc, rank=rank, ranks_per_node=ranks_per_node,
+        world_dp=mine["world_dp"], intra=mine["intra"], inter=mine["inter"],  # type: ignore[arg-type]
+        dc_index=dc, n_dc=n_dc, intra_rank=local, intra_size=ranks_per_dc, rank=dc * ranks_per_dc + local,
+        ranks_per_node=ranks_per_node, grid=None if plain else mine["grid"],  # type: ignore[arg-type]
     )

@@ -172,13 +172,11 @@ def check_layout(
     if g.sync != "none":
         if not dims.dc_enabled:
             raise ConfigError("geo.sync", g.sync, "needs geo.datacenters of 2 or more")
-        inner = {k: getattr(p, k) for k in ("dp_shard", "tp", "cp", "pp") if getattr(p, k) > 1}
-        if inner:
-            k, v = next(iter(inner.items()))
+        if p.dp_shard > 1:
             raise ConfigError(
-                f"parallel.{k}", v,
-                f"geo.sync = {g.sync} runs over data-parallel replicas (dp_replicate) only; shard, tensor, "
-                "context and pipeline parallelism inside a datacenter are not combined with it yet",
+                "parallel.dp_shard", p.dp_shard,
+                f"geo.sync = {g.sync} averages over replicas (dp_replicate, cp); sharded data parallelism "
+                "(FSDP) inside a datacenter is not combined with it yet: use dp_replicate with tp or pp",
             )
         if cfg.checkpoint.every and g.fault_tolerant:
             raise ConfigError("checkpoint.every", cfg.checkpoint.every,

@@ -168,8 +168,11 @@ class Trainer:
             return build_fault_tolerant_sync(g.sync, self.ft_job, self.pm.parameters(), g, ranks_per_node=local_world)
         # The mesh puts dc outermost, so datacenter i holds one contiguous block of ranks; the
         # emulator's launcher orders ranks the same way.
-        groups = build_geo_groups(self.dims.dc, self.world // self.dims.dc, ranks_per_node=local_world)
-        self.log.info("geo: %s across %d datacenters of %d ranks", g.sync, self.dims.dc, self.world // self.dims.dc)
+        d = self.dims
+        grids = geo_grids(d.dc, d.pp, d.dp_replicate, d.cp, d.tp)
+        groups = build_geo_groups(d.dc, d.dp_replicate * d.cp, ranks_per_node=local_world, grids=grids)
+        self.log.info("geo: %s across %d datacenters of %d ranks (%d replica(s) of each model part)",
+                      g.sync, d.dc, self.world // d.dc, d.dp_replicate * d.cp)
         return build_geo_sync(g.sync, groups, self.pm.parameters(), g)
 
     def _skip_to(self, step: int) -> None:
@@ -372,6 +375,14 @@ def _scale_grads(params: list[torch.nn.Parameter], factor: float) -> None:
 
 def _shape_str(args: Any) -> str:
     return f"dim {args.dim}, {args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} heads, ffn {args.ffn_dim}, {args.mlp}"
+
+
+def geo_grids(dc: int, pp: int, dp_replicate: int, cp: int, tp: int) -> list[list[list[int]]]:
+    """The geo grids of the mesh (dc, pp, dp_replicate, dp_shard = 1, cp, tp), laid out row-major as
+    `ParallelDims.build_mesh` lays out ranks: for each (pp stage, tp shard), grid[d][j] is the
+    global rank of replica j = (dp_replicate, cp) in datacenter d (see `isthmus.geo.groups`)."""
+    ranks = torch.arange(dc * pp * dp_replicate * cp * tp).reshape(dc, pp, dp_replicate * cp, tp)
+    return [ranks[:, s, :, t].tolist() for s in range(pp) for t in range(tp)]
 
 
 def _layout_str(dims: ParallelDims, cfg: JobConfig) -> str:
