@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from isthmus.errors import ConfigError
 from isthmus.geo import compress
-from isthmus.geo.buckets import build_buckets, pack_grads, unpack_grads
+from isthmus.geo.buckets import build_buckets, local, pack_grads, unpack_grads
 from isthmus.geo.accounting import format_bytes
 from isthmus.geo.config import GeoConfig, validate
 from isthmus.geo.diloco import DiLoCoSync
@@ -129,8 +129,9 @@ def build_geo_sync(kind: str, groups: GeoGroups, params: list[nn.Parameter], cfg
         choices = ", ".join(map(repr, strategies))
         raise ConfigError("geo.sync", kind, f"must be one of {choices} to build a strategy")
     sync: GeoSync = strategies[kind](groups, list(params), cfg)
+    numel = sum(local(p).numel() for p in params)
     get_logger().info(
-        "geo sync %s: %d datacenters x %d ranks, %d parameters (%s fp32)", kind, groups.n_dc, groups.intra_size,
-        sum(p.numel() for p in params), format_bytes(4 * sum(p.numel() for p in params)),
+        "geo sync %s: %d datacenters x %d replicas, %d parameters on this rank (%s fp32)", kind, groups.n_dc,
+        groups.intra_size, numel, format_bytes(4 * numel),
     )
     return sync
