@@ -25,9 +25,8 @@ datacenter, ring accounting: isthmus.geo.accounting).
 Sweep: each strategy at each WAN rate for a few steps; the measured step time is the median of
 steps 2.. (per-step strategies) or the mean over one full period of H steps 2..H+1 (DiLoCo kinds:
 one outer sync amortised over H steps), next to `isthmus.planner.estimate` for the same topology
-(`load_topology('emulated-2dc').with_wan(...)`, layout dp_replicate 4 over dc 2, dc_axis dp).
-The planner has no streaming_diloco; its prediction here is the alpha-beta estimate stated in
-:func:`streaming_prediction`.
+(`load_topology('emulated-2dc').with_wan(...)`, layout dp_replicate 4 over dc 2, dc_axis dp,
+streaming_diloco with the run's fragments and overlap_steps).
 """
 
 from __future__ import annotations
@@ -313,40 +312,12 @@ def planner_prediction(kind: str, mbit: float, inner_steps: int, settings: dict[
 
     def est(geo: str, h: int = 0):  # noqa: ANN202
         lay = Layout(dp_replicate=world, dc=n_dc, dc_axis="dp", geo=geo, diloco_h=h,  # type: ignore[arg-type]
+                     fragments=int(settings.get("fragments", "4")), overlap_steps=int(settings.get("overlap_steps", "1")),
                      micro_batch=BATCH // world, microbatches=1)
         return estimate(work, topo, lay, RUNTIMES["isthmus"])
 
-    if kind == "streaming_diloco":
-        return streaming_prediction(est, mbit, inner_steps, settings, world, n_dc)
-    e = est(kind, inner_steps if kind == "diloco" else 0)
+    e = est(kind, inner_steps if kind in DILOCO_KINDS else 0)
     return e.step_time_s, e.wan_bytes_per_step, "planner.estimate"
-
-
-def streaming_prediction(est: Any, mbit: float, h: int, settings: dict[str, str], world: int, n_dc: int) -> tuple[float, float, str]:
-    """Alpha-beta estimate for streaming_diloco (the planner does not model it).
-
-    t_step = t0 + max(0, t_frag - tau * t0) * F / H, where t0 = the planner's step without any
-    WAN time (its diloco estimate minus its 'wan' share), t_frag = the WAN time of one fragment's
-    outer gradients: each datacenter's egress carries its ranks' all-gather payloads, P/F params
-    x (bits/8 + 4/block_size) bytes x (n_dc - 1), at the WAN rate, latency 0 (not emulated).
-    WAN bytes per step = n_dc x that payload x F / H.
-    """
-    from isthmus.models.flavors import get_flavor
-    from isthmus.models.flops import count_params
-
-    base = est("diloco", h)
-    t0 = base.step_time_s - base.breakdown.get("wan", 0.0)
-    frags = int(settings.get("fragments", "4"))
-    tau = int(settings.get("overlap_steps", "1"))
-    dtype = settings.get("outer_dtype", "int4")
-    block = int(settings.get("block_size", "256"))
-    per_elem = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0, "int4": 0.5}[dtype] + (4.0 / block if dtype.startswith("int") else 0.0)
-    params = count_params(get_flavor(FLAVOR))
-    egress = params / frags * per_elem * (n_dc - 1)  # one datacenter's ranks together send its whole fragment
-    if dtype in ("fp32", "bf16"):  # all-reduce instead: 2 (n-1)/n of the fragment per datacenter
-        egress = params / frags * per_elem * 2 * (n_dc - 1) / n_dc
-    t_frag = egress / (mbit * 1e6 / 8)
-    return t0 + max(0.0, t_frag - tau * t0) * frags / h, n_dc * egress * frags / h, "alpha-beta (docstring)"
 
 
 def sweep(ns: argparse.Namespace, main: list[Summary] | None, main_recs: dict[str, list[dict[str, Any]]]) -> None:
@@ -396,7 +367,7 @@ def print_sweep(rows: dict[float, list[dict[str, Any]]], main: list[Summary] | N
           "steps-to-target from the main benchmark"
           + (f" ({ns.wan_mbit:g} Mbit/s, {ns.steps} steps)" if main else " (not run: pass --steps N with --sweep)")
           + " x measured s/step here; strategies that did not reach it are out. Planner: its step time, and its "
-          "ranking key (tokens/s x assumed quality: compressed 0.98, diloco 0.9; streaming_diloco not modelled).\n")
+          "ranking key (tokens/s x assumed quality: compressed 0.98, diloco and streaming_diloco 0.9).\n")
     from isthmus.planner.layout import RUNTIMES
 
     q = RUNTIMES["isthmus"].quality_of
@@ -412,8 +383,7 @@ def print_sweep(rows: dict[float, list[dict[str, Any]]], main: list[Summary] | N
             reach_cell = f"{best['label']} ({t:.0f} s; " + ", ".join(f"{r['kind']} {x:.0f}" for x, r in proj) + ")"
         else:
             reach_cell = "-"
-        planned = [r for r in rs if r["kind"] != "streaming_diloco"]
-        pick = min(planned, key=lambda r: r["predicted_s"] / q(r["kind"])) if planned else None
+        pick = min(rs, key=lambda r: r["predicted_s"] / q(r["kind"])) if rs else None
         print(f"| {mbit:g} | {fast_m['label']} ({fast_m['measured_s']:.2f} s) | {fast_p['label']} "
               f"({fast_p['predicted_s']:.3f} s) | {reach_cell} | {pick['label'] if pick else '-'} |")
 

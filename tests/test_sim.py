@@ -183,6 +183,8 @@ GEO = [
     Layout(tp=8, sp=True, dp_replicate=6, micro_batch=1, microbatches=8, dc=3, dc_axis="dp", geo="compressed"),
     Layout(tp=8, sp=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, dc=3, dc_axis="dp", geo="diloco", diloco_h=50),
     Layout(tp=8, sp=True, pp=3, dp_replicate=2, micro_batch=1, microbatches=24, dc=3, dc_axis="pp"),
+    Layout(tp=8, sp=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, dc=3, dc_axis="dp",
+           geo="streaming_diloco", diloco_h=20, fragments=4, overlap_steps=1),
 ]
 
 
@@ -194,6 +196,34 @@ def test_wan_bytes_and_time_follow_the_strategy(layout: Layout) -> None:
     # The WAN strategies' costs come from the same formulas; where they overlap differently, 10%.
     assert res.step_time_s == pytest.approx(res.planner.step_time_s, rel=0.10)
     assert any(e.track.startswith("link:wan") for e in res.trace_events)
+
+
+@pytest.mark.parametrize("mbit,tau", [(5, 1), (5, 2), (500, 1)])
+def test_streaming_diloco_hides_what_its_overlap_covers(mbit: float, tau: int) -> None:
+    """The emulated benchmark's case: small on 2 x 2 half-core ranks, H 20, 4 fragments. The
+    simulated fragment transfer and the cost model agree; at 5 Mbit/s a fragment outlasts tau steps
+    and blocks for the rest, every H / F steps; at 500 Mbit/s it hides entirely."""
+    from isthmus.models.flops import count_params
+    from isthmus.planner.cost import estimate
+
+    rate = mbit * 1e6 / 8
+    topo = load_topology("emulated-2dc").with_wan(bandwidth_gb_s=rate / 1e9)
+    lay = Layout(dp_replicate=4, dc=2, dc_axis="dp", geo="streaming_diloco", diloco_h=20, fragments=4,
+                 overlap_steps=tau, micro_batch=4, microbatches=1)
+    est, sim = estimate(SMALL, topo, lay, ISTHMUS), simulate(SMALL, topo, lay, ISTHMUS)
+    assert sim.step_time_s == pytest.approx(est.step_time_s, rel=0.05)
+    assert sim.wan_bytes_per_step == pytest.approx(est.wan_bytes_per_step, rel=1e-6)
+    # int4 + a scale per 256 elements; each datacenter sends its payload to the other, once per H.
+    payload = count_params(SMALL.args) * (0.5 + 4 / 256)
+    assert est.wan_bytes_per_step == pytest.approx(2 * payload / 20, rel=1e-6)
+    exposed = est.breakdown["wan"]
+    if mbit == 500:
+        assert exposed == 0.0 and sim.breakdown["wan"] == 0.0
+        return
+    # One fragment (a quarter of the payload) over the datacenter's link, less tau steps of cover.
+    step0 = est.step_time_s - exposed
+    assert exposed == pytest.approx((payload / 4 / rate - tau * step0) * 4 / 20, rel=0.02)
+    assert sim.breakdown["wan"] == pytest.approx(exposed, rel=0.10)
 
 
 # --- outputs --------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ _SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
     ("n_layers", int), ("dim", int), ("n_heads", int), ("n_kv_heads", int), ("ffn_dim", int), ("vocab_size", int),
 )
 _POSITIVE = ("global_batch", "seq_len", "micro_batch", "top", "gpus", "tp", "pp", "cp", "dp_shard", "virtual_stages",
-             "diloco_h", "max_batch_tokens")
+             "diloco_h", "fragments", "overlap_steps", "max_batch_tokens")
 
 
 def _bool(text: str) -> bool:
@@ -66,8 +66,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     p.add_argument("--dc-axis", choices=("none", "dp", "pp"), default=None,
                    help="what crosses datacenters: none (use one), dp replicas or pp stages")
     p.add_argument("--geo", default=None, metavar="LIST", help="cross-datacenter strategies to consider "
-                   "(comma list of flat, hierarchical, compressed, diloco; default: all)")
+                   "(comma list of flat, hierarchical, compressed, diloco, streaming_diloco; default: all)")
     p.add_argument("--diloco-h", type=int, default=100, metavar="H", help="inner steps between DiLoCo syncs (default: 100)")
+    p.add_argument("--fragments", type=int, default=4, metavar="F",
+                   help="streaming_diloco: fragments synchronised in turn (default: 4)")
+    p.add_argument("--overlap-steps", type=int, default=1, metavar="T",
+                   help="streaming_diloco: inner steps a fragment's transfer overlaps (default: 1)")
     p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16", "fp8"), default=None,
                    help="matmul dtype (default: the devices' own, bf16 on GPUs, fp32 on CPUs)")
     p.add_argument("--runtime", choices=("isthmus", "megatron-2021"), default="isthmus",
@@ -86,6 +90,10 @@ def _check(ns: argparse.Namespace) -> None:
         value = getattr(ns, f"model_{key}")
         if value is not None and value < 1:
             raise ConfigError(f"--model.{key}", value, "must be at least 1")
+    if ns.fragments > ns.diloco_h:
+        raise ConfigError("--fragments", ns.fragments, f"must be at most --diloco-h = {ns.diloco_h}")
+    if ns.overlap_steps >= ns.diloco_h:
+        raise ConfigError("--overlap-steps", ns.overlap_steps, f"must be less than --diloco-h = {ns.diloco_h}")
     if ns.wan_bandwidth is not None and not ns.wan_bandwidth > 0:
         raise ConfigError("--wan-bandwidth", ns.wan_bandwidth, "must be positive (GB/s)")
 
@@ -103,6 +111,7 @@ def search_space(ns: argparse.Namespace) -> SearchSpace:
         global_batch=ns.global_batch, seq_len=ns.seq_len, micro_batch=ns.micro_batch, recompute=ns.recompute,
         tp=ns.tp, pp=ns.pp, cp=ns.cp, dp_shard=ns.dp_shard, zero_stage=ns.zero_stage, schedule=ns.schedule,
         virtual_stages=ns.virtual_stages, dc_axis=ns.dc_axis, geo=geo, diloco_h=ns.diloco_h,
+        fragments=ns.fragments, overlap_steps=ns.overlap_steps,
         max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
     )
 

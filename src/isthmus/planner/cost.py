@@ -15,7 +15,7 @@ from functools import lru_cache
 from isthmus.models.flops import flops_per_token
 from isthmus.planner import comm
 from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_times, optimizer_time, shard_overhead
-from isthmus.planner.geo import dp_sync
+from isthmus.planner.geo import dp_sync, streaming_exposed
 from isthmus.planner.layout import Layout, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory, stage_params
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
@@ -163,6 +163,8 @@ class RankSync:
     per_microbatch: float
     """ZeRO-3 gathers per microbatch (overlap that microbatch's compute when the runtime overlaps)."""
     wan_bytes: float
+    fragment: float = 0.0
+    """streaming_diloco: WAN seconds of one fragment's exchange, overlapped with the next steps."""
 
 
 def rank_sync(work: Workload, layout: Layout, runtime: Runtime, pl: Placement, r: int, st: StageCost) -> RankSync:
@@ -178,7 +180,8 @@ def rank_sync(work: Workload, layout: Layout, runtime: Runtime, pl: Placement, r
         params_exposed = max(0.0, sc.params - st.fwd) if runtime.dp_overlap else sc.params
         opt = optimizer_time(site.dc.kind, params / max(1, layout.shard_degree)) + shard_overhead(site.dc.kind, layout, st.layers)
         wan = min(grad, sc.wan)
-        cost = RankSync(grad + params_exposed + opt, grad + params_exposed - wan, wan, opt, sc.per_microbatch, sc.wan_bytes)
+        cost = RankSync(grad + params_exposed + opt, grad + params_exposed - wan, wan, opt, sc.per_microbatch, sc.wan_bytes,
+                        sc.fragment)
         if worst is None or cost.tail > worst.tail:
             worst = cost
     assert worst is not None
@@ -285,6 +288,9 @@ def estimate(
     t_pipe, idle = pipeline_time(busy, [st.wgrad for st in stages], m, v, layout.schedule, links)
     slow = max(range(p), key=lambda r: syncs[r].tail)
     step = t_pipe + syncs[slow].tail
+    # Streaming DiLoCo: the slowest fragment transfer against the steps it overlaps.
+    streaming = streaming_exposed(max(sy.fragment for sy in syncs), step, layout) if layout.geo == "streaming_diloco" else 0.0
+    step += streaming
     # Activations and their gradients cross each WAN boundary once per sequence.
     wan_cuts = sum(1 for _, _, wan in pl.boundary_links if wan)
     wan_bytes = sum(sy.wan_bytes for sy in syncs) + wan_cuts * 2 * work.tokens_per_step * a.dim * e * (
@@ -293,7 +299,7 @@ def estimate(
     breakdown = {k: m * val for k, val in stages[heavy].parts}
     wan_wait = max([m * l.occupancy - m * busy[heavy] for l, (_, _, w) in zip(links, pl.boundary_links) if w] + [0.0])
     breakdown.update({
-        "dp comm": syncs[slow].dp + m * (busy[heavy] - stages[heavy].total), "wan": syncs[slow].wan + wan_wait,
+        "dp comm": syncs[slow].dp + m * (busy[heavy] - stages[heavy].total), "wan": syncs[slow].wan + wan_wait + streaming,
         "bubble": max(0.0, idle - wan_wait), "optimizer": syncs[slow].optimizer,
     })
     tokens_per_s = work.tokens_per_step / step

@@ -109,10 +109,12 @@ def _wan_sentences(result: SearchResult, topo: Topology) -> list[str]:
              "with per-layer traffic (tp, cp, sp, ZeRO gathers) kept inside each datacenter.")
     elif lay.dc_axis == "dp":
         how = {"flat": "one flat ring", "hierarchical": "hierarchical all-reduce of gradient shards",
-               "compressed": "compressed gradient shards", "diloco": f"DiLoCo outer steps every {lay.diloco_h} steps"}[lay.geo]
+               "compressed": "compressed gradient shards", "diloco": f"DiLoCo outer steps every {lay.diloco_h} steps",
+               "streaming_diloco": f"Streaming DiLoCo ({lay.fragments} fragments in turn over {lay.diloco_h} steps, "
+                                   f"each transfer overlapping {lay.overlap_steps} step(s), int4)"}[lay.geo]
         s = (f"Data-parallel replicas span the datacenters and synchronise over the WAN ({links}) by {how}: "
              f"{best.wan_bytes_per_step / 1e9:.3g} GB per step; per-layer traffic stays inside each datacenter.")
-        if lay.geo in ("compressed", "diloco"):
+        if lay.geo in ("compressed", "diloco", "streaming_diloco"):
             s += f" Its ranking assumes {100 * (1 - best.effective_tokens_per_s / best.tokens_per_s):.0f}% more tokens for the same loss."
     else:
         s = f"It uses one datacenter: the WAN ({links}) would cost more than the other datacenters add."

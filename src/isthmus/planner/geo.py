@@ -12,6 +12,11 @@ crosses the WAN by one of four strategies:
   (e.g. 4-bit quantised gradients with error feedback);
 - ``diloco``: each datacenter steps on its own; every H steps the fp32 parameter deltas are
   all-reduced across the WAN (Douillard et al. 2023), so the WAN cost per step is 1/H of that.
+- ``streaming_diloco`` (Douillard et al. 2025, as `isthmus.geo.diloco` runs it): F fragments of the
+  model in turn, one every H / F steps, their int4 outer gradients all-gathered across datacenters
+  while the next ``overlap_steps`` (tau) inner steps compute. The transfer blocks only where it
+  outlasts them: a step costs max(0, t_fragment - tau * t_step) * F / H on top
+  (`streaming_exposed`); the WAN bytes per step are the int4 model's exchange over H.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from isthmus.planner.placement import SiteSpans
 
 DILOCO_DELTA_BYTES = 4
 """DiLoCo's outer gradients (parameter deltas) are exchanged in fp32."""
+STREAMING_BYTES_PER_PARAM = 0.5 + 4 / 256
+"""Streaming DiLoCo's outer gradients on the wire: int4 with one fp32 scale per 256 elements (the
+trainer's defaults, ``geo.outer_dtype = auto``, ``geo.block_size = 256``)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +49,8 @@ class SyncCost:
     """Of ``grad``, the seconds on WAN links (amortised over H steps for DiLoCo)."""
     wan_bytes: float
     """Bytes all groups of this pipeline rank send across datacenters per step."""
+    fragment: float = 0.0
+    """streaming_diloco: WAN seconds of one fragment's outer-gradient exchange (overlapped)."""
 
 
 def _inside(span: Span) -> Span:
@@ -69,9 +79,33 @@ def cross_dc_all_reduce(nbytes: float, span: Span, layout: Layout, runtime: Runt
         h = max(1, layout.diloco_h)
         wan = _wan_phase(delta, span) / h
         return inside + wan, wan, comm.wan_bytes_all_reduce(delta, span) / h
+    if layout.geo == "streaming_diloco":  # nothing blocking every step: see streaming_fragment
+        return inside, 0.0, comm.wan_bytes_all_reduce(streaming_equivalent(nbytes, span, runtime), span) / max(1, layout.diloco_h)
     ratio = runtime.compress_ratio if layout.geo == "compressed" else 1.0
     wan = _wan_phase(nbytes * ratio, span)
     return inside + wan, wan, comm.wan_bytes_all_reduce(nbytes * ratio, span)
+
+
+def streaming_equivalent(nbytes: float, span: Span, runtime: Runtime) -> float:
+    """The all-reduce size whose WAN phase moves what Streaming DiLoCo's all-gather moves.
+
+    Each of k datacenters all-gathers its payload P (int4 outer gradients of ``nbytes`` worth of
+    fp32 gradients): (k - 1) P leave each datacenter, as in the WAN phase of an all-reduce of k P / 2.
+    """
+    payload = nbytes / runtime.grad_bytes * STREAMING_BYTES_PER_PARAM
+    return payload * span.dcs / 2
+
+
+def streaming_fragment(nbytes: float, span: Span, layout: Layout, runtime: Runtime) -> float:
+    """WAN seconds of one fragment's exchange (1 / fragments of the parameters)."""
+    return _wan_phase(streaming_equivalent(nbytes, span, runtime) / max(1, layout.fragments), span)
+
+
+def streaming_exposed(fragment_s: float, step_s: float, layout: Layout) -> float:
+    """Seconds per step Streaming DiLoCo adds: a fragment's transfer runs behind ``overlap_steps``
+    inner steps and blocks for the rest; one fragment syncs every diloco_h / fragments steps."""
+    h = max(1, layout.diloco_h)
+    return max(0.0, fragment_s - layout.overlap_steps * step_s) * max(1, layout.fragments) / h
 
 
 def dp_sync(params: float, site: SiteSpans, layout: Layout, runtime: Runtime, microbatches: int) -> SyncCost:
@@ -84,17 +118,19 @@ def dp_sync(params: float, site: SiteSpans, layout: Layout, runtime: Runtime, mi
     ranks = layout.tp * layout.dp * layout.cp  # devices of one pipeline rank, all datacenters
     if shard <= 1:
         t, wan, wan_bytes = cross_dc_all_reduce(grads, site.sync, layout, runtime)
-        return SyncCost(t, 0.0, 0.0, wan, wan_bytes * ranks / site.sync.size)
+        frag = streaming_fragment(grads, site.sync, layout, runtime) if layout.geo == "streaming_diloco" else 0.0
+        return SyncCost(t, 0.0, 0.0, wan, wan_bytes * ranks / site.sync.size, frag)
     if layout.zero_stage == 1:
         # DDP all-reduce, then ZeroRedundancyOptimizer broadcasts the updated shards.
         return SyncCost(comm.all_reduce(grads, site.shard), comm.all_gather(weights, site.shard), 0.0, 0.0, 0.0)
     rs = comm.reduce_scatter(grads, site.shard)
     t, wan, wan_bytes = cross_dc_all_reduce(grads / shard, site.replicate, layout, runtime)
     wan_bytes *= ranks / site.replicate.size
+    frag = streaming_fragment(grads / shard, site.replicate, layout, runtime) if layout.geo == "streaming_diloco" else 0.0
     gather = comm.all_gather(weights, site.shard)
     if layout.zero_stage == 3 and layout.pp == 1:
-        return SyncCost(rs + t, 0.0, 2 * gather, wan, wan_bytes)
+        return SyncCost(rs + t, 0.0, 2 * gather, wan, wan_bytes, frag)
     if layout.zero_stage == 3:
-        return SyncCost(rs + t, gather, gather, wan, wan_bytes)
+        return SyncCost(rs + t, gather, gather, wan, wan_bytes, frag)
     # ZeRO-2: weights gathered once per microbatch (pp == 1, resharded after backward) or per step.
-    return SyncCost(rs + t, gather if layout.pp > 1 else 0.0, gather if layout.pp == 1 else 0.0, wan, wan_bytes)
+    return SyncCost(rs + t, gather if layout.pp > 1 else 0.0, gather if layout.pp == 1 else 0.0, wan, wan_bytes, frag)

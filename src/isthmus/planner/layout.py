@@ -17,8 +17,9 @@ from isthmus.models.args import ModelArgs
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 Recompute = Literal["none", "selective", "full"]
 DcAxis = Literal["none", "dp", "pp"]
-GeoStrategy = Literal["none", "flat", "hierarchical", "compressed", "diloco"]
-GEO_STRATEGIES: tuple[GeoStrategy, ...] = ("flat", "hierarchical", "compressed", "diloco")
+GeoStrategy = Literal["none", "flat", "hierarchical", "compressed", "diloco", "streaming_diloco"]
+GEO_STRATEGIES: tuple[GeoStrategy, ...] = ("flat", "hierarchical", "compressed", "diloco", "streaming_diloco")
+DILOCO_KINDS: tuple[GeoStrategy, ...] = ("diloco", "streaming_diloco")
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,11 @@ class Layout:
     geo: GeoStrategy = "none"
     """How data-parallel gradients cross datacenters (dc_axis == 'dp')."""
     diloco_h: int = 0
-    """Inner steps between DiLoCo outer synchronisations."""
+    """Inner steps between DiLoCo outer synchronisations (of each fragment, for streaming_diloco)."""
+    fragments: int = 4
+    """streaming_diloco: fragments synchronised in turn, one every diloco_h / fragments steps."""
+    overlap_steps: int = 1
+    """streaming_diloco: inner steps a fragment's transfer overlaps before its result is applied."""
 
     @property
     def dp(self) -> int:
@@ -128,7 +133,9 @@ class Layout:
         if self.shard_degree > 1:
             dp += f" z{self.zero_stage}"
         if self.dc_axis == "dp":
-            dp += "/dc " + (f"diloco H{self.diloco_h}" if self.geo == "diloco" else self.geo)
+            dp += "/dc " + {"diloco": f"diloco H{self.diloco_h}",
+                            "streaming_diloco": f"sdiloco H{self.diloco_h} F{self.fragments} t{self.overlap_steps}",
+                            }.get(self.geo, self.geo)
         parts.append(dp)
         parts.append(f"mb{self.micro_batch}x{self.microbatches}")
         if self.recompute != "none":
@@ -157,7 +164,7 @@ class Runtime:
     """Bytes per parameter of weights, gradients and optimizer state (master copy + Adam moments)."""
     compress_ratio: float = 0.25
     """Bytes sent over the WAN by the 'compressed' strategy, relative to the gradient's own bytes."""
-    quality: tuple[tuple[str, float], ...] = (("compressed", 0.98), ("diloco", 0.9))
+    quality: tuple[tuple[str, float], ...] = (("compressed", 0.98), ("diloco", 0.9), ("streaming_diloco", 0.9))
     """Assumed tokens-to-same-loss factor of lossy cross-datacenter strategies (ranking only)."""
 
     def quality_of(self, geo: str) -> float:

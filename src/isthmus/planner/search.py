@@ -23,7 +23,7 @@ from isthmus.models.flops import count_params
 from isthmus.planner import comm
 from isthmus.planner.compute import ELEM_BYTES, layer_times
 from isthmus.planner.cost import Estimate, StageCost, estimate, pipeline_links, rank_memory, recompute_share, stage_costs
-from isthmus.planner.layout import GEO_STRATEGIES, Layout, Runtime, Workload
+from isthmus.planner.layout import DILOCO_KINDS, GEO_STRATEGIES, Layout, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, model_state_bytes, stage_params
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
 from isthmus.planner.placement import Placement, choose_dcs, place
@@ -55,6 +55,10 @@ class SearchSpace:
     """'none' (one datacenter), 'dp' or 'pp'."""
     geo: tuple[str, ...] = GEO_STRATEGIES
     diloco_h: int = 100
+    fragments: int = 4
+    """streaming_diloco: fragments (the trainer's geo.fragments default)."""
+    overlap_steps: int = 1
+    """streaming_diloco: steps a fragment's transfer overlaps (geo.overlap_steps)."""
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS
     """Tokens per step when global_batch is left to the search."""
 
@@ -274,7 +278,8 @@ def _variants(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace,
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
                 lay = Layout(**fields, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero, geo=geo,  # type: ignore[arg-type]
-                             diloco_h=space.diloco_h if geo == "diloco" else 0)
+                             diloco_h=space.diloco_h if geo in DILOCO_KINDS else 0,
+                             fragments=space.fragments, overlap_steps=space.overlap_steps)
                 est = estimate(work, topo, lay, runtime, pl, cand.stages)
                 if not est.fits:
                     result.pruned_memory += 1

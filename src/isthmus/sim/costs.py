@@ -16,7 +16,7 @@ from isthmus.planner import comm
 from isthmus.planner.comm import Span
 from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_ops
 from isthmus.planner.cost import BlockCost, block_cost
-from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside
+from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside, streaming_equivalent
 from isthmus.planner.layout import Layout, Runtime, Workload
 from isthmus.planner.placement import SiteSpans
 from isthmus.models.flops import layer_matmul_params
@@ -234,9 +234,28 @@ def cross_dc_all_reduce(nbytes: float, span: Span, layout: Layout, runtime: Runt
         h = max(1, layout.diloco_h)
         wan = PhaseSpec("wan", 2 * (k - 1) * lat / h, 2 * (k - 1) / k * delta / local / bw / h, bw)
         return all_reduce(nbytes, inside), [wan]
+    if layout.geo == "streaming_diloco":  # gradients stay inside; the fragments: streaming_phases
+        return all_reduce(nbytes, inside), []
     ratio = runtime.compress_ratio if layout.geo == "compressed" else 1.0
     wan = PhaseSpec("wan", 2 * (k - 1) * lat, 2 * (k - 1) / k * nbytes * ratio / local / bw, bw)
     return reduce_scatter(nbytes, inside) + [wan] + all_gather(nbytes, inside), []
+
+
+def streaming_phases(nbytes: float, span: Span, layout: Layout, runtime: Runtime) -> list[PhaseSpec]:
+    """Streaming DiLoCo: one fragment's exchange across the WAN, per parameter of the whole model,
+    spread over the ``overlap_steps`` (tau) steps it overlaps: 1 / tau of it runs behind each.
+
+    The simulated step is one in which a fragment is in flight; `sim.run` amortises what it blocks
+    (tau x its wait, every diloco_h / fragments steps), as ``geo.streaming_exposed`` does.
+    """
+    if span.dcs <= 1:
+        return []
+    k, bw, lat = span.tiers()[-1]
+    local = span.per_node * span.nodes
+    eq = streaming_equivalent(nbytes, span, runtime) / max(1, layout.fragments)
+    tau = max(1, layout.overlap_steps)
+    # Latency once per fragment (all parameters share one transfer), seconds per parameter.
+    return [PhaseSpec("wan", 2 * (k - 1) * lat / tau, 2 * (k - 1) / k * eq / local / bw / tau, bw)]
 
 
 @dataclass(frozen=True)
@@ -253,6 +272,8 @@ class DpPlan:
     """Weight gathers per microbatch forward (ZeRO-3; ZeRO-2 without a pipeline), per parameter."""
     bwd_gather: bool
     """ZeRO-3 without a pipeline gathers again for every backward."""
+    stream: list[PhaseSpec] = field(default_factory=list)
+    """Streaming DiLoCo's fragment exchange, per parameter (behind the step's compute)."""
 
 
 def dp_plan(site: SiteSpans, layout: Layout, runtime: Runtime) -> DpPlan:
@@ -263,15 +284,17 @@ def dp_plan(site: SiteSpans, layout: Layout, runtime: Runtime) -> DpPlan:
     shard = layout.shard_degree
     if shard <= 1:
         grad, outer = cross_dc_all_reduce(g, site.sync, layout, runtime)
-        return DpPlan(grad, outer, [], [], False)
+        stream = streaming_phases(g, site.sync, layout, runtime) if layout.geo == "streaming_diloco" else []
+        return DpPlan(grad, outer, [], [], False, stream)
     if layout.zero_stage == 1:
         return DpPlan(all_reduce(g, site.shard), [], all_gather(w, site.shard), [], False)
     rep, outer = cross_dc_all_reduce(g / shard, site.replicate, layout, runtime)
+    stream = streaming_phases(g / shard, site.replicate, layout, runtime) if layout.geo == "streaming_diloco" else []
     grad = reduce_scatter(g, site.shard) + rep
     gather = all_gather(w, site.shard)
     if layout.zero_stage == 3:
-        return DpPlan(grad, outer, gather if layout.pp > 1 else [], gather, layout.pp == 1)
-    return DpPlan(grad, outer, gather if layout.pp > 1 else [], gather if layout.pp == 1 else [], False)
+        return DpPlan(grad, outer, gather if layout.pp > 1 else [], gather, layout.pp == 1, stream)
+    return DpPlan(grad, outer, gather if layout.pp > 1 else [], gather if layout.pp == 1 else [], False, stream)
 
 
 def scale(phases: list[PhaseSpec], params: float) -> list[PhaseSpec]:

@@ -55,6 +55,8 @@ class RankStats:
     optimizer: float = 0.0
     outer: float = 0.0
     """DiLoCo's amortised blocking outer sync."""
+    stream_wait: float = 0.0
+    """Streaming DiLoCo: waiting, after the optimizer, for the fragment in flight (not amortised)."""
     end: float = 0.0
 
 
@@ -221,6 +223,11 @@ class Simulation:
             yield ("wait", self.iter_start[it])
             t0 = eng.now
             st = RankStats()
+            # Streaming DiLoCo: the fragment launched after the previous step crosses the WAN behind this one.
+            stream = None
+            if dp.stream:
+                stream = self._transfer(r, dp.stream, plan.params, "streaming fragment", None, plan.wan_bytes)
+                stream.start()
             # Weights gathered once per step (ZeRO-1's broadcast, ZeRO-2/3 under pp), stage by stage.
             step_gathers = {}
             for s, ops in plan.stages.items():
@@ -307,6 +314,10 @@ class Simulation:
                 yield ("start", xf)
                 yield ("wait", xf.token)
                 st.outer = eng.now - t_outer
+            if stream is not None:
+                t_stream = eng.now
+                yield ("wait", stream.token)
+                st.stream_wait = eng.now - t_stream
             st.end = eng.now - t0
             plan.stats.append(st)
             self._rank_done(it)
