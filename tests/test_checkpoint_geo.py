@@ -7,7 +7,7 @@ models and inner AdamW states, every rank's geo state and RNG), must equal the u
 The step-3 checkpoints are taken where the strategies' state matters: DiLoCo (H = 2) between two
 outer steps, when the datacenters hold different models; Streaming DiLoCo with a fragment's
 transfer in flight (launched after step 2, applied after step 4); compressed with its error
-feedback residuals; DiLoCo again with tensor parallelism inside each datacenter.
+feedback residuals; DiLoCo again with tensor parallelism, and with FSDP, inside each datacenter.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ CASES = {
     "compressed_2x1": (2, ["--geo.sync", "compressed", "--geo.wan_dtype", "int8"]),
     # tensor parallelism inside each datacenter: DTensor shards, per-shard outer state.
     "diloco_2xtp2": (4, ["--parallel.tp", "2", "--geo.sync", "diloco", "--geo.inner_steps", "2"]),
+    # FSDP (ZeRO-2) inside each datacenter: the outer state of each shard.
+    "diloco_2xfsdp2": (4, ["--parallel.dp_shard", "2", "--parallel.zero_stage", "2", "--geo.sync", "diloco",
+                           "--geo.inner_steps", "2"]),
 }
 
 

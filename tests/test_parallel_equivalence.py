@@ -108,6 +108,8 @@ CASES: list[tuple[str, int, list[str]]] = [
     ("dc2_pp2_geo_flat", 4, ["--geo.datacenters", "2", "--parallel.pp", "2", "--parallel.microbatches", "2",
                              "--geo.sync", "flat"]),
     ("dc2_cp2_geo_hierarchical", 4, ["--geo.datacenters", "2", "--parallel.cp", "2", "--geo.sync", "hierarchical"]),
+    ("dc2_dp_shard2_z3_geo_hierarchical", 4, ["--geo.datacenters", "2", "--parallel.dp_shard", "2", "--parallel.zero_stage", "3",
+                                              "--geo.sync", "hierarchical"]),
     ("dp2_tp2_pp2", 8, ["--parallel.dp_replicate", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
 ]
 

@@ -23,8 +23,11 @@ DataParallelKind = Literal["none", "ddp", "zero1", "fsdp"]
 
 
 def data_parallel_kind(dims: ParallelDims, zero_stage: int, geo_sync: bool = False) -> DataParallelKind:
-    if geo_sync:  # the geo strategy does every data-parallel transfer itself (isthmus.geo)
-        return "none"
+    if geo_sync:
+        # The geo strategy averages over replicas itself (isthmus.geo); FSDP2 still shards inside
+        # each datacenter, over dp_shard x cp only (`fsdp_mesh`), and the strategy then works on
+        # the shards.
+        return "fsdp" if dims.dp_shard_enabled else "none"
     if dims.dp_shard_enabled and zero_stage == 1:
         return "zero1"
     # DDP holds neither DTensor parameters (tp) nor pipeline stages run micro-batch by micro-batch
@@ -36,9 +39,10 @@ def data_parallel_kind(dims: ParallelDims, zero_stage: int, geo_sync: bool = Fal
     return "none"
 
 
-def fsdp_mesh(mesh: "Meshes", dims: ParallelDims) -> DeviceMesh:
-    """HSDP when replicas exist (replicate over dp_replicate, shard over dp_shard x cp), else 1-D."""
-    if dims.dp_replicate_enabled:
+def fsdp_mesh(mesh: "Meshes", dims: ParallelDims, geo_sync: bool = False) -> DeviceMesh:
+    """HSDP when replicas exist (replicate over dp_replicate, shard over dp_shard x cp), else 1-D.
+    Under a geo strategy always 1-D: the strategy reduces over the replicas."""
+    if dims.dp_replicate_enabled and not geo_sync:
         return mesh["replicate", "dp_shard_cp"]
     return mesh["dp_shard_cp"]
 

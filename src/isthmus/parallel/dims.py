@@ -172,11 +172,12 @@ def check_layout(
     if g.sync != "none":
         if not dims.dc_enabled:
             raise ConfigError("geo.sync", g.sync, "needs geo.datacenters of 2 or more")
-        if p.dp_shard > 1:
+        inner = {k: getattr(p, k) for k in ("dp_shard", "tp", "cp", "pp") if getattr(p, k) > 1}
+        if g.fault_tolerant and inner:
+            k, v = next(iter(inner.items()))
             raise ConfigError(
-                "parallel.dp_shard", p.dp_shard,
-                f"geo.sync = {g.sync} averages over replicas (dp_replicate, cp); sharded data parallelism "
-                "(FSDP) inside a datacenter is not combined with it yet: use dp_replicate with tp or pp",
+                f"parallel.{k}", v,
+                "is not combined with geo.fault_tolerant yet: each datacenter's job runs data-parallel replicas (dp_replicate) only",
             )
         if cfg.checkpoint.every and g.fault_tolerant:
             raise ConfigError("checkpoint.every", cfg.checkpoint.every,

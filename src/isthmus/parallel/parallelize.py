@@ -76,7 +76,8 @@ def _inject_cp_positions(module: Transformer, cp_rank: int, cp_size: int) -> Non
 
 
 def _shard_stage(
-    module: Transformer, mesh: Meshes | None, dims: ParallelDims, p: ParallelConfig, dp_kind: DataParallelKind
+    module: Transformer, mesh: Meshes | None, dims: ParallelDims, p: ParallelConfig, dp_kind: DataParallelKind,
+    geo_sync: bool = False,
 ) -> Transformer:
     """Steps 2-5 on one module (the whole model, or one pipeline stage)."""
     if dims.tp_enabled:
@@ -91,7 +92,7 @@ def _shard_stage(
     apply_ac(module, p.activation_checkpoint)
     if dp_kind == "fsdp":
         assert mesh is not None
-        apply_fsdp(module, fsdp_mesh(mesh, dims), p.zero_stage)
+        apply_fsdp(module, fsdp_mesh(mesh, dims, geo_sync), p.zero_stage)
     return module
 
 
@@ -117,7 +118,7 @@ def parallelize(
     loss_parallel = dims.tp_enabled
 
     def materialise(module: Transformer) -> Transformer:
-        module = _shard_stage(module, mesh, dims, parallel, dp_kind)
+        module = _shard_stage(module, mesh, dims, parallel, dp_kind, geo_sync)
         module.to_empty(device=device)
         init_weights(module, seed, args)
         return module

@@ -169,10 +169,11 @@ class Trainer:
         # The mesh puts dc outermost, so datacenter i holds one contiguous block of ranks; the
         # emulator's launcher orders ranks the same way.
         d = self.dims
-        grids = geo_grids(d.dc, d.pp, d.dp_replicate, d.cp, d.tp)
-        groups = build_geo_groups(d.dc, d.dp_replicate * d.cp, ranks_per_node=local_world, grids=grids)
+        grids = geo_grids(d.dc, d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp)
+        replicas = len(grids[0][0])
+        groups = build_geo_groups(d.dc, replicas, ranks_per_node=local_world, grids=grids)
         self.log.info("geo: %s across %d datacenters of %d ranks (%d replica(s) of each model part)",
-                      g.sync, d.dc, self.world // d.dc, d.dp_replicate * d.cp)
+                      g.sync, d.dc, self.world // d.dc, replicas)
         return build_geo_sync(g.sync, groups, self.pm.parameters(), g)
 
     def _skip_to(self, step: int) -> None:
@@ -377,12 +378,16 @@ def _shape_str(args: Any) -> str:
     return f"dim {args.dim}, {args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} heads, ffn {args.ffn_dim}, {args.mlp}"
 
 
-def geo_grids(dc: int, pp: int, dp_replicate: int, cp: int, tp: int) -> list[list[list[int]]]:
-    """The geo grids of the mesh (dc, pp, dp_replicate, dp_shard = 1, cp, tp), laid out row-major as
-    `ParallelDims.build_mesh` lays out ranks: for each (pp stage, tp shard), grid[d][j] is the
-    global rank of replica j = (dp_replicate, cp) in datacenter d (see `isthmus.geo.groups`)."""
-    ranks = torch.arange(dc * pp * dp_replicate * cp * tp).reshape(dc, pp, dp_replicate * cp, tp)
-    return [ranks[:, s, :, t].tolist() for s in range(pp) for t in range(tp)]
+def geo_grids(dc: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> list[list[list[int]]]:
+    """The geo grids of the mesh (dc, pp, dp_replicate, dp_shard, cp, tp), laid out row-major as
+    `ParallelDims.build_mesh` lays out ranks: for each part of the model a rank holds (pp stage, tp
+    shard, and FSDP shard over dp_shard x cp), grid[d][j] is the global rank of replica j in
+    datacenter d (see `isthmus.geo.groups`). Replicas are dp_replicate x cp without FSDP (cp ranks
+    hold the same parameters), dp_replicate alone with it (FSDP shards over dp_shard x cp)."""
+    ranks = torch.arange(dc * pp * dp_replicate * dp_shard * cp * tp).reshape(dc, pp, dp_replicate, dp_shard * cp, tp)
+    if dp_shard == 1:  # the cp ranks are replicas
+        ranks = ranks.reshape(dc, pp, dp_replicate * cp, 1, tp)
+    return [ranks[:, s, :, f, t].tolist() for s in range(pp) for f in range(ranks.shape[3]) for t in range(tp)]
 
 
 def _layout_str(dims: ParallelDims, cfg: JobConfig) -> str:
