@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -14,8 +15,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     Datacenters hold the same parts in the same places, so a strategy reduces each rank's local
     shard with its counterparts; under no_grad the shard aliases the DTensor's storage.
     """
-    from torch.distributed.tensor import DTensor
-
     if isinstance(t, DTensor):
         with torch.no_grad():
             return t.to_local()
@@ -92,8 +91,6 @@ def split_fragments(params: list[nn.Parameter], n: int) -> list[list[int]]:
 
 def pack_grads(params: list[nn.Parameter], bucket: Bucket, out: torch.Tensor) -> torch.Tensor:
     """Pack the gradients of the bucket's parameters; a missing gradient packs as zeros."""
-    from torch.distributed.tensor import DTensor
-
     for i, off in zip(bucket.index, bucket.offsets):
         param = params[i]
         p = local(param)
@@ -113,8 +110,6 @@ def pack_grads(params: list[nn.Parameter], bucket: Bucket, out: torch.Tensor) ->
 
 def unpack_grads(buf: torch.Tensor, params: list[nn.Parameter], bucket: Bucket) -> None:
     """Write ``buf`` back as the bucket's gradients (creating those that were missing)."""
-    from torch.distributed.tensor import DTensor
-
     for i, off in zip(bucket.index, bucket.offsets):
         param = params[i]
         p = local(param)

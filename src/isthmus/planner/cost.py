@@ -289,7 +289,7 @@ def estimate(
     slow = max(range(p), key=lambda r: syncs[r].tail)
     step = t_pipe + syncs[slow].tail
     # Streaming DiLoCo: the slowest fragment transfer against the steps it overlaps.
-    streaming = streaming_exposed(max(sy.fragment for sy in syncs), step, layout) if layout.geo == "streaming_diloco" else 0.0
+    streaming = streaming_exposed(max(sy.fragment for sy in syncs), step, layout)
     step += streaming
     # Activations and their gradients cross each WAN boundary once per sequence.
     wan_cuts = sum(1 for _, _, wan in pl.boundary_links if wan)

@@ -97,7 +97,9 @@ def streaming_equivalent(nbytes: float, span: Span, runtime: Runtime) -> float:
 
 
 def streaming_fragment(nbytes: float, span: Span, layout: Layout, runtime: Runtime) -> float:
-    """WAN seconds of one fragment's exchange (1 / fragments of the parameters)."""
+    """WAN seconds of one fragment's exchange (1 / fragments of the parameters); 0 for other strategies."""
+    if layout.geo != "streaming_diloco":
+        return 0.0
     return _wan_phase(streaming_equivalent(nbytes, span, runtime) / max(1, layout.fragments), span)
 
 
@@ -118,7 +120,7 @@ def dp_sync(params: float, site: SiteSpans, layout: Layout, runtime: Runtime, mi
     ranks = layout.tp * layout.dp * layout.cp  # devices of one pipeline rank, all datacenters
     if shard <= 1:
         t, wan, wan_bytes = cross_dc_all_reduce(grads, site.sync, layout, runtime)
-        frag = streaming_fragment(grads, site.sync, layout, runtime) if layout.geo == "streaming_diloco" else 0.0
+        frag = streaming_fragment(grads, site.sync, layout, runtime)
         return SyncCost(t, 0.0, 0.0, wan, wan_bytes * ranks / site.sync.size, frag)
     if layout.zero_stage == 1:
         # DDP all-reduce, then ZeroRedundancyOptimizer broadcasts the updated shards.
@@ -126,7 +128,7 @@ def dp_sync(params: float, site: SiteSpans, layout: Layout, runtime: Runtime, mi
     rs = comm.reduce_scatter(grads, site.shard)
     t, wan, wan_bytes = cross_dc_all_reduce(grads / shard, site.replicate, layout, runtime)
     wan_bytes *= ranks / site.replicate.size
-    frag = streaming_fragment(grads / shard, site.replicate, layout, runtime) if layout.geo == "streaming_diloco" else 0.0
+    frag = streaming_fragment(grads / shard, site.replicate, layout, runtime)
     gather = comm.all_gather(weights, site.shard)
     if layout.zero_stage == 3 and layout.pp == 1:
         return SyncCost(rs + t, 0.0, 2 * gather, wan, wan_bytes, frag)

@@ -246,9 +246,10 @@ def streaming_phases(nbytes: float, span: Span, layout: Layout, runtime: Runtime
     spread over the ``overlap_steps`` (tau) steps it overlaps: 1 / tau of it runs behind each.
 
     The simulated step is one in which a fragment is in flight; `sim.run` amortises what it blocks
-    (tau x its wait, every diloco_h / fragments steps), as ``geo.streaming_exposed`` does.
+    (tau x its wait, every diloco_h / fragments steps), as ``geo.streaming_exposed`` does. None
+    for other strategies.
     """
-    if span.dcs <= 1:
+    if layout.geo != "streaming_diloco" or span.dcs <= 1:
         return []
     k, bw, lat = span.tiers()[-1]
     local = span.per_node * span.nodes
@@ -284,12 +285,11 @@ def dp_plan(site: SiteSpans, layout: Layout, runtime: Runtime) -> DpPlan:
     shard = layout.shard_degree
     if shard <= 1:
         grad, outer = cross_dc_all_reduce(g, site.sync, layout, runtime)
-        stream = streaming_phases(g, site.sync, layout, runtime) if layout.geo == "streaming_diloco" else []
-        return DpPlan(grad, outer, [], [], False, stream)
+        return DpPlan(grad, outer, [], [], False, streaming_phases(g, site.sync, layout, runtime))
     if layout.zero_stage == 1:
         return DpPlan(all_reduce(g, site.shard), [], all_gather(w, site.shard), [], False)
     rep, outer = cross_dc_all_reduce(g / shard, site.replicate, layout, runtime)
-    stream = streaming_phases(g / shard, site.replicate, layout, runtime) if layout.geo == "streaming_diloco" else []
+    stream = streaming_phases(g / shard, site.replicate, layout, runtime)
     grad = reduce_scatter(g, site.shard) + rep
     gather = all_gather(w, site.shard)
     if layout.zero_stage == 3:

@@ -37,6 +37,7 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,11 @@ class ResumePoint:
 
     path: Path
     manifest: Manifest
+
+    @cached_property
+    def saved(self) -> dict[str, Any]:
+        """DCP's metadata of every entry (read once: `load` and `load_geo` both need it)."""
+        return dcp.FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
 
 
 # --- model and optimizer state, keyed by canonical names -------------------------------------------
@@ -306,7 +312,7 @@ class Checkpointer:
         start = time.perf_counter()
         path, manifest = point.path, point.manifest
         state.sampler.load_state_dict(manifest.sampler)
-        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        saved = point.saved
         same_layout = manifest.layout == self.layout
         rng_key = f"rank{self.rank}" if same_layout else "rank0"
         parts = [model_state([m]) for m in state.modules]
@@ -356,9 +362,8 @@ class Checkpointer:
         built: its global snapshot is the loaded model. One saved under another layout was refused
         by `find_resume` already.
         """
-        saved = dcp.FileSystemReader(str(point.path)).read_metadata().state_dict_metadata
         head = f"geo.rank{self.rank}."
-        mine = {k[len(head):]: v for k, v in saved.items() if k.startswith(head)}
+        mine = {k[len(head):]: v for k, v in point.saved.items() if k.startswith(head)}
         if not mine:
             self.log.info("checkpoint: %s holds no geo state; geo.sync starts from the loaded model", point.path)
             return

@@ -126,7 +126,9 @@ class Trainer:
         if cfg.geo.dc_axis == "pp" and cfg.geo.datacenters > 1 and self.pm.schedule is not None:
             from isthmus.parallel.pipeline import count_cross_dc_sends
 
-            self.pp_wan = {"wan": 0}
+            from isthmus.geo.accounting import new_counter
+
+            self.pp_wan = new_counter()  # only its wan tier is counted
             count_cross_dc_sends(self.pm.schedule, self.dims.pp, cfg.geo.datacenters, self.pp_wan)
         self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler,
                                       replica=self._replica_key())
@@ -299,7 +301,7 @@ class Trainer:
         result = TrainResult(run_dir=self.run_dir, n_params=self.n_params, world_size=self.world)
         step_times: list[float] = []
         sent_before: dict[str, int] = {}
-        wan_before = 0
+        wan_before: dict[str, int] = {}
         start = time.perf_counter()
         try:
             while self.step < t.steps:
@@ -320,11 +322,10 @@ class Trainer:
                     sent_before = dict(self.geo.bytes_sent)
                     extra.update({f"{tier}_bytes": n for tier, n in step_bytes.items()})
                 if self.pp_wan is not None:
-                    from isthmus.geo import total_over_ranks
+                    from isthmus.geo import bytes_delta, total_over_ranks
 
-                    step_wan = total_over_ranks({"intra_node": 0, "intra_dc": 0, "wan": self.pp_wan["wan"] - wan_before})
-                    wan_before = self.pp_wan["wan"]
-                    extra["wan_bytes"] = step_wan["wan"]
+                    extra["wan_bytes"] = total_over_ranks(bytes_delta(wan_before, self.pp_wan))["wan"]
+                    wan_before = dict(self.pp_wan)
                 if metrics is not None:
                     metrics.log_step(self.step, loss, lr, step_times[-1], extra)
                 if (t.val_every and self.step % t.val_every == 0) or self.step == t.steps:
@@ -352,7 +353,7 @@ class Trainer:
         if self.pp_wan is not None:
             from isthmus.geo import format_bytes, total_over_ranks
 
-            result.bytes_by_tier = {"wan": total_over_ranks({"intra_node": 0, "intra_dc": 0, **self.pp_wan})["wan"]}
+            result.bytes_by_tier = {"wan": total_over_ranks(self.pp_wan)["wan"]}
             self.log.info("pipeline across %d datacenters sent %s over the WAN (activations and their gradients)",
                           self.cfg.geo.datacenters, format_bytes(result.bytes_by_tier["wan"]))
         result.elapsed_s = time.perf_counter() - start
