@@ -11,9 +11,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn, Sequence
 
-from isthmus.errors import ConfigError, IsthmusError
-
-EXIT_USAGE = 2
+from isthmus.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError, IsthmusError
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -213,10 +211,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except IsthmusError as e:
         sys.stderr.write(f"isthmus: error: {e}\n")
-        return EXIT_USAGE
+        return e.exit_code
     except KeyboardInterrupt:
         sys.stderr.write("isthmus: interrupted\n")
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":
