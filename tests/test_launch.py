@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from multirank import free_port
@@ -77,3 +80,96 @@ def test_user_error_inside_ranks_is_one_line(tmp_path: Path) -> None:
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert errors == [f"isthmus: error: {bad / 'isthmus.json'}: not a valid checkpoint manifest "
                       "(JSONDecodeError: Expecting value: line 1 column 1 (char 0)) (rank0)"], proc.stderr
+
+
+def _process_tree(root: int) -> set[int]:
+    """``root`` and every process below it (the agent, its spawned ranks, their helpers)."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            # The command name may hold spaces and parentheses: the fields after the last ')' are fixed.
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # a process that ended while we looked
+    tree, grown = {root}, True
+    while grown:
+        below = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= below
+        grown = bool(below)
+    return tree
+
+
+def _proc_address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """An address of /proc/net/tcp{,6}: 32-bit words, each in the kernel's (little-endian) byte order."""
+    raw = bytes.fromhex(hex_addr)
+    return ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+
+
+def _listening(pids: set[int]) -> list[tuple[int, str, bool]]:
+    """(pid, address:port, on loopback) of every listening TCP socket the processes ``pids`` hold."""
+    found = []
+    for pid in pids:
+        try:
+            inodes = {os.readlink(fd)[8:-1] for fd in Path(f"/proc/{pid}/fd").iterdir()
+                      if os.readlink(fd).startswith("socket:[")}
+            tables = [Path(f"/proc/{pid}/net/{t}").read_text().splitlines()[1:] for t in ("tcp", "tcp6")]
+        except OSError:
+            continue
+        for line in (row for table in tables for row in table):
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state == "0A" and inode in inodes:  # 0A: TCP_LISTEN
+                addr_hex, port_hex = local.split(":")
+                addr = _proc_address(addr_hex)
+                mapped = getattr(addr, "ipv4_mapped", None)
+                found.append((pid, f"{addr}:{int(port_hex, 16)}", (mapped or addr).is_loopback))
+    return found
+
+
+def test_local_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
+    """The agent's rendezvous store, rank 0's store and gloo: every listening socket of the run is on loopback."""
+    run = tmp_path / "r"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "isthmus", "train", *ARGS, "--parallel.nproc", "2", "--train.steps", "100000",
+         "--train.val_every", "0", "--train.run_dir", str(run), "--data.cache_dir", str(tmp_path / "cache")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(tmp_path),
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not ((run / "metrics.jsonl").is_file() and len((run / "metrics.jsonl").read_text().splitlines()) >= 3):
+            assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
+            assert time.monotonic() < deadline, "the run did not start training"
+            time.sleep(0.5)
+        tree = _process_tree(proc.pid)
+        sockets = _listening(tree)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    # The agent (rendezvous store), rank 0 (the ranks' store) and both ranks (gloo) listen: 3 at least.
+    assert len({pid for pid, _, _ in sockets}) == 3 and len(sockets) >= 4, sockets
+    assert all(loopback for _, _, loopback in sockets), [s for s in sockets if not s[2]]
+
+
+def test_local_ranks_train_when_the_hostname_resolves_nowhere(tmp_path: Path) -> None:
+    """A host whose name does not resolve: the run still trains (it used to wait 5 minutes on the name).
+
+    The name is changed in a UTS namespace of the test's own (root, as the emulator tests need).
+    """
+    name = "isthmus-unresolvable-host"
+    try:
+        socket.getaddrinfo(name, None)
+        raise AssertionError(f"{name} resolves here; the test needs a name that does not")
+    except socket.gaierror:
+        pass
+    proc = subprocess.run(
+        ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name,
+         sys.executable, "-m", "isthmus", "train", *ARGS, "--parallel.nproc", "2",
+         "--train.run_dir", str(tmp_path / "r"), "--data.cache_dir", str(tmp_path / "cache")],
+        capture_output=True, text=True, timeout=150, env=_env(tmp_path),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(_losses(tmp_path / "r" / "metrics.jsonl")) == 6

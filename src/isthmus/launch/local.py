@@ -1,9 +1,11 @@
 """Start a run's ranks on this machine with torch's elastic launcher, or join an external torchrun.
 
 `isthmus train --parallel.nproc N` lands here: N worker processes, a c10d rendezvous on a free
-loopback port, gloo on CPU and NCCL on CUDA. Rank 0 drives the console; every rank writes its own
-log file in ``<run_dir>/logs``. Under an external ``torchrun`` (RANK/WORLD_SIZE already set) the
-same entry point trains as that one rank, single- or multi-node.
+loopback port, gloo on CPU and NCCL on CUDA. Everything such a run listens on is on 127.0.0.1: the
+ranks talk only to each other, and torch's stores would otherwise listen on every interface, without
+authentication, holding rendezvous state that torch unpickles. Rank 0 drives the console; every
+rank writes its own log file in ``<run_dir>/logs``. Under an external ``torchrun`` (RANK/WORLD_SIZE
+already set) the same entry point trains as that one rank, single- or multi-node.
 
 Restarts (``parallel.max_restarts``): when a rank dies, torch's agent stops the others (a rank
 blocked in a collective with the dead one included), starts all ranks again and sets
@@ -23,11 +25,13 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from isthmus.config import JobConfig
 from isthmus.errors import IsthmusError
@@ -35,16 +39,48 @@ from isthmus.log import get_logger, setup_logging
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.train.trainer import TrainResult, train
 
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
 
 def launched_externally() -> bool:
     """True inside a process started by torchrun (or another launcher that sets the env:// variables)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LOOPBACK = "127.0.0.1"
+LOOPBACK_IFNAME = "lo0" if sys.platform == "darwin" else "lo"
+"""The loopback interface, where gloo binds for a run on one machine (GLOO_SOCKET_IFNAME)."""
+
+
+@contextmanager
+def loopback_store_server(port: int = 0) -> Iterator[int]:
+    """Serve a TCPStore on 127.0.0.1:``port`` (0: a free port) in this process while the block runs; yields the port.
+
+    Why by hand: torch's TCPStore server listens on every interface, IPv4 and IPv6, whatever host it
+    is given; only a socket bound beforehand and handed over as ``master_listen_fd`` keeps it on
+    loopback. torch creates its stores itself (the agent's c10d rendezvous store, rank 0's env://
+    store), each with ``multi_tenant=True``: a multi-tenant TCPStore on a port this process already
+    serves shares that server instead of starting one of its own, so torch's code runs unchanged.
+    """
+    from torch.distributed import TCPStore
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((LOOPBACK, port))
+        sock.listen()
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    # The server owns the socket from here on and closes it when the last store using it goes.
+    server = TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, wait_for_workers=False,
+                      master_listen_fd=sock.detach())
+    try:
+        yield port
+    finally:
+        del server
 
 
 def _threads_per_rank(cfg: JobConfig, local_world: int) -> int:
@@ -54,11 +90,13 @@ def _threads_per_rank(cfg: JobConfig, local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
-def run_rank(cfg: JobConfig, launched_at: float | None = None) -> TrainResult:
+def run_rank(cfg: JobConfig, launched_at: float | None = None, loopback: bool = False) -> TrainResult:
     """The body of one rank: logging (console on rank 0 only), threads, then training.
 
     ``launched_at`` (a ``time.time()``) is when the launch began: a restarted rank resumes only from
     checkpoints committed since then, never from those an earlier run left in the directory.
+    ``loopback`` (the local launcher's ranks): rank 0 hosts the ranks' store (MASTER_PORT) on
+    127.0.0.1 instead of every interface.
     """
     rank = int(os.environ.get("RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
@@ -78,6 +116,9 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None) -> TrainResult:
     if rank != 0:
         cfg.metrics.progress = False
     try:
+        if loopback and rank == 0:
+            with loopback_store_server(int(os.environ["MASTER_PORT"])):
+                return train(cfg)
         return train(cfg)
     except IsthmusError as e:
         # The launcher reports a rank's user error as the one line it is, not as a traceback.
@@ -136,7 +177,13 @@ def last_logged_step(path: Path) -> int:
 
 
 def launch(cfg: JobConfig) -> TrainResult:
-    """Train ``cfg``: in this process (nproc 1 or under torchrun) or on nproc local ranks."""
+    """Train ``cfg``: in this process (nproc 1 or under torchrun) or on nproc local ranks.
+
+    The local ranks listen on loopback only: this process serves the c10d rendezvous store on
+    127.0.0.1, rank 0 serves the ranks' store there (MASTER_ADDR is 127.0.0.1, not the hostname),
+    and gloo binds the loopback interface. Under torchrun or the emulator the launcher's own
+    addresses stand.
+    """
     if launched_externally():
         world = int(os.environ["WORLD_SIZE"])
         if cfg.parallel.nproc not in (1, world):
@@ -158,45 +205,67 @@ def launch(cfg: JobConfig) -> TrainResult:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in (run_dir / "logs").glob("rank*.error"):
         stale.unlink()
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.parallel.nproc,
-        run_id=uuid.uuid4().hex[:12],
-        rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        max_restarts=cfg.parallel.max_restarts,
-        monitor_interval=0.2,
-        start_method="spawn",
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
-    )
+    # A little in the past: the clock of a checkpoint's mtime may be coarser than time.time().
+    launched_at = time.time() - 1.0
+    _quiet_agent_logs()
+    try:
+        with loopback_store_server() as rdzv_port, _environ(_loopback_environ()):
+            config = LaunchConfig(
+                min_nodes=1,
+                max_nodes=1,
+                nproc_per_node=cfg.parallel.nproc,
+                run_id=uuid.uuid4().hex[:12],
+                rdzv_backend="c10d",
+                rdzv_endpoint=f"{LOOPBACK}:{rdzv_port}",
+                # This process hosts the rendezvous store (already serving it on loopback, above).
+                rdzv_configs={"is_host": True},
+                # The workers' MASTER_ADDR; otherwise the hostname, which may not resolve here at all.
+                local_addr=LOOPBACK,
+                max_restarts=cfg.parallel.max_restarts,
+                monitor_interval=0.2,
+                start_method="spawn",
+                logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
+            )
+            results = elastic_launch(config, run_rank)(cfg, launched_at, True)
+    except ChildFailedError as e:
+        raise _launch_failure(e, cfg, run_dir) from None
+    return results[0]
+
+
+def _loopback_environ() -> dict[str, str]:
+    """What the agent and the workers of a run on one machine need to listen on loopback only."""
+    return {
+        # The agent would host the workers' store itself, on every interface (torch offers no
+        # setting for that server's address). Without sharing, rank 0 hosts it: `run_rank` binds it
+        # to loopback. It also gives each restart a store of its own: a shared one keeps the dead
+        # ranks' gloo addresses, which the restarted ranks would read (pytorch/pytorch#135712).
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        # gloo binds the address the hostname resolves to (and waits for a name that resolves
+        # nowhere); on one machine the ranks need only loopback.
+        "GLOO_SOCKET_IFNAME": LOOPBACK_IFNAME,
+    }
+
+
+def _quiet_agent_logs() -> None:
     # The agent logs every failed worker with its own traceback; the one line below says it better
     # and names the per-rank logs, which keep everything.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     # ...and torch's process context warns as it terminates the survivors of a dead rank.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-    # A little in the past: the clock of a checkpoint's mtime may be coarser than time.time().
-    launched_at = time.time() - 1.0
-    # The agent shares its rendezvous store with the workers and keeps it across restarts, so the
-    # restarted ranks read the dead ranks' gloo addresses still in it (pytorch/pytorch#135712);
-    # a store of their own per attempt avoids that.
-    no_shared_store = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if cfg.parallel.max_restarts else {}
-    try:
-        with _environ(no_shared_store):
-            results = elastic_launch(config, run_rank)(cfg, launched_at)
-    except ChildFailedError as e:
-        errors = sorted((run_dir / "logs").glob("rank*.error"))
-        if errors:
-            raise IsthmusError(f"{errors[0].read_text().strip()} ({errors[0].stem})") from None
-        first = min(e.failures)
-        failure = e.failures[first]
-        detail = _first_line(failure.message) or f"exit code {failure.exitcode}"
-        restarts = cfg.parallel.max_restarts
-        left = f"after {restarts} restart(s), none left" if restarts else "no restart"
-        raise IsthmusError(
-            f"rank {failure.local_rank} failed ({detail}); {left} (parallel.max_restarts = {restarts}); see {run_dir / 'logs'}"
-        ) from None
-    return results[0]
+
+
+def _launch_failure(e: ChildFailedError, cfg: JobConfig, run_dir: Path) -> IsthmusError:
+    """The one line for a launch whose ranks failed: a rank's own user error, or which rank died and how."""
+    errors = sorted((run_dir / "logs").glob("rank*.error"))
+    if errors:
+        return IsthmusError(f"{errors[0].read_text().strip()} ({errors[0].stem})")
+    failure = e.failures[min(e.failures)]
+    detail = _first_line(failure.message) or f"exit code {failure.exitcode}"
+    restarts = cfg.parallel.max_restarts
+    left = f"after {restarts} restart(s), none left" if restarts else "no restart"
+    return IsthmusError(
+        f"rank {failure.local_rank} failed ({detail}); {left} (parallel.max_restarts = {restarts}); see {run_dir / 'logs'}"
+    )
 
 
 def _first_line(message: object) -> str:
