@@ -110,3 +110,37 @@ def test_gpt3_flavors_against_table1(row: tuple) -> None:
     assert abs(100 * tflops / 312 - pct) < 1  # A100 bf16 peak is 312 TFLOP/s
     seconds = per_iter / (gpus * tflops * 1e12)
     assert 1 < seconds < 120, seconds
+
+
+def _math_causal_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor") -> "torch.Tensor":
+    """Causal attention as plain matmuls over the full S x S square, which FlopCounterMode counts
+    (it has no formula for the CPU flash kernel); K and V repeated for the query heads as GQA does."""
+    import torch
+
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool).triu(1)
+    return scores.masked_fill(mask, float("-inf")).softmax(-1) @ v
+
+
+@pytest.mark.parametrize("flavor", ["tiny", "small"])
+def test_flops_per_token_equals_torch_flop_counter(flavor: str) -> None:
+    """flops_per_token is what torch's own FLOP counter counts for one training step, exactly:
+    every Linear and the head forward, input and weight gradient, plus attention over the full
+    square (causal masking is not subtracted; see attention_flops_per_token)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from isthmus.models.llama import init_weights
+
+    args, batch, seq = get_flavor(flavor), 2, 32
+    model = build_model(args, device="cpu")
+    init_weights(model, 0, args)
+    for layer in model.layers.values():
+        layer.attention.sdpa = _math_causal_attention
+    x = torch.randint(0, args.vocab_size, (batch, seq))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    assert counter.get_total_flops() == flops_per_token(args, seq) * batch * seq

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from isthmus.config import build_config
 from isthmus.errors import IsthmusError
 from isthmus.profile_cli import add_profile_parser, fit_alpha_beta, fit_gemm_curve, run_profile
 from isthmus.topology import load_topology
+from isthmus.train.device import PEAK_CACHE_FILE, cpu_peak_key
 
 
 def profile(argv: list[str]) -> int:
@@ -22,11 +24,21 @@ def profile(argv: list[str]) -> int:
     return run_profile(parser.parse_args(["profile", *argv]))
 
 
-def test_profile_writes_a_loadable_topology(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_writes_a_loadable_topology(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ISTHMUS_CACHE", str(tmp_path / "cache"))
+    peaks = tmp_path / "cache" / PEAK_CACHE_FILE
+    peaks.parent.mkdir()
+    peaks.write_text(json.dumps({cpu_peak_key("fp32", 1): {"flops": 1.0, "measured_at": 0}}))
     out = tmp_path / "me.toml"
     quick = ["--seconds", "0.5", "--threads", "2", "--model", "tiny", "--batch", "4", "--seq-len", "32"]
     assert profile(["--out", str(out), *quick]) == 0
-    assert f"wrote {out}" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert f"wrote {out}" in printed and "CPU peak for MFU: 1 thread(s)" in printed
+    # The CPU peaks behind MFU were measured again: the absurd cached one is replaced.
+    cached = json.loads(peaks.read_text())
+    assert {cpu_peak_key(d, t) for t in (1, 2) for d in ("fp32", "bf16")} == set(cached)
+    assert all(entry["flops"] > 1e9 for entry in cached.values())
     topo = load_topology(str(out))
     dc = topo.datacenters[0]
     assert dc.kind.name == "cpu-local" and dc.devices >= 1

@@ -17,6 +17,8 @@ What it measures, as one rank sees it (torch on CPU, fp32), at the shapes of one
   the threads' speed-up scales the ``-<t>t`` kind;
 - gloo all-reduce between 2 local ranks over loopback (two fresh interpreters, one thread each,
   4 KB to 64 MB), fitted to the planner's alpha-beta form t = 2 latency + bytes / bandwidth;
+- the CPU peak that MFU divides by (isthmus.train.device), on 1 and on ``--threads`` threads, fp32
+  and bf16: this machine's entries of the peak cache are rewritten with the new figures;
 - whole training steps of the model with 1 and with 3 blocks on those 2 ranks under tp, tp + sp,
   ZeRO-2 and ZeRO-3 (isthmus.api, as the trainer lays them out): what one block costs beyond the
   planner's count of the same steps is the runtime's own work per block (DTensor's dispatch, FSDP2's
@@ -85,6 +87,10 @@ def run_profile(ns: argparse.Namespace) -> int:
     budget = ns.seconds
     load = os.getloadavg()[0]
     prof = measure(budget, threads, ns.model, ns.batch, ns.seq_len)
+    from isthmus.train.device import PEAK_CACHE_FILE, default_cache_dir, remeasure_cpu_peaks
+
+    # What MFU divides by: measured again here, where the machine is known to be in use for nothing else.
+    peaks = remeasure_cpu_peaks(sorted({1, threads}))
     text = topology_toml(prof, ns.name, cores)
     out.write_text(text)
     from isthmus.topology import load_topology
@@ -102,6 +108,9 @@ def run_profile(ns: argparse.Namespace) -> int:
         f"  gloo all-reduce, 2 ranks: {prof['gloo_bw'] / 1e9:.2f} GB/s, latency {prof['gloo_lat'] * 1e6:.0f} us\n"
         f"  runtime work per block on 2 ranks: tp {dc.kind.tp_block_s * 1e3:.1f} ms per pass "
         f"(sp {dc.kind.sp_block_s * 1e3:+.1f} ms), FSDP2 {dc.kind.shard_block_s * 1e3:.1f} ms per collective\n"
+        f"  CPU peak for MFU: " + "; ".join(
+            f"{t} thread(s) {peaks[t, 'fp32'] / 1e9:.1f} GFLOP/s fp32, {peaks[t, 'bf16'] / 1e9:.1f} bf16"
+            for t in sorted({t for t, _ in peaks})) + f" (rewritten in {default_cache_dir() / PEAK_CACHE_FILE})\n"
         f"wrote {out} ({dc.devices} x {dc.kind.name}); use it with --topology {out}\n"
     )
     if max(load, os.getloadavg()[0]) > 0.5 * cores:

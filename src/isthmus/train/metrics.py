@@ -10,6 +10,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,29 @@ class ThroughputModel:
 
     tokens_per_step: int
     flops_per_token: int
-    peak_flops_total: float
-    """Sum of the peak FLOP/s of all devices in the run."""
+    peak_flops: float
+    """Peak FLOP/s of one device (isthmus.train.device.peak_flops)."""
+    devices: float = 1.0
+    """Devices' worth of compute in the run: the ranks, fewer when local ranks share cores."""
+    correct_peak: Callable[[float, float, bool], float] | None = None
+    """(peak, achieved FLOP/s per device, first time?) -> the corrected peak, called when a step
+    beats the peak (isthmus.train.device.correct_peak); None: MFU is only capped at 1."""
+    corrections: int = 0
+
+    def mfu(self, tokens_per_s: float) -> float:
+        """Model FLOPs utilisation at ``tokens_per_s``, never above 1.
+
+        A rate above the peak proves the peak wrong (a CPU probe taken under load), not the
+        model's FLOP count: the peak is corrected first (once re-measured, then raised to any
+        faster rate), and what is shown is capped at 100% even without a correction.
+        """
+        if self.peak_flops <= 0 or self.devices <= 0:
+            return 0.0
+        achieved = tokens_per_s * self.flops_per_token / self.devices
+        if achieved > self.peak_flops and self.correct_peak is not None:
+            self.peak_flops = max(achieved, self.correct_peak(self.peak_flops, achieved, self.corrections == 0))
+            self.corrections += 1
+        return min(1.0, achieved / self.peak_flops)
 
 
 class MetricsLogger:
@@ -112,7 +134,7 @@ class MetricsLogger:
         """Record optimizer step ``step`` (1-based) that took ``step_time_s``."""
         tp = self.throughput
         tokens_per_s = tp.tokens_per_step / step_time_s if step_time_s > 0 else 0.0
-        mfu = tokens_per_s * tp.flops_per_token / tp.peak_flops_total if tp.peak_flops_total > 0 else 0.0
+        mfu = tp.mfu(tokens_per_s)
         record = {
             "step": step,
             "loss": loss,

@@ -12,6 +12,7 @@ import os
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,7 @@ from isthmus.parallel.parallelize import ParallelModel, parallelize
 from isthmus.errors import ConfigError
 from isthmus.train.checkpoint import Checkpointer, TrainState
 from isthmus.train.final_model import gather_full_state, save_final_model
-from isthmus.train.device import peak_flops, resolve_device
+from isthmus.train.device import correct_peak, devices_worth, peak_flops, resolve_device
 from isthmus.train.grad import clip_grad_norm
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
@@ -277,6 +278,20 @@ class Trainer:
             m.train()
         return sum(losses) / len(losses)
 
+    def _throughput(self) -> ThroughputModel:
+        """Tokens per step, FLOPs per token and the devices' peak: what MFU is computed from."""
+        t = self.cfg.train
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        return ThroughputModel(
+            # geo.fault_tolerant: this process group computes its datacenter's share of each batch.
+            tokens_per_step=t.batch_size * t.seq_len // (self.ft_job.n_dc if self.ft_job is not None else 1),
+            flops_per_token=flops_per_token(self.model_args, t.seq_len),
+            peak_flops=peak_flops(self.device, t.dtype),
+            devices=devices_worth(self.world, local_world, torch.get_num_threads(), self.device),
+            # Rank 0 alone reports MFU, so it alone corrects a peak that a step proves wrong.
+            correct_peak=partial(correct_peak, self.device, t.dtype) if self.rank == 0 else None,
+        )
+
     # --- the loop -----------------------------------------------------------------------
     def fit(self) -> TrainResult:
         t = self.cfg.train
@@ -284,12 +299,7 @@ class Trainer:
             # Meet the live datacenters first; one that (re)starts late gets the global model and
             # continues at the others' step.
             self._skip_to(self.geo.join(self.pm.parameters()))
-        throughput = ThroughputModel(
-            # geo.fault_tolerant: this process group computes its datacenter's share of each batch.
-            tokens_per_step=t.batch_size * t.seq_len // (self.ft_job.n_dc if self.ft_job is not None else 1),
-            flops_per_token=flops_per_token(self.model_args, t.seq_len),
-            peak_flops_total=peak_flops(self.device, t.dtype) * self.world,
-        )
+        throughput = self._throughput()
         mcfg = self.cfg.metrics
         if self.ft_job is not None and mcfg.jsonl:  # each datacenter's job writes its own records
             path = Path(mcfg.jsonl)
@@ -361,7 +371,7 @@ class Trainer:
         timed = step_times[1:] or step_times
         # No step at all: a datacenter that (re)joined the others at their last outer sync.
         result.tokens_per_s = throughput.tokens_per_step * len(timed) / sum(timed) if timed else 0.0
-        result.mfu = result.tokens_per_s * throughput.flops_per_token / throughput.peak_flops_total
+        result.mfu = throughput.mfu(result.tokens_per_s)
         state = gather_full_state(self.pm.modules, self.world)
         if self.rank == 0:
             save_final_model(state, self.model_args, self.run_dir / "final")
