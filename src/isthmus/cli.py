@@ -119,6 +119,7 @@ def _plan_auto(cfg: object, overrides: list[tuple[str, str]], as_comment: bool) 
 
     named = {key.split(".", 1)[1] for key, _ in overrides if key.startswith("parallel.")}
     fixed = {k: getattr(cfg.parallel, k) for k in named if k in PLAN_KEYS and k != "nproc"}  # type: ignore[attr-defined]
+    fixed = {k: v for k, v in fixed.items() if v != -1}  # a data-parallel degree of -1 is the planner's to choose
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None  # torchrun
     choice = apply_local_choice(cfg, fixed, world)
     if world is None or os.environ.get("RANK") == "0":

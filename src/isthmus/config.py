@@ -105,10 +105,10 @@ class TrainConfig:
 class ParallelConfig:
     nproc: int = 1
     """Local processes (ranks) to start; 1 trains in this process."""
-    dp_replicate: int = 1
-    """Replicated data-parallel degree (DDP)."""
+    dp_replicate: int = -1
+    """Replicated data-parallel degree (DDP); -1 = what the other degrees leave of parallel.nproc."""
     dp_shard: int = 1
-    """Sharded data-parallel degree (ZeRO / FSDP)."""
+    """Sharded data-parallel degree (ZeRO / FSDP); -1 = what the other degrees leave (fills before dp_replicate)."""
     zero_stage: int = 3
     """What dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters."""
     tp: int = 1
@@ -424,8 +424,11 @@ def validate(cfg: JobConfig) -> None:
     for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
         v = getattr(m, key)
         _require(v is None or v >= 1, f"model.{key}", v, "must be at least 1")
-    for key in ("nproc", "dp_replicate", "dp_shard", "tp", "cp", "pp", "microbatches", "pp_virtual_stages"):
+    for key in ("nproc", "tp", "cp", "pp", "microbatches", "pp_virtual_stages"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be at least 1")
+    for key in ("dp_replicate", "dp_shard"):
+        _require(getattr(p, key) >= 1 or getattr(p, key) == -1, f"parallel.{key}", getattr(p, key),
+                 "must be at least 1, or -1 to fill what the other degrees leave")
     _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", p.zero_stage, "must be 1, 2 or 3")
     c = cfg.checkpoint
     _require(p.max_restarts >= 0, "parallel.max_restarts", p.max_restarts, "must be 0 (no restart) or positive")
