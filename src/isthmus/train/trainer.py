@@ -90,14 +90,11 @@ class Trainer:
         # Rank 0 tokenises and fills the cache first; the others then read it instead of redoing it.
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(cfg.to_toml())
             self.data = prepare_data(cfg.data, t.seq_len)
         self._barrier()
         if self.rank != 0:
             self.data = prepare_data(cfg.data, t.seq_len)
         self.model_args = resolve_model_args(cfg.model, self.data.tokenizer.vocab_size)
-        if self.rank == 0:
-            self.data.tokenizer.save(self.run_dir)
 
         a = self.model_args
         self.dims: ParallelDims = check_layout(cfg, a.n_heads, a.n_kv_heads, a.n_layers, world_size=job_world)
@@ -107,6 +104,9 @@ class Trainer:
             cfg.checkpoint, self.run_dir, a, _layout(self.dims, cfg), cfg.to_toml(), self.world
         )
         resume = self.checkpointer.find_resume()
+        if self.rank == 0:  # only now: a run refused above leaves an earlier run's files as they were
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+            self.data.tokenizer.save(self.run_dir)
         if resume is not None and resume.manifest.step >= t.steps:
             at = resume.manifest.step
             raise ConfigError("train.steps", t.steps, f"the checkpoint {resume.path} is at step {at} already; raise it to train on")
