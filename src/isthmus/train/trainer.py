@@ -133,6 +133,7 @@ class Trainer:
         self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler,
                                       replica=self._replica_key())
         self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
+        _apply_step_cap(t, self.step)
         # Built from the loaded model, so a checkpoint without geo state starts geo.sync from it.
         self.geo = self._build_geo_sync()
         self.train_state.geo = self.geo
@@ -367,6 +368,20 @@ class Trainer:
             save_final_model(state, self.model_args, self.run_dir / "final")
         self._barrier()
         return result
+
+
+MAX_STEPS_ENV = "ISTHMUS_MAX_STEPS"
+"""A short-run override: stop every run after at most N more optimizer steps (the README's commands run
+this way in the tests). The learning-rate schedule keeps train.steps; the last step taken is saved as
+the last one, so a run resumed the same way continues from it."""
+
+
+def _apply_step_cap(t: Any, start: int) -> None:
+    cap = os.environ.get(MAX_STEPS_ENV, "")
+    if cap:
+        if not cap.isdigit() or int(cap) < 1:
+            raise ConfigError(MAX_STEPS_ENV, cap, "must be a positive integer (steps per run)")
+        t.steps = min(t.steps, start + int(cap))
 
 
 def _scale_grads(params: list[torch.nn.Parameter], factor: float) -> None:
