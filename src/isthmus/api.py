@@ -157,10 +157,12 @@ DEGREES = tuple(name for name in MESH_DIMS if name != "dc")
 
 
 def _with_degrees(parallel: ParallelConfig, dims: ParallelDims) -> ParallelConfig:
-    """``parallel`` with the degrees of ``dims``; a degree set to something else is an error."""
+    """``parallel`` with the degrees of ``dims``; a degree set to something else is an error
+    (-1, a data-parallel degree's "fill what the others leave", takes the degree of ``dims``)."""
     for name in DEGREES:
         value = getattr(parallel, name)
-        if value not in (1, getattr(dims, name)):
+        fills = value == -1 and name in ("dp_replicate", "dp_shard")
+        if value not in (1, getattr(dims, name)) and not fills:
             raise ConfigError(f"parallel.{name}", value, f"must be 1 or equal dims.{name} = {getattr(dims, name)}")
     degrees = {name: getattr(dims, name) for name in DEGREES}
     return dataclasses.replace(parallel, nproc=dims.world_size, **degrees)
