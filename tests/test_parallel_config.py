@@ -9,7 +9,11 @@ from isthmus.cli import main
 TINY = ["--config", "tiny", "--train.batch_size", "8", "--train.seq_len", "32"]
 
 BAD_LAYOUTS = [
-    (["--parallel.nproc", "4", "--parallel.dp_shard", "2"], "must equal dp_replicate*dp_shard*cp*tp*pp = 1*2*1*1*1 = 2"),
+    (["--parallel.nproc", "4", "--parallel.dp_replicate", "1", "--parallel.dp_shard", "2"], "must equal dp_replicate*dp_shard*cp*tp*pp = 1*2*1*1*1 = 2"),
+    (["--parallel.nproc", "3", "--parallel.tp", "2"], "parallel.nproc = 3: must be a multiple of dp_shard*cp*tp*pp = 1*1*2*1 = 2 (parallel.dp_replicate = -1 fills"),
+    (["--parallel.nproc", "4", "--parallel.dp_shard", "-1", "--parallel.pp", "3"], "must be a multiple of dp_replicate*cp*tp*pp = 1*1*1*3 = 3 (parallel.dp_shard = -1 fills"),
+    (["--parallel.nproc", "4", "--geo.datacenters", "2", "--parallel.tp", "4"], "must be a multiple of dc*dp_shard*cp*tp*pp = 2*1*1*4*1 = 8"),
+    (["--parallel.dp_replicate", "-2"], "parallel.dp_replicate = -2: must be at least 1, or -1 to fill"),
     (["--parallel.nproc", "3", "--parallel.tp", "3"], "must divide model.n_heads = 4"),
     (["--parallel.nproc", "4", "--parallel.tp", "4"], "must divide model.n_kv_heads = 2"),
     (["--parallel.nproc", "8", "--parallel.pp", "8"], "8 stages is more than model.n_layers = 4"),
@@ -30,7 +34,7 @@ BAD_LAYOUTS = [
     (["--geo.inner_steps", "0"], "geo.inner_steps = 0: must be at least 1"),
     (["--parallel.nproc", "4", "--geo.datacenters", "2", "--geo.dc_axis", "pp", "--parallel.pp", "1", "--parallel.dp_replicate", "4"], "parallel.pp = 1: must be a multiple of geo.datacenters = 2 with geo.dc_axis = pp"),
     (["--parallel.nproc", "4", "--geo.datacenters", "2", "--geo.dc_axis", "pp", "--parallel.pp", "2", "--parallel.dp_replicate", "2", "--parallel.microbatches", "2", "--geo.sync", "flat"], "geo.sync = 'flat': must be none with geo.dc_axis = pp"),
-    (["--parallel.nproc", "4", "--geo.datacenters", "2", "--geo.dc_axis", "pp", "--parallel.pp", "2", "--parallel.microbatches", "2"], "must equal dp_replicate*dp_shard*cp*tp*pp = 1*1*1*1*2 = 2"),
+    (["--parallel.nproc", "4", "--geo.datacenters", "2", "--geo.dc_axis", "pp", "--parallel.pp", "2", "--parallel.dp_replicate", "1", "--parallel.microbatches", "2"], "must equal dp_replicate*dp_shard*cp*tp*pp = 1*1*1*1*2 = 2"),
     (["--parallel.nproc", "8", "--parallel.cp", "8", "--parallel.cp_impl", "ulysses"], "ulysses needs cp to divide the heads per tensor-parallel rank, n_heads/tp = 4"),
 ]
 
@@ -43,3 +47,26 @@ def test_bad_layout_is_one_line_before_any_process(args: list[str], needle: str,
     assert len(err) == 1 and err[0].startswith("isthmus: error:"), err
     assert needle in err[0], err[0]
     assert not run_dir.exists()  # nothing started: no run directory, no logs
+
+
+FILLED = [
+    # (named on top of the shipped default config, what the data-parallel degrees become)
+    (["--parallel.nproc", "1"], {"dp_replicate": 1, "dp_shard": 1}),
+    ([], {"nproc": 2, "dp_replicate": 2, "dp_shard": 1}),
+    (["--parallel.tp", "2"], {"dp_replicate": 1, "tp": 2}),
+    (["--parallel.dp_shard", "2", "--parallel.zero_stage", "3"], {"dp_replicate": 1, "dp_shard": 2}),
+    (["--parallel.nproc", "4", "--parallel.tp", "2"], {"dp_replicate": 2, "dp_shard": 1, "tp": 2}),
+    (["--parallel.nproc", "4", "--parallel.dp_shard", "-1"], {"dp_replicate": 1, "dp_shard": 4}),
+    (["--parallel.nproc", "4", "--parallel.dp_shard", "-1", "--parallel.dp_replicate", "2"], {"dp_replicate": 2, "dp_shard": 2}),
+    (["--parallel.nproc", "4", "--geo.datacenters", "2"], {"dp_replicate": 2}),
+]
+
+
+@pytest.mark.parametrize("args,expected", FILLED, ids=[" ".join(a) or "default" for a, _ in FILLED])
+def test_data_parallel_degree_fills_what_named_degrees_leave(args: list[str], expected: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """The shipped default config plus what a user types: the resolved config states the degrees it runs."""
+    import tomllib
+
+    assert main(["train", "--model.flavor", "tiny", *args, "--print-config"]) == 0
+    parallel = tomllib.loads(capsys.readouterr().out)["parallel"]
+    assert {k: parallel[k] for k in expected} == expected

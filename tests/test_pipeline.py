@@ -184,9 +184,9 @@ def test_stage_modules_and_placement() -> None:
         ("1f1b", 2, 4, 2, "parallel.pp_virtual_stages"),
         ("interleaved_1f1b", 2, 4, 1, "parallel.pp_virtual_stages"),
         ("zero_bubble", 2, 4, 1, "parallel.pp_virtual_stages"),
-        ("1f1b", 4, 3, 1, "parallel.pp_microbatches"),
-        ("interleaved_1f1b", 4, 10 + 1, 2, "parallel.pp_microbatches"),
-        ("gpipe", 2, 0, 1, "parallel.pp_microbatches"),
+        ("1f1b", 4, 3, 1, "parallel.microbatches"),
+        ("interleaved_1f1b", 4, 10 + 1, 2, "parallel.microbatches"),
+        ("gpipe", 2, 0, 1, "parallel.microbatches"),
     ],
 )
 def test_schedule_config_errors(schedule: str, pp: int, micro: int, virtual: int, key: str) -> None:

@@ -9,6 +9,7 @@ next because it only sends activations between neighbours. ``dc`` replicates lik
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -131,17 +132,55 @@ class Meshes:
         return self.root[names]
 
 
+FILL = -1
+"""A data-parallel degree of -1 takes whatever the other degrees leave of the world size."""
+
+
+def fill_data_parallel(p: ParallelConfig, world_size: int, dc: int = 1) -> None:
+    """Replace a data-parallel degree of -1 by what the named degrees leave of ``world_size``, in place.
+
+    As torchtitan's ``-1``: ``--parallel.nproc 4 --parallel.tp 2`` alone runs dp 2 x tp 2, and
+    ``--parallel.dp_shard 2`` on two ranks does not inherit a replicate degree it has no room for.
+    ``dp_shard = -1`` fills first (FSDP over every rank left); otherwise ``dp_replicate = -1`` does
+    (the default); a -1 with nothing left to fill is 1. ``dc`` datacenters multiply the named degrees.
+    """
+    for name in ("dp_replicate", "dp_shard"):
+        value = getattr(p, name)
+        if value < 1 and value != FILL:
+            raise ConfigError(f"parallel.{name}", value, f"must be at least 1, or {FILL} to fill what the other degrees leave")
+    filler = "dp_shard" if p.dp_shard == FILL else "dp_replicate" if p.dp_replicate == FILL else None
+    if filler is None:
+        return
+    other = "dp_replicate" if filler == "dp_shard" else "dp_shard"
+    if getattr(p, other) == FILL:
+        setattr(p, other, 1)
+    named = {"dc": dc, other: getattr(p, other), "cp": p.cp, "tp": p.tp, "pp": p.pp}
+    product = math.prod(named.values())
+    if world_size % product:
+        shown = {k: v for k, v in named.items() if k != "dc" or dc > 1}
+        raise ConfigError(
+            "parallel.nproc", world_size,
+            f"must be a multiple of {'*'.join(shown)} = {'*'.join(map(str, shown.values()))} = {product} "
+            f"(parallel.{filler} = {FILL} fills what the other degrees leave)",
+        )
+    setattr(p, filler, world_size // product)
+
+
 def check_layout(
     cfg: JobConfig, n_heads: int, n_kv_heads: int, n_layers: int, world_size: int | None = None
 ) -> ParallelDims:
     """Every layout rule that needs no process, with the numbers in the message.
 
-    ``world_size`` is the launcher's (under torchrun); by default ``parallel.nproc``.
+    ``world_size`` is the launcher's (under torchrun); by default ``parallel.nproc``. A
+    data-parallel degree of -1 is filled in ``cfg`` first (`fill_data_parallel`), so the config
+    written with the run states the degrees it ran with.
     """
     p, t = cfg.parallel, cfg.train
     # geo.dc_axis = pp: the datacenters hold consecutive pipeline stages. Ranks are datacenter-major
     # and pp is the outermost dimension after dc, so pp's blocks of ranks line up with them.
-    dims = ParallelDims.from_config(p, world_size, cfg.geo.datacenters if cfg.geo.dc_axis == "dp" else 1)
+    dc = cfg.geo.datacenters if cfg.geo.dc_axis == "dp" else 1
+    fill_data_parallel(p, p.nproc if world_size is None else world_size, dc)
+    dims = ParallelDims.from_config(p, world_size, dc)
     if n_heads % p.tp:
         raise ConfigError("parallel.tp", p.tp, f"must divide model.n_heads = {n_heads}")
     if n_kv_heads % p.tp:

@@ -130,15 +130,15 @@ def check_schedule(schedule: str, pp_size: int, microbatches: int, virtual_stage
     if schedule in ("interleaved_1f1b", "zero_bubble") and virtual_stages < 2:
         raise ConfigError("parallel.pp_virtual_stages", virtual_stages, f"{schedule} needs >= 2 stages per rank")
     if microbatches < 1:
-        raise ConfigError("parallel.pp_microbatches", microbatches, "must be >= 1")
+        raise ConfigError("parallel.microbatches", microbatches, "must be >= 1")
     if schedule == "1f1b" and microbatches < pp_size:
-        raise ConfigError("parallel.pp_microbatches", microbatches, f"1f1b needs >= pp = {pp_size} micro-batches")
+        raise ConfigError("parallel.microbatches", microbatches, f"1f1b needs >= pp = {pp_size} micro-batches")
     rounds = max(1, microbatches // pp_size)
     interleaved = schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and virtual_stages > 2)
     if interleaved and microbatches % rounds:
         # torch's flexible interleaving runs rounds of microbatches // pp micro-batches.
         raise ConfigError(
-            "parallel.pp_microbatches", microbatches, f"{schedule} needs a multiple of max(1, mb // pp) = {rounds}"
+            "parallel.microbatches", microbatches, f"{schedule} needs a multiple of max(1, mb // pp) = {rounds}"
         )
 
 
@@ -201,7 +201,7 @@ def _check_even_split(batch: Tensor | None, microbatches: int) -> None:
     # Unequal micro-batches would weight their per-micro-batch means unequally.
     if batch is not None and batch.shape[0] % microbatches:
         raise ConfigError(
-            "parallel.pp_microbatches", microbatches, f"must divide the local batch size {batch.shape[0]}"
+            "parallel.microbatches", microbatches, f"must divide the local batch size {batch.shape[0]}"
         )
 
 
