@@ -145,10 +145,10 @@ def test_crash_mid_save_leaves_the_previous_checkpoint_usable(
 
     written = checkpoint.write_manifest
 
-    def crash_at_step_4(directory: Path, manifest) -> None:  # noqa: ANN001
+    def crash_at_step_4(directory: Path, manifest, key: bytes | None = None) -> None:  # noqa: ANN001
         if manifest.step == 4:
             raise _Stop  # every rank's files are written, the manifest is not: the commit never happens
-        written(directory, manifest)
+        written(directory, manifest, key)
 
     monkeypatch.setattr(checkpoint, "write_manifest", crash_at_step_4)
     run = ["--train.steps", "4", "--checkpoint.every", "2"]

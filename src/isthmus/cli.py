@@ -41,6 +41,7 @@ def find_config(name: str | None) -> Path:
 
 LATEST_RUN = "runs/latest"
 """The newest run of the default train.run_dir (a link `isthmus train` updates)."""
+_KEY_HELP = "secret key file (default: $ISTHMUS_CHECKPOINT_KEY_FILE): {what} must be signed with it"
 
 
 def config_name(name: str | None) -> str:
@@ -72,6 +73,7 @@ def _build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.8)
     gen.add_argument("--top-k", type=int, default=40)
     gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--key-file", default="", metavar="FILE", help=_KEY_HELP.format(what="an exported file"))
     export = sub.add_parser(
         "export", allow_abbrev=False, help="write a run's model as one .safetensors file that one process loads",
         description="Write a run's model (its final model, else its newest good checkpoint; any layout) as one "
@@ -82,6 +84,10 @@ def _build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--checkpoint", nargs="?", const="latest", default=None, metavar="DIR",
         help="export a checkpoint instead of the final model: the newest good one, or the checkpoint directory DIR",
+    )
+    export.add_argument(
+        "--key-file", default="", metavar="FILE",
+        help=_KEY_HELP.format(what="a checkpoint") + "; the exported file is signed with it",
     )
     from isthmus.launch.emulate_cmd import add_parser as add_emulate_parser
     from isthmus.plan_cli import add_plan_parser
@@ -159,12 +165,16 @@ def _print_summary(result: object) -> None:
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from isthmus.generate import generate
+    from isthmus.train.checkpoint_manifest import checkpoint_key
 
     if ns.max_new_tokens < 1:
         raise ConfigError("--max-new-tokens", ns.max_new_tokens, "must be at least 1")
     if ns.temperature < 0:
         raise ConfigError("--temperature", ns.temperature, "must be 0 (greedy) or positive")
-    text = generate(ns.model or ns.run or LATEST_RUN, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed)
+    key = checkpoint_key(ns.key_file, "--key-file")
+    text = generate(
+        ns.model or ns.run or LATEST_RUN, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed, key=key
+    )
     sys.stdout.write(text + "\n")
     return 0
 
@@ -172,9 +182,10 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 def _cmd_export(ns: argparse.Namespace) -> int:
     from isthmus.export import export_run
     from isthmus.log import setup_logging
+    from isthmus.train.checkpoint_manifest import checkpoint_key
 
     setup_logging()  # a skipped damaged checkpoint is a warning line
-    done = export_run(ns.run, ns.out, ns.checkpoint)
+    done = export_run(ns.run, ns.out, ns.checkpoint, checkpoint_key(ns.key_file, "--key-file"))
     origin = "final model" if done["origin"] == "final" else f"checkpoint {done['origin']} (step {done['step']})"
     sys.stdout.write(
         f"exported the {origin} of {ns.run}: {done['tensors']} tensors, {done['parameters']:,} parameters, "

@@ -157,6 +157,8 @@ class CheckpointConfig:
     """none (start fresh), auto (the newest good checkpoint in checkpoint.dir, else fresh), or a checkpoint's path."""
     async_save: bool = False
     """Write checkpoints in the background while training continues (the state is copied to memory first)."""
+    key_file: str = ""
+    """Secret key file: sign checkpoints and the final model (HMAC-SHA256), load only signed ones; "" = $ISTHMUS_CHECKPOINT_KEY_FILE."""
 
 
 @dataclass

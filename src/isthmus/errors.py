@@ -44,6 +44,10 @@ class CheckpointError(IsthmusError):
     """A training checkpoint that is missing, incomplete, damaged or saved for another model."""
 
 
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint whose files would run code when loaded: always refused, never skipped like a damaged one."""
+
+
 class RunFailed(IsthmusError):
     """A run that started and failed for a reason the user can act on (full disk, stalled rank, divergence)."""
 

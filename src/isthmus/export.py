@@ -6,6 +6,10 @@ once, by canonical name: a tied output head is the embedding, so it is stored as
 named in the metadata. The metadata (safetensors allows string values only, so each is JSON) also
 holds the model shape, the run's resolved config, its tokenizer and a sha256 of the tensor data,
 which is all `isthmus generate --model FILE` needs. Reading never unpickles anything.
+
+With a key (``--key-file``, else ``$ISTHMUS_CHECKPOINT_KEY_FILE``) a checkpoint must carry a valid
+signature to be exported, and the file is signed in turn: an HMAC-SHA256 over every ``isthmus.*``
+metadata value, the tensors' sha256 among them, that `load_exported` checks when given the key.
 """
 
 from __future__ import annotations
@@ -21,16 +25,17 @@ from typing import Any
 import torch
 
 from isthmus.data.tokenizer import BPE_FILE, META_FILE, Tokenizer, load_tokenizer
-from isthmus.errors import CheckpointError, IsthmusError
+from isthmus.errors import CheckpointError, IsthmusError, UnsafeCheckpoint
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.llama import Transformer, build_model
-from isthmus.train.checkpoint_manifest import committed_checkpoints, read_manifest
-from isthmus.train.final_model import ARGS_FILE, MODEL_FILE, load_final_state, load_model_args
+from isthmus.train.checkpoint_manifest import committed_checkpoints, read_manifest, sign, signature_matches
+from isthmus.train.final_model import ARGS_FILE, MODEL_FILE, load_final_state, load_model_args, verify_final_model
 
 FORMAT_VERSION = "1"
 _PREFIX = "isthmus."
 _TIED_HEAD = {"output.weight": "tok_embeddings.weight"}
+_SIGNATURE = _PREFIX + "hmac_sha256"
 
 
 @dataclass
@@ -92,38 +97,41 @@ def _checkpoint_root(run: Path, config: dict[str, Any]) -> Path:
     return Path(configured) if configured else run / "checkpoints"
 
 
-def _from_checkpoint(directory: Path) -> ModelSource:
+def _from_checkpoint(directory: Path, key: bytes | None) -> ModelSource:
     from isthmus.train.checkpoint import load_model_weights
 
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, key)
     try:
         args = ModelArgs(**manifest.model)
         config = tomllib.loads(manifest.config)
     except (TypeError, tomllib.TOMLDecodeError) as e:
         raise CheckpointError(f"{directory}: its manifest describes no model ({type(e).__name__}: {e})") from None
     # load_model_weights verifies every file against the manifest before it reads one.
-    return ModelSource(load_model_weights(directory), args, config, str(directory), manifest.step)
+    return ModelSource(load_model_weights(directory, key), args, config, str(directory), manifest.step)
 
 
-def find_source(run: Path, checkpoint: str | None = None) -> ModelSource:
+def find_source(run: Path, checkpoint: str | None = None, key: bytes | None = None) -> ModelSource:
     """The weights of ``run``: its final model if it finished, else its newest good checkpoint.
 
     ``checkpoint = "latest"`` takes the newest good checkpoint even when the run finished; any other
-    value is a checkpoint directory to take.
+    value is a checkpoint directory to take. Given ``key``, a checkpoint must be signed with it.
     """
     if not run.is_dir():
         raise IsthmusError(f"--run {run}: no such run directory")
     if checkpoint not in (None, "latest"):
-        return _from_checkpoint(Path(checkpoint))
+        return _from_checkpoint(Path(checkpoint), key)
     config = _run_config(run)
     final = run / "final"
     if checkpoint is None and (final / MODEL_FILE).is_file() and (final / ARGS_FILE).is_file():
+        verify_final_model(final, key)
         return ModelSource(load_final_state(final), load_model_args(final), config, "final", None)
     root = _checkpoint_root(run, config)
     # Like `find_latest_good`, but each candidate is verified once, by the load itself.
     for _, directory in committed_checkpoints(root):
         try:
-            return _from_checkpoint(directory)
+            return _from_checkpoint(directory, key)
+        except UnsafeCheckpoint:
+            raise  # one that would run code is an attack to stop at, not damage to skip
         except CheckpointError as e:
             get_logger().warning("checkpoint skipped: %s", e)
     what = "no good checkpoint" if checkpoint else "no final model and no good checkpoint"
@@ -150,8 +158,14 @@ def _tokenizer_record(run: Path) -> dict[str, Any]:
     return record
 
 
-def export_model(source: ModelSource, tokenizer: dict[str, Any], out: Path) -> dict[str, Any]:
-    """Write ``source`` to the safetensors file ``out`` (aside, then renamed); returns a summary."""
+def _signed_part(metadata: dict[str, str]) -> dict[str, str]:
+    """Every metadata value but the signature: what the signature covers."""
+    return {k: v for k, v in metadata.items() if k != _SIGNATURE}
+
+
+def export_model(source: ModelSource, tokenizer: dict[str, Any], out: Path, key: bytes | None = None) -> dict[str, Any]:
+    """Write ``source`` to the safetensors file ``out`` (aside, then renamed), signed with ``key`` if
+    given; returns a summary."""
     st = _safetensors()
     tensors = {name: t.detach().contiguous() for name, t in source.state.items()}
     tied = {}
@@ -171,6 +185,8 @@ def export_model(source: ModelSource, tokenizer: dict[str, Any], out: Path) -> d
         _PREFIX + "source": json.dumps({"origin": source.origin, "step": source.step}),
         _PREFIX + "sha256": _tensor_digest(tensors),
     }
+    if key is not None:
+        metadata[_SIGNATURE] = sign(key, _signed_part(metadata))
     tmp = out.with_name(out.name + ".tmp")
     try:
         tmp.open("wb").close()  # an unwritable place fails here with the system's reason
@@ -186,15 +202,25 @@ def export_model(source: ModelSource, tokenizer: dict[str, Any], out: Path) -> d
     }
 
 
-def export_run(run: str | Path, out: str | Path, checkpoint: str | None = None) -> dict[str, Any]:
-    """`isthmus export`: the weights of ``run`` (see `find_source`) and its tokenizer into the file ``out``."""
+def export_run(run: str | Path, out: str | Path, checkpoint: str | None = None, key: bytes | None = None) -> dict[str, Any]:
+    """`isthmus export`: the weights of ``run`` (see `find_source`) and its tokenizer into the file ``out``.
+
+    Given ``key``, a checkpoint exported must be signed with it, and ``out`` is signed with it."""
     run, out = Path(run), Path(out)
     if out.suffix != ".safetensors":
         raise IsthmusError(f"--out {out}: must end in .safetensors")
     if not out.parent.is_dir():
         raise IsthmusError(f"--out {out}: no such directory {out.parent}")
-    source = find_source(run, checkpoint)
-    return export_model(source, _tokenizer_record(run), out)
+    source = find_source(run, checkpoint, key)
+    return export_model(source, _tokenizer_record(run), out, key)
+
+
+def _check_signature(path: Path, key: bytes, metadata: dict[str, str]) -> None:
+    signature = metadata.get(_SIGNATURE)
+    if signature is None:
+        raise IsthmusError(f"{path}: not signed, and a checkpoint key is set: only files signed with that key load")
+    if not signature_matches(key, _signed_part(metadata), signature):
+        raise IsthmusError(f"{path}: signature mismatch (HMAC-SHA256); the file was altered or signed with another key")
 
 
 def _tokenizer_from_record(record: dict[str, Any], path: Path) -> Tokenizer:
@@ -211,8 +237,10 @@ def _tokenizer_from_record(record: dict[str, Any], path: Path) -> Tokenizer:
             raise IsthmusError(f"{path}: its tokenizer is unusable ({str(e).replace(str(directory), 'metadata')})") from None
 
 
-def load_exported(path: str | Path) -> ExportedModel:
-    """Read an exported file: tensors (checked against their sha256), shape, config, tokenizer."""
+def load_exported(path: str | Path, key: bytes | None = None) -> ExportedModel:
+    """Read an exported file: tensors (checked against their sha256), shape, config, tokenizer.
+
+    Given ``key``, the file must be signed with it."""
     st = _safetensors()
     from safetensors import safe_open
 
@@ -230,6 +258,8 @@ def load_exported(path: str | Path) -> ExportedModel:
         raise IsthmusError(f"{path}: not an isthmus export (no {_PREFIX}format = {FORMAT_VERSION} in its metadata)")
     if _tensor_digest(state) != metadata.get(_PREFIX + "sha256"):
         raise IsthmusError(f"{path}: checksum mismatch (the tensor data differs from its sha256); the file was altered or damaged")
+    if key is not None:
+        _check_signature(path, key, metadata)
     try:
         args = ModelArgs(**json.loads(metadata[_PREFIX + "model_args"]))
         config = json.loads(metadata[_PREFIX + "config"])

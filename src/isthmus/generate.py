@@ -14,25 +14,27 @@ import torch
 from isthmus.data.tokenizer import Tokenizer, load_tokenizer
 from isthmus.errors import IsthmusError
 from isthmus.models.llama import Transformer, build_model
-from isthmus.train.final_model import load_final_state, load_model_args
+from isthmus.train.final_model import load_final_state, load_model_args, verify_final_model
 
 DEFAULT_CONTEXT = 256
 
 
-def load_model(source: str | Path) -> tuple[Transformer, Tokenizer, int]:
+def load_model(source: str | Path, key: bytes | None = None) -> tuple[Transformer, Tokenizer, int]:
     """The model (eval mode, CPU), its tokenizer and the sequence length it trained on.
 
-    ``source`` is a run directory or an exported ``.safetensors`` file.
+    ``source`` is a run directory (its final model) or an exported ``.safetensors`` file; given
+    ``key``, either must be signed with it.
     """
     path = Path(source)
     if path.is_file() or path.suffix == ".safetensors":
         from isthmus.export import load_exported
 
-        exported = load_exported(path)
+        exported = load_exported(path, key)
         return exported.build(), exported.tokenizer, _seq_len(exported.config)
     if not path.is_dir():
         raise IsthmusError(f"--run {path}: no such run directory")
     final = path / "final"
+    verify_final_model(final, key)
     args = load_model_args(final)
     tokenizer = load_tokenizer(path)
     model = build_model(args, device="cpu")
@@ -49,9 +51,10 @@ def generate(
     top_k: int = 40,
     seed: int = 0,
     context: int | None = None,
+    key: bytes | None = None,
 ) -> str:
     """Continue ``prompt`` with the model of ``source`` (see `load_model`); returns prompt + continuation."""
-    model, tokenizer, trained = load_model(source)
+    model, tokenizer, trained = load_model(source, key)
     if context is None:
         context = trained
     ids = tokenizer.encode(prompt) or [0]

@@ -36,6 +36,10 @@ def preflight(cfg: JobConfig) -> ModelArgs:
         raise ConfigError("model.tie_embeddings", True, "cannot be combined with parallel.pp > 1 (embedding and head live on different stages)")
     if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
         _check_fits_in_memory(cfg, args)
+    from isthmus.train.checkpoint_manifest import checkpoint_key
+
+    # The key signs checkpoints and the final model: an unreadable or short one stops here, before any process starts.
+    checkpoint_key(cfg.checkpoint.key_file)
     return args
 
 

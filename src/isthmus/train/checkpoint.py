@@ -13,7 +13,11 @@ What goes where:
   and ``dc<d>.optim.*``; datacenter 0's are the plain ``model.*`` / ``optim.*`` any run loads.
   A geo run resumes its geo state only under the layout that saved it.
 - ``isthmus.json`` (rank 0; see `checkpoint_manifest`): step, model shape, layout, config, the
-  data-loader position and the LR-scheduler state, and checksums of every file.
+  data-loader position and the LR-scheduler state, and checksums of every file (signed with
+  ``checkpoint.key_file`` when one is set).
+
+Loading runs no code a checkpoint could bring: every DCP read goes through `checkpoint_reader`
+(DCP's reader with a restricted unpickler for ``.metadata``), and nothing else here unpickles.
 
 The optimizer state is keyed by parameter name here rather than through DCP's
 ``get_optimizer_state_dict``: that helper maps one optimizer to one module, while a pipeline rank
@@ -56,6 +60,7 @@ from isthmus.models.llama import canonical_name
 from isthmus.train.checkpoint_manifest import (
     PARTIAL_SUFFIX,
     Manifest,
+    checkpoint_key,
     commit,
     committed_checkpoints,
     find_latest_good,
@@ -65,6 +70,7 @@ from isthmus.train.checkpoint_manifest import (
     verify_checkpoint,
     write_manifest,
 )
+from isthmus.train.checkpoint_reader import load_kwargs, read_metadata
 
 StateTree = dict[str, Any]
 
@@ -95,7 +101,7 @@ class ResumePoint:
     @cached_property
     def saved(self) -> dict[str, Any]:
         """DCP's metadata of every entry (read once: `load` and `load_geo` both need it)."""
-        return dcp.FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        return read_metadata(self.path).state_dict_metadata
 
 
 # --- model and optimizer state, keyed by canonical names -------------------------------------------
@@ -245,6 +251,8 @@ class Checkpointer:
         self.layout, self.config_toml, self.world = layout, config_toml, world
         self.rank = dist.get_rank() if world > 1 else 0
         self.enabled = cfg.every > 0 or cfg.resume != "none"
+        # Rank 0 alone writes and verifies manifests, so only it needs the key.
+        self.key = checkpoint_key(cfg.key_file) if self.enabled and self.rank == 0 else None
         if world == 1:
             # DCP warns on every single-process save and load (also in its async thread) that it
             # assumes one process; that is the intent here.
@@ -291,14 +299,17 @@ class Checkpointer:
                 )
             return None, None
         if mode == "auto":
-            found = find_latest_good(self.root, self.model)
+            found = find_latest_good(self.root, self.model, self.key)
             if found is None:
                 self.log.info("checkpoint: no good checkpoint in %s; starting fresh", self.root)
                 return None, None
             path, manifest = found
         else:
             path = Path(mode)
-            manifest = verify_checkpoint(path, self.model)
+            manifest = verify_checkpoint(path, self.model, self.key)
+        # Refuse metadata that would run code here, once and before any rank reads it, so every
+        # rank stops with the same line (`UnsafeCheckpoint` is never skipped like a damaged file).
+        read_metadata(path)
         _check_geo_layout(path, manifest.layout, self.layout)
         differ = settings_that_differ(manifest.config, self.config_toml)
         if differ and mode == "auto":
@@ -335,7 +346,7 @@ class Checkpointer:
         if rng_meta is not None:
             tree["rng"] = {rng_key: torch.empty(tuple(rng_meta.size), dtype=torch.uint8)}
         try:
-            dcp.load(tree, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1)
+            dcp.load(tree, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1, **load_kwargs(path))
         except Exception as e:  # DCP wraps each rank's failure in its own types; one line is what a user needs
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise CheckpointError(f"{path}: cannot be loaded into this model ({type(e).__name__}: {first})") from None
@@ -378,7 +389,7 @@ class Checkpointer:
             return
         tree = {k: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for k, meta in mine.items()}
         dcp.load({"geo": {f"rank{self.rank}": tree}}, checkpoint_id=str(point.path), process_group=self.group,
-                 no_dist=self.world == 1)
+                 no_dist=self.world == 1, **load_kwargs(point.path))
         try:
             geo.load_state_dict(geo_state(tree))
         except IsthmusError as e:
@@ -422,7 +433,7 @@ class Checkpointer:
         """Rank 0, after every rank's files are written: manifest with checksums, rename, prune."""
         if self.rank != 0 or self._abandoned:
             return
-        write_manifest(partial, manifest)
+        write_manifest(partial, manifest, key=self.key)
         final = commit(partial)
         size = sum(e["bytes"] for e in manifest.files.values())
         elapsed = time.perf_counter() - start
@@ -477,19 +488,19 @@ def _json_safe(state: dict[str, Any]) -> dict[str, Any]:
 
 
 # --- reading a checkpoint without training ----------------------------------------------------------
-def load_model_weights(path: Path) -> dict[str, torch.Tensor]:
+def load_model_weights(path: Path, key: bytes | None = None) -> dict[str, torch.Tensor]:
     """The full model state dict (canonical names, whole tensors) of a checkpoint, in one process.
 
-    Verifies the checkpoint first. Reads only the model entries, whatever layout saved them; meant
-    for export and inspection, not for resuming.
+    Verifies the checkpoint first (its signature too, given ``key``). Reads only the model entries,
+    whatever layout saved them; meant for export and inspection, not for resuming.
     """
-    verify_checkpoint(path)
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    verify_checkpoint(path, key=key)
+    saved = read_metadata(path).state_dict_metadata
     model = {
         key[len("model.") :]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         for key, meta in saved.items() if key.startswith("model.")
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True)
+        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True, **load_kwargs(path))
     return model

@@ -5,6 +5,12 @@ files (``__<rank>_0.distcp`` and ``.metadata``) and ``isthmus.json``, the manife
 model shape, the layout it was saved under, the resolved config, the data-loader and LR-scheduler
 state, and the size and sha256 of every other file, plus a sha256 of the manifest itself.
 
+The sha256s catch accidents, not tampering: anyone who edits a file can recompute them. With a key
+(`checkpoint_key`: ``checkpoint.key_file`` or the file ``$ISTHMUS_CHECKPOINT_KEY_FILE`` names), the
+manifest also carries an HMAC-SHA256 of its canonical body, which lists every file's sha256, so
+the whole directory is signed; verification with a key refuses a checkpoint whose HMAC is
+missing or wrong.
+
 It is written as ``step-000010.partial/`` and renamed only once every rank's files and the manifest
 are on disk, so a directory without the suffix is complete unless damaged later; verification
 catches that. Nothing here needs torch or a process group: rank 0 verifies, the others trust it.
@@ -13,6 +19,7 @@ catches that. Nothing here needs torch or a process group: rank 0 verifies, the 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
 import re
@@ -21,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from isthmus.errors import CheckpointError
+from isthmus.errors import CheckpointError, ConfigError
 
 MANIFEST_FILE = "isthmus.json"
 DCP_METADATA_FILE = ".metadata"
@@ -29,6 +36,9 @@ FORMAT_VERSION = 1
 PARTIAL_SUFFIX = ".partial"
 _STEP_DIR = re.compile(r"step-(\d+)")
 _CHUNK = 1 << 20
+KEY_ENV = "ISTHMUS_CHECKPOINT_KEY_FILE"
+MIN_KEY_BYTES = 16
+_SIGNATURE = "manifest_hmac_sha256"
 
 
 @dataclass
@@ -70,6 +80,36 @@ def _canonical(body: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
+def checkpoint_key(key_file: str = "", option: str = "checkpoint.key_file") -> bytes | None:
+    """The key that signs and verifies checkpoints: the file ``key_file`` (given as ``option``),
+    else the file ``$ISTHMUS_CHECKPOINT_KEY_FILE`` names; None when neither is set (no signing).
+
+    The key is the file's bytes without surrounding whitespace, at least `MIN_KEY_BYTES` of them.
+    """
+    name, path = (option, key_file) if key_file else (KEY_ENV, os.environ.get(KEY_ENV, ""))
+    if not path:
+        return None
+    try:
+        key = Path(path).expanduser().read_bytes().strip()
+    except OSError as e:
+        raise ConfigError(name, path, f"cannot be read ({e.strerror or type(e).__name__})") from None
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(
+            name, path, f"holds {len(key)} bytes; a key needs at least {MIN_KEY_BYTES} (e.g. head -c 32 /dev/urandom | base64 > FILE)"
+        )
+    return key
+
+
+def sign(key: bytes, body: dict[str, Any]) -> str:
+    """HMAC-SHA256 of ``body`` as canonical JSON: the one signature of manifests, final models and exports."""
+    return hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
+
+
+def signature_matches(key: bytes, body: dict[str, Any], signature: Any) -> bool:
+    """Whether ``signature`` is `sign` (key, body), compared in constant time."""
+    return isinstance(signature, str) and hmac.compare_digest(signature, sign(key, body))
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -78,8 +118,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_manifest(directory: Path, manifest: Manifest) -> None:
-    """Checksum every file in ``directory`` and write the manifest there (aside, fsynced, renamed)."""
+def write_manifest(directory: Path, manifest: Manifest, key: bytes | None = None) -> None:
+    """Checksum every file in ``directory`` and write the manifest there (aside, fsynced, renamed);
+    signed with ``key`` if given."""
     manifest.files = {}
     for path in sorted(directory.iterdir()):
         if path.is_file() and not path.name.startswith(MANIFEST_FILE):
@@ -87,7 +128,10 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
             manifest.files[path.name] = {"bytes": size, "sha256": sha}
     assert DCP_METADATA_FILE in manifest.files, f"{directory}: DCP wrote no {DCP_METADATA_FILE}"
     body = {"format": FORMAT_VERSION, **asdict(manifest)}
+    signature = sign(key, body) if key is not None else None
     body["manifest_sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
+    if signature is not None:
+        body[_SIGNATURE] = signature
     tmp = directory / (MANIFEST_FILE + ".tmp")
     with tmp.open("w") as f:
         json.dump(body, f, indent=1)
@@ -96,8 +140,9 @@ def write_manifest(directory: Path, manifest: Manifest) -> None:
     tmp.replace(directory / MANIFEST_FILE)
 
 
-def read_manifest(directory: Path) -> Manifest:
-    """The manifest of ``directory``, checked against its own checksum; CheckpointError if unusable."""
+def read_manifest(directory: Path, key: bytes | None = None) -> Manifest:
+    """The manifest of ``directory``, checked against its own checksum and, given a key, its
+    signature; CheckpointError if unusable."""
     path = directory / MANIFEST_FILE
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such checkpoint directory")
@@ -106,8 +151,11 @@ def read_manifest(directory: Path) -> Manifest:
     try:
         body = json.loads(path.read_text())
         expected = body.pop("manifest_sha256")
+        signature = body.pop(_SIGNATURE, None)
         if hashlib.sha256(_canonical(body)).hexdigest() != expected:
             raise CheckpointError(f"{path}: checksum mismatch; the manifest was altered or damaged")
+        if key is not None:
+            _check_signature(path, key, body, signature)
         version = body.pop("format")
         if version != FORMAT_VERSION:
             raise CheckpointError(f"{path}: format {version!r} is not {FORMAT_VERSION}; saved by another isthmus version")
@@ -116,6 +164,13 @@ def read_manifest(directory: Path) -> Manifest:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: not a valid checkpoint manifest ({type(e).__name__}: {e})") from None
+
+
+def _check_signature(path: Path, key: bytes, body: dict[str, Any], signature: Any) -> None:
+    if signature is None:
+        raise CheckpointError(f"{path}: not signed, and a checkpoint key is set: only checkpoints signed with that key load")
+    if not signature_matches(key, body, signature):
+        raise CheckpointError(f"{path}: signature mismatch (HMAC-SHA256); the checkpoint was altered or signed with another key")
 
 
 def check_model(manifest: Manifest, model: dict[str, Any], directory: Path) -> None:
@@ -129,12 +184,13 @@ def check_model(manifest: Manifest, model: dict[str, Any], directory: Path) -> N
         )
 
 
-def verify_checkpoint(directory: Path, model: dict[str, Any] | None = None) -> Manifest:
-    """Check a checkpoint before loading it: manifest, every file's size and sha256, and (given) the model shape.
+def verify_checkpoint(directory: Path, model: dict[str, Any] | None = None, key: bytes | None = None) -> Manifest:
+    """Check a checkpoint before loading it: manifest (and its signature, given a key), every file's
+    size and sha256, and (given) the model shape.
 
     Raises CheckpointError with one line naming the first file or field that is wrong.
     """
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, key)
     if DCP_METADATA_FILE not in manifest.files:
         raise CheckpointError(f"{directory / MANIFEST_FILE}: lists no {DCP_METADATA_FILE}; not a complete checkpoint")
     for name, entry in sorted(manifest.files.items()):
@@ -159,7 +215,9 @@ def committed_checkpoints(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def find_latest_good(root: Path, model: dict[str, Any] | None = None) -> tuple[Path, Manifest] | None:
+def find_latest_good(
+    root: Path, model: dict[str, Any] | None = None, key: bytes | None = None
+) -> tuple[Path, Manifest] | None:
     """The newest checkpoint under ``root`` that verifies, and its manifest; None if there is none.
 
     Each bad one on the way is logged as a one-line warning naming the file.
@@ -168,7 +226,7 @@ def find_latest_good(root: Path, model: dict[str, Any] | None = None) -> tuple[P
 
     for _, directory in committed_checkpoints(root):
         try:
-            return directory, verify_checkpoint(directory, model)
+            return directory, verify_checkpoint(directory, model, key)
         except CheckpointError as e:
             get_logger().warning("checkpoint skipped: %s", e)
     return None

@@ -1,6 +1,9 @@
 """The final model of a run: a plain state dict plus its shape, loadable by one process.
 
-Loading never unpickles arbitrary objects: ``torch.load(weights_only=True)``.
+Loading never unpickles arbitrary objects: ``torch.load(weights_only=True)``. With a checkpoint key
+(`checkpoint_key`) the directory also holds ``signature.json``: both files' sha256 and an
+HMAC-SHA256 over them, which `verify_final_model` checks before `isthmus export` or
+`isthmus generate` reads the model.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from torch import nn
 
 from isthmus.errors import IsthmusError
 from isthmus.models.args import ModelArgs
+from isthmus.train.checkpoint_manifest import file_digest, sign, signature_matches
 
 MODEL_FILE = "model.pt"
 ARGS_FILE = "model_args.json"
+SIGNATURE_FILE = "signature.json"
 
 
 def gather_full_state(modules: list[nn.Module], world_size: int) -> dict[str, torch.Tensor]:
@@ -48,14 +53,45 @@ def gather_full_state(modules: list[nn.Module], world_size: int) -> dict[str, to
     return merged
 
 
-def save_final_model(state: dict[str, torch.Tensor], args: ModelArgs, directory: Path) -> Path:
-    """Write ``model.pt`` (a full state dict) and ``model_args.json`` into ``directory`` (written aside, then renamed)."""
+def save_final_model(state: dict[str, torch.Tensor], args: ModelArgs, directory: Path, key: bytes | None = None) -> Path:
+    """Write ``model.pt`` (a full state dict) and ``model_args.json`` into ``directory`` (written aside, then
+    renamed), and ``signature.json`` given ``key``."""
     directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / (MODEL_FILE + ".tmp")
     torch.save(state, tmp)
     tmp.replace(directory / MODEL_FILE)
     (directory / ARGS_FILE).write_text(json.dumps(args.__dict__, indent=1))
+    (directory / SIGNATURE_FILE).unlink(missing_ok=True)  # a stale one would describe other files
+    if key is not None:
+        body = _signed_body(directory)
+        (directory / SIGNATURE_FILE).write_text(json.dumps({**body, "hmac_sha256": sign(key, body)}, indent=1))
     return directory / MODEL_FILE
+
+
+def _signed_body(directory: Path) -> dict[str, dict[str, str]]:
+    return {"sha256": {name: file_digest(directory / name)[1] for name in (MODEL_FILE, ARGS_FILE)}}
+
+
+def verify_final_model(directory: Path, key: bytes | None) -> None:
+    """Given ``key``, check ``signature.json`` against it and both files against their sha256 there."""
+    if key is None:
+        return
+    path = directory / SIGNATURE_FILE
+    try:
+        saved = json.loads(path.read_text())
+        signature = saved.pop("hmac_sha256")
+    except FileNotFoundError:
+        raise IsthmusError(f"{path}: missing: the final model is not signed, and a checkpoint key is set") from None
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        raise IsthmusError(f"{path}: not a valid signature ({type(e).__name__}: {e})") from None
+    if not signature_matches(key, saved, signature):
+        raise IsthmusError(f"{path}: signature mismatch (HMAC-SHA256); altered, or signed with another key")
+    try:
+        if _signed_body(directory) == saved:
+            return
+    except OSError:
+        pass
+    raise IsthmusError(f"{directory}: {MODEL_FILE} or {ARGS_FILE} differs from its signed sha256; the final model was altered")
 
 
 def load_model_args(directory: Path) -> ModelArgs:

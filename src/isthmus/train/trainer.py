@@ -30,6 +30,7 @@ from isthmus.parallel.dims import ParallelDims, check_layout
 from isthmus.parallel.parallelize import ParallelModel, parallelize
 from isthmus.errors import ConfigError
 from isthmus.train.checkpoint import Checkpointer, TrainState
+from isthmus.train.checkpoint_manifest import checkpoint_key
 from isthmus.train.final_model import gather_full_state, save_final_model
 from isthmus.train.device import correct_peak, devices_worth, peak_flops, resolve_device
 from isthmus.train.grad import clip_grad_norm
@@ -375,7 +376,8 @@ class Trainer:
         result.mfu = throughput.mfu(result.tokens_per_s)
         state = gather_full_state(self.pm.modules, self.world)
         if self.rank == 0:
-            save_final_model(state, self.model_args, self.run_dir / "final")
+            key = checkpoint_key(self.cfg.checkpoint.key_file)
+            save_final_model(state, self.model_args, self.run_dir / "final", key)
         self._barrier()
         return result
 
