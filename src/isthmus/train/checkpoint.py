@@ -33,6 +33,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,11 +46,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from isthmus.config import CheckpointConfig
 from isthmus.data.loader import BatchSampler
-from isthmus.errors import CheckpointError, IsthmusError
+from isthmus.errors import CheckpointError, IsthmusError, RunFailed, full_disk_as, is_no_space, no_space
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.llama import canonical_name
@@ -396,8 +398,11 @@ class Checkpointer:
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True, thread_count=1)
         start = time.perf_counter()
         if not self.cfg.async_save:
-            dcp.save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
-            self._finish(partial, manifest, start)
+            try:
+                dcp.save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
+                self._finish(partial, manifest, start)
+            except (CheckpointException, OSError) as e:
+                raise self._save_failed(e, step, partial) from None
             return
         # DCP copies the tensors aside before returning; training may then change them.
         written = dcp.async_save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
@@ -429,9 +434,30 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed."""
         if self._pending is not None:
-            _, future = self._pending
+            step, future = self._pending
             self._pending = None
-            future.result()
+            try:
+                future.result()
+            except (CheckpointException, OSError) as e:
+                raise self._save_failed(e, step, self.root / (step_dir_name(step) + PARTIAL_SUFFIX)) from None
+
+    def _save_failed(self, e: BaseException, step: int, partial: Path) -> BaseException:
+        """A failed save as one line (DCP's CheckpointException holds each rank's error and traceback).
+
+        Every rank is past its writes when DCP reports the failure, so rank 0 removes the files at once:
+        on a full disk they are what fills it.
+        """
+        errors = [failure[0] for failure in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        interrupt = next((err for err in errors if not isinstance(err, Exception)), None)
+        if interrupt is not None:  # DCP wraps a Ctrl-C too: it stops the run, the save stays uncommitted
+            return interrupt
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        if any(is_no_space(err) for err in errors):
+            return no_space(f"checkpoint of step {step}", partial, "checkpoint.dir")
+        first = next((err for err in errors if isinstance(err, OSError)), errors[0])
+        line = (str(first).strip().splitlines() or [""])[0]
+        return RunFailed(f"the checkpoint of step {step} could not be written to {partial} ({type(first).__name__}: {line})")
 
     def abandon(self) -> None:
         """After a failed step: never commit the save in flight (the next start deletes its files)."""
