@@ -257,6 +257,7 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: tuple[int, Future[None]] | None = None
         self._abandoned = False
+        self._largest_item = 0
         self.log = get_logger()
 
     # --- resume ---------------------------------------------------------------------------------
@@ -396,6 +397,7 @@ class Checkpointer:
             # A collective under streaming DiLoCo: transfers in flight are waited for and saved decoded.
             tree["geo"] = {f"rank{self.rank}": geo_tree(state.geo.state_dict())}
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True, thread_count=1)
+        self._largest_item = _largest_tensor_bytes(tree)
         start = time.perf_counter()
         if not self.cfg.async_save:
             try:
@@ -451,9 +453,10 @@ class Checkpointer:
         interrupt = next((err for err in errors if not isinstance(err, Exception)), None)
         if interrupt is not None:  # DCP wraps a Ctrl-C too: it stops the run, the save stays uncommitted
             return interrupt
+        full = any(is_no_space(err) for err in errors) or _nearly_full(self.root, self._largest_item)
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        if any(is_no_space(err) for err in errors):
+        if full:
             return no_space(f"checkpoint of step {step}", partial, "checkpoint.dir")
         first = next((err for err in errors if isinstance(err, OSError)), errors[0])
         line = (str(first).strip().splitlines() or [""])[0]
@@ -467,6 +470,30 @@ class Checkpointer:
         self._pending = None
         if self._executor is not None:
             self._executor.shutdown(wait=False)
+
+
+def _largest_tensor_bytes(tree: Any) -> int:
+    """Bytes of the largest tensor in a state tree (a DTensor counted whole: an upper bound)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return max((_largest_tensor_bytes(v) for v in tree.values()), default=0)
+    return 0
+
+
+def _nearly_full(path: Path, largest_write: int) -> bool:
+    """Whether the disk holding ``path`` lacks room for one more item of the save that failed.
+
+    DCP hands each rank's failure to rank 0 pickled, and torch's writer reports a failed write as
+    "unexpected pos" without the OSError under it, so ENOSPC itself is often lost on the way; the
+    free space right after the failure tells instead (a save writes one item at a time).
+    """
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free < largest_write + (1 << 20)
+    except OSError:
+        return False
 
 
 def _check_geo_layout(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
