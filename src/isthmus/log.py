@@ -99,13 +99,15 @@ def route_library_warnings() -> None:
     isthmus warns about, they can. Both Python warnings and records of torch's own loggers are routed.
     """
     files = [h for h in get_logger().handlers if isinstance(h, logging.FileHandler)]
-    torch_logger = logging.getLogger("torch")
-    for h in list(torch_logger.handlers):
-        if not isinstance(h, logging.FileHandler):
-            torch_logger.removeHandler(h)
-    for h in files:
-        torch_logger.addHandler(h)
-    torch_logger.propagate = False
+    # torch's logging setup gives "torch" and many loggers under it a console handler of their own.
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if isinstance(logger, logging.Logger) and (name == "torch" or name.startswith("torch.")):
+            consoles = [h for h in logger.handlers if type(h) is logging.StreamHandler]
+            for h in consoles:
+                logger.removeHandler(h)
+            if consoles:
+                for h in files:
+                    logger.addHandler(h)
     package = str(Path(__file__).parent)
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,

@@ -85,8 +85,10 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None) -> TrainResult:
     console: TextIO | None = redirect_stderr(log_file) if launch_dir is not None else sys.stderr
     setup_logging(logging.INFO, log_file=str(log_file), console=rank == 0, console_stream=console)
     route_library_warnings()
+    # Under an external launcher (its own restarts, no launch directory) the errors stay with the logs.
+    error_dir = launch_dir if launch_dir is not None else log_file.parent
     if restart > 0:
-        if launch_dir is not None and read_rank_errors(launch_dir):
+        if read_rank_errors(error_dir):
             raise SystemExit(EXIT_USAGE)  # a user error comes back on every attempt; the launcher reports it once
         note = prepare_restart(cfg, restart, launched_at)
         if rank == 0:
@@ -106,7 +108,7 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None) -> TrainResult:
         try:
             return train(cfg, progress)
         except BaseException as e:
-            raise _rank_exit(e, stop, cfg, rank, progress, launch_dir) from None
+            raise _rank_exit(e, stop, cfg, rank, progress, launch_dir, error_dir) from None
         finally:
             if heartbeat is not None:
                 heartbeat.stop()
@@ -121,11 +123,13 @@ def _rank_log_file(cfg: JobConfig, rank: int) -> Path:
 
 def _rank_exit(
     e: BaseException, stop: StopState, cfg: JobConfig, rank: int, progress: Progress, launch_dir: Path | None,
+    error_dir: Path,
 ) -> BaseException:
     """What a rank that failed raises: a quiet exit with the right code, the error itself otherwise.
 
     A signal wins over the error it caused (a collective that failed because a peer stopped first).
-    Under our launcher a user's error goes to ``rank<N>.error`` for the launcher's one line.
+    A user's error goes to ``rank<N>.error``: under our launcher for its one line (and the rank exits
+    quietly), under an external one for its restarts (and the rank prints the line itself).
     """
     if stop.signum is not None:
         silence_console()
@@ -133,11 +137,15 @@ def _rank_exit(
         if launch_dir is None and rank == 0:  # an external launcher: rank 0 says it
             return Interrupted(stop.signum, interrupted_line(stop.signum, progress.step, _checkpoint_root(cfg), cfg.checkpoint.every))
         return SystemExit(128 + stop.signum)
-    if isinstance(e, IsthmusError) and launch_dir is not None:
-        silence_console()
-        get_logger().error("%s", e)
-        write_rank_error(launch_dir, rank, e)
-        return SystemExit(e.exit_code)
+    if isinstance(e, IsthmusError):
+        try:
+            write_rank_error(error_dir, rank, e)
+        except OSError:
+            pass  # (a full disk under an external launcher) the line below still says it
+        if launch_dir is not None:
+            silence_console()
+            get_logger().error("%s", e)
+            return SystemExit(e.exit_code)
     return e
 
 
