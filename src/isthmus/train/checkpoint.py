@@ -51,7 +51,7 @@ from torch import nn
 
 from isthmus.config import CheckpointConfig
 from isthmus.data.loader import BatchSampler
-from isthmus.errors import CheckpointError, IsthmusError, RunFailed, full_disk_as, is_no_space, no_space
+from isthmus.errors import CheckpointError, IsthmusError, RunFailed, is_no_space, no_space
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.llama import canonical_name
