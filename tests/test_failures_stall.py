@@ -13,6 +13,7 @@ import pytest
 
 from isthmus.launch.heartbeat import StallMonitor, read_beats
 from isthmus.launch.local import last_logged_step
+from multirank import run_ranks
 from procs import Train, gone, last_line
 
 TIMEOUT_S = 8
@@ -71,3 +72,26 @@ def test_monitor_names_the_silent_live_rank_only(tmp_path: Path) -> None:
         for p in live:
             p.kill()
             p.wait()
+
+
+def _late_peer(timeout_s: float, late_s: float) -> float | None:
+    """Rank 0 waits on a subgroup (torch's 30-minute default) given ``timeout_s``; rank 1 never comes."""
+    import torch
+    import torch.distributed as dist
+
+    from isthmus.train.trainer import set_group_timeouts
+
+    group = dist.new_group([0, 1])
+    set_group_timeouts(timeout_s, [group])  # (not the default group: the harness ends on a barrier there)
+    if dist.get_rank() == 1:
+        time.sleep(late_s)
+        return None
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        dist.all_reduce(torch.ones(1), group=group)
+    return time.monotonic() - start
+
+
+def test_group_timeouts_apply_to_groups_made_before() -> None:
+    waited = run_ranks(_late_peer, 2, 2.0, 8.0, timeout=120)[0]
+    assert waited is not None and 1.5 < waited < 6.0, waited

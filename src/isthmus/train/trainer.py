@@ -222,18 +222,12 @@ class Trainer:
         """
         if self.world == 1:
             return
-        from datetime import timedelta
-
-        # Private, but torch's only way to change the timeout of groups already made (torchtitan uses it).
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
         groups: list[Any] = [None]  # the default group
         if self.mesh is not None:
             groups += self.mesh.root.get_all_groups() + [m.get_group() for m in self.mesh.flat.values()]
         if self.checkpointer.group is not None:
             groups.append(self.checkpointer.group)
-        for group in groups:
-            _set_pg_timeout(timedelta(seconds=self.cfg.parallel.timeout_s), group)
+        set_group_timeouts(self.cfg.parallel.timeout_s, groups)
 
     def _check_finite(self, loss: float, grad_norm: float, lr: float) -> None:
         """Stop at the first non-finite loss or gradient norm, before the step's metrics or checkpoint.
@@ -440,6 +434,21 @@ def _apply_step_cap(t: Any, start: int) -> None:
         if not cap.isdigit() or int(cap) < 1:
             raise ConfigError(MAX_STEPS_ENV, cap, "must be a positive integer (steps per run)")
         t.steps = min(t.steps, start + int(cap))
+
+
+def set_group_timeouts(timeout_s: float, groups: list[Any]) -> None:
+    """A collective on any of ``groups`` (None: the default group) fails after ``timeout_s`` seconds.
+
+    Groups made by DeviceMesh and ``new_group`` take torch's 30-minute default, not the default
+    group's timeout, so each is set. torch's only way to change the timeout of a group already made
+    is private (torchtitan uses it too).
+    """
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for group in groups:
+        _set_pg_timeout(timedelta(seconds=timeout_s), group)
 
 
 def _scale_grads(params: list[torch.nn.Parameter], factor: float) -> None:
