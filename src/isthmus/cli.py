@@ -1,6 +1,7 @@
 """The `isthmus` command line: the one place that writes to the console.
 
-Every user error becomes one line on stderr and exit code 2, before any work starts.
+Every failure a user can cause or meet becomes one line on stderr and the exit code of
+`isthmus.errors` (2 bad input, 3 a run that failed, 128 + N a signal).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn, Sequence
 
-from isthmus.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError, IsthmusError
+from isthmus.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError, Interrupted, IsthmusError
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -230,6 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_export(ns)
         parser.print_help()
         return EXIT_USAGE
+    except Interrupted as e:
+        sys.stderr.write(f"isthmus: {e}\n")
+        return e.exit_code
     except IsthmusError as e:
         sys.stderr.write(f"isthmus: error: {e}\n")
         return e.exit_code

@@ -139,6 +139,8 @@ class ParallelConfig:
     """Process-group backend: auto picks nccl on CUDA, gloo on CPU."""
     max_restarts: int = 0
     """Restart all ranks up to N times when one dies; they resume from the newest good checkpoint."""
+    timeout_s: int = 300
+    """Seconds a rank may stop answering (or, once training runs, wait in a collective) before the run is stopped."""
     plan: Literal["manual", "auto"] = "manual"
     """manual: the degrees above; auto: the planner chooses them for parallel.nproc local ranks (keys given on the command line stay fixed)."""
     plan_topology: str = "local"
@@ -260,12 +262,32 @@ def settings_that_differ(saved_toml: str, current_toml: str, may_change: tuple[s
             if not k.startswith(may_change) and saved.get(k) != current.get(k)]
 
 
+_TOML_ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r", '"': '\\"', "\\": "\\\\"}
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return toml_string(str(value))
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: quotes, backslashes and every control character escaped.
+
+    Written by hand because tomllib only reads; TOML allows no raw control character (U+0000-U+001F,
+    U+007F) in a basic string, so those that have no short escape become \\uXXXX.
+    """
+    out = []
+    for ch in text:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 def section_fields(cfg: JobConfig) -> dict[str, dict[str, dataclasses.Field[Any]]]:
@@ -428,9 +450,23 @@ def _require(ok: bool, key: str, value: object, rule: str) -> None:
         raise ConfigError(key, value, rule)
 
 
+def _require_utf8(cfg: JobConfig) -> None:
+    """Every string is valid UTF-8: paths reach us as bytes (a name with byte 0xff decodes to a lone
+    surrogate), and the run's config.toml, logs and checkpoint manifests are UTF-8 text."""
+    for section, fields in section_fields(cfg).items():
+        for key in fields:
+            value = getattr(getattr(cfg, section), key)
+            if isinstance(value, str):
+                try:
+                    value.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise ConfigError(f"{section}.{key}", value, "is not valid UTF-8; use a name that is") from None
+
+
 def validate(cfg: JobConfig) -> None:
     """Range and consistency checks that need no model or data (those come in `resolve`)."""
     t, d, p, m = cfg.train, cfg.data, cfg.parallel, cfg.model
+    _require_utf8(cfg)
     for key in ("steps", "batch_size", "seq_len", "grad_accum", "val_batches"):
         _require(getattr(t, key) >= 1, f"train.{key}", getattr(t, key), "must be at least 1")
     _require(t.lr > 0, "train.lr", t.lr, "must be positive")
@@ -468,6 +504,7 @@ def validate(cfg: JobConfig) -> None:
                  "must be at least 1, or -1 to fill what the other degrees leave")
     _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", p.zero_stage, "must be 1, 2 or 3")
     c = cfg.checkpoint
+    _require(p.timeout_s >= 1, "parallel.timeout_s", p.timeout_s, "must be at least 1 (seconds)")
     _require(p.max_restarts >= 0, "parallel.max_restarts", p.max_restarts, "must be 0 (no restart) or positive")
     if p.max_restarts > 0:
         _require(c.every > 0, "parallel.max_restarts", p.max_restarts, "needs checkpoint.every > 0 (a restart resumes from a checkpoint)")

@@ -15,6 +15,11 @@ The CLI turns an :class:`IsthmusError` into that single line on stderr and the e
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
 EXIT_OK = 0
 EXIT_BUG = 1
 EXIT_USAGE = 2
@@ -61,3 +66,30 @@ class Interrupted(IsthmusError):
         self.signum = signum
         self.exit_code = 128 + signum
         super().__init__(message)
+
+
+def is_no_space(exc: BaseException | None) -> bool:
+    """Whether ``exc``, or an error it was raised from, is a full disk (ENOSPC) or quota (EDQUOT)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def no_space(what: str, path: str | Path, key: str) -> RunFailed:
+    """The one line for a write that found the disk full: what, where, and the key that moves it."""
+    return RunFailed(f"no space left on device writing the {what} {path}; free space there or set {key} to another disk")
+
+
+@contextmanager
+def full_disk_as(what: str, path: str | Path, key: str) -> Iterator[None]:
+    """Within the block, an OSError of a full disk becomes :func:`no_space`'s one line; others pass."""
+    try:
+        yield
+    except OSError as e:
+        if is_no_space(e):
+            raise no_space(what, path, key) from None
+        raise

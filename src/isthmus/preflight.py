@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
 from isthmus.config import JobConfig
-from isthmus.errors import ConfigError
+from isthmus.errors import ConfigError, DataError
 from isthmus.models.args import ModelArgs
 from isthmus.models.resolve import resolve_model_args
+
+if TYPE_CHECKING:
+    from isthmus.parallel.dims import ParallelDims
+    from isthmus.planner.memory import MemoryBreakdown
 
 
 def expected_vocab(cfg: JobConfig) -> int | None:
@@ -17,11 +26,17 @@ def expected_vocab(cfg: JobConfig) -> int | None:
 
 
 def preflight(cfg: JobConfig) -> ModelArgs:
-    """Validate model shape against data before anything is built; returns the model's shape."""
-    vocab = expected_vocab(cfg)
+    """Validate model shape against data, paths and memory before anything is built; returns the model's shape."""
+    _check_paths(cfg)
+    bin_ids = _bin_max_id(cfg)
+    # As the trainer's tokenizer for such a file (`data.corpus.bin_tokenizer`): bytes, or ids up to the largest.
+    vocab = expected_vocab(cfg) if bin_ids is None else max(256, bin_ids[1] + 1)
+    if bin_ids is not None and cfg.model.vocab_size is not None and bin_ids[1] >= cfg.model.vocab_size:
+        raise DataError(
+            f"data.path {bin_ids[0]!r}: largest id {bin_ids[1]:,} is not below model.vocab_size = {cfg.model.vocab_size:,}; "
+            f"check data.bin_dtype ({cfg.data.bin_dtype}) or raise model.vocab_size"
+        )
     args = resolve_model_args(cfg.model, vocab)
-    import os
-
     from isthmus.parallel.dims import check_layout
 
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
@@ -31,11 +46,11 @@ def preflight(cfg: JobConfig) -> ModelArgs:
         check_config(cfg.geo)
         # Each datacenter is its own job: the layout spans every datacenter's ranks.
         world = layout_world(cfg.geo, world or cfg.parallel.nproc)
-    check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers, world_size=world)
+    dims = check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers, world_size=world)
     if cfg.model.tie_embeddings and cfg.parallel.pp > 1:
         raise ConfigError("model.tie_embeddings", True, "cannot be combined with parallel.pp > 1 (embedding and head live on different stages)")
     if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
-        _check_fits_in_memory(cfg, args)
+        _check_fits_in_memory(cfg, args, dims, bin_ids)
     from isthmus.train.checkpoint_manifest import checkpoint_key
 
     # The key signs checkpoints and the final model: an unreadable or short one stops here, before any process starts.
@@ -44,31 +59,130 @@ def preflight(cfg: JobConfig) -> ModelArgs:
 
 
 def _cuda_visible() -> bool:
-    import os
-
     return bool(os.environ.get("CUDA_VISIBLE_DEVICES", "")) or os.path.exists("/dev/nvidia0")
 
 
-def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs) -> None:
-    """fp32 weights, gradients and two AdamW moments per parameter; refuse what cannot fit.
+# --- paths ---------------------------------------------------------------------------------------
+def _check_paths(cfg: JobConfig) -> None:
+    """Every folder the run writes to can take new files; checked on the nearest folder that exists."""
+    from isthmus.data.corpus import default_cache_dir
 
-    Per rank, as measured by benchmarks/zero_memory.py: ZeRO-1 shards only the 8 optimizer bytes,
-    ZeRO-2 also the gradients but holds full weights during the step, ZeRO-3 shards everything;
-    tensor and pipeline parallelism divide all of it.
+    t, c, m = cfg.train, cfg.checkpoint, cfg.metrics
+    _check_writable("train.run_dir", t.run_dir, Path(t.run_dir))
+    if c.dir:
+        _check_writable("checkpoint.dir", c.dir, Path(c.dir))
+    if m.jsonl:
+        if Path(m.jsonl).is_dir():
+            raise ConfigError("metrics.jsonl", m.jsonl, "is a folder; name a file")
+        _check_writable("metrics.jsonl", m.jsonl, Path(m.jsonl).parent)
+    _check_writable("data.cache_dir", cfg.data.cache_dir, default_cache_dir(cfg.data))
+
+
+def _check_writable(key: str, value: str, folder: Path) -> None:
+    """``folder`` (where ``key = value`` writes), or the nearest folder above it when it does not exist yet, takes new files."""
+    existing = folder
+    try:
+        while not existing.exists() and existing.parent != existing:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ConfigError(key, value, f"{existing} is a file, not a folder")
+    except OSError as e:
+        raise ConfigError(key, value, f"cannot be read ({e.strerror or e})") from None
+    # os.access also sees a read-only file system, which permission bits do not show (and root ignores).
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(key, value, f"{existing} is not writable" + ("" if existing == folder else " (the folder would be made there)"))
+
+
+# --- memory ----------------------------------------------------------------------------------------
+PROCESS_BASELINE_BYTES = 0.3 * 2**30
+"""What one rank holds before its model: the Python interpreter, torch and its allocator (measured
+here as 0.22-0.35 GB of resident memory for a tiny run)."""
+
+
+def _bin_max_id(cfg: JobConfig) -> tuple[str, int] | None:
+    """(path, largest id) of a pre-tokenised data file, read once before any process starts.
+
+    The model's vocabulary follows the largest id when model.vocab_size is unset, so one wrong id (or
+    the wrong data.bin_dtype) would otherwise ask for an embedding of billions of rows.
     """
-    import os
+    from isthmus.data.corpus import is_bin, load_bin
 
-    from isthmus.models.flops import count_params
+    if not is_bin(cfg.data):
+        return None
+    tokens = load_bin(cfg.data)
+    return cfg.data.path, int(tokens.max())
 
+
+def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) -> MemoryBreakdown:
+    """Peak bytes of one rank: the planner's model-state and activation accounting (`planner.memory`).
+
+    Activations per block follow Korthikanti et al. 2022 with fused attention (no S x S matrix: torch's
+    SDPA on CPU and flash attention on GPU), for the sequences one rank holds at once: train.batch_size
+    / data-parallel degree / train.grad_accum (/ parallel.microbatches under a pipeline, times those in
+    flight), plus the fp32 logits over the vocabulary. It counts what must exist, not allocator slack,
+    so it is a lower bound: a run it refuses cannot fit.
+    """
+    from isthmus.planner.layout import RUNTIMES
+    from isthmus.planner.memory import device_memory
+    from isthmus.planner.pipeline import in_flight
+
+    p, t = cfg.parallel, cfg.train
+    sequences = t.batch_size / dims.dp / t.grad_accum
+    micro = sequences / p.microbatches if dims.pp > 1 else sequences
+    layers = math.ceil(args.n_layers / dims.pp)
+    shard = dims.dp_shard * dims.cp if dims.dp_shard > 1 else 1
+    worst: MemoryBreakdown | None = None
+    for first, last in ((True, dims.pp == 1), (False, True)) if dims.pp > 1 else ((True, True),):
+        m = device_memory(
+            args, RUNTIMES["isthmus"], layers=layers, first=first, last=last, pp=dims.pp, tp=dims.tp, cp=dims.cp,
+            sp=p.sequence_parallel, micro_batch=micro, seq_len=t.seq_len, recompute=p.activation_checkpoint,
+            in_flight=in_flight(p.pp_schedule, dims.pp, p.pp_virtual_stages, p.microbatches),
+            zero_stage=p.zero_stage, shard=shard, accumulate=t.grad_accum > 1, dtype=t.dtype,
+        )
+        if worst is None or m.total > worst.total:
+            worst = m
+    assert worst is not None
+    return worst
+
+
+def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, bin_ids: tuple[str, int] | None) -> None:
+    """Refuse a run whose local ranks cannot fit in this machine's memory, naming the key to change.
+
+    All local ranks share the machine. Model state (fp32 weights and gradients, two AdamW moments,
+    sharded by ZeRO as FSDP2 runs it, divided by tp and pp) decides first; then activations.
+    """
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    p = cfg.parallel
-    n = p.dp_shard
-    per_param = {1: 4 + 4 + 8 / n, 2: 4 + 4 / n + 8 / n + 4 / n, 3: 16 / n}[p.zero_stage] if n > 1 else 16.0
-    # All local ranks share this machine's memory.
-    need = per_param * count_params(args) / (p.tp * p.pp) * p.nproc
-    if need > ram:
+    m = estimate_rank_memory(cfg, args, dims)
+    ranks = cfg.parallel.nproc
+    state = (m.weights + m.grads + m.optimizer) * ranks
+    need = m.total * ranks + PROCESS_BASELINE_BYTES * ranks
+    if need <= ram:
+        return
+    if state + PROCESS_BASELINE_BYTES * ranks > ram:
+        if bin_ids is not None and cfg.model.vocab_size is None:
+            path, max_id = bin_ids
+            raise DataError(
+                f"data.path {path!r}: largest id {max_id:,} makes a vocabulary of {max_id + 1:,} tokens; the model would "
+                f"need about {_gib(state)} for weights, gradients and optimizer state on this machine's "
+                f"{_gib(ram)}: set model.vocab_size, or check data.bin_dtype ({cfg.data.bin_dtype})"
+            )
         raise ConfigError(
             "model.flavor", cfg.model.flavor,
-            f"needs about {need / 2**30:.0f} GiB for weights, gradients and optimizer state on this machine's "
-            f"{ram / 2**30:.0f} GiB; use `isthmus plan` for large models or a smaller flavor",
+            f"needs about {_gib(state)} for weights, gradients and optimizer state on this machine's "
+            f"{_gib(ram)}; use `isthmus plan` for large models or a smaller flavor",
         )
+    t = cfg.train
+    sequences = t.batch_size // dims.dp
+    key, value = ("train.seq_len", t.seq_len) if t.seq_len >= sequences else ("train.batch_size", t.batch_size)
+    raise ConfigError(
+        key, value,
+        f"needs about {_gib(need)} on this machine's {_gib(ram)} ({ranks} rank(s), each "
+        f"{_gib(m.activations + m.transient)} of activations for {sequences} sequence(s) of {t.seq_len} tokens "
+        f"and {_gib(m.weights + m.grads + m.optimizer)} of model state); lower train.seq_len or "
+        "train.batch_size, raise train.grad_accum, or set parallel.activation_checkpoint = full",
+    )
+
+
+def _gib(n: float) -> str:
+    g = n / 2**30
+    return f"{g:,.0f} GiB" if g >= 10 else f"{g:.2g} GiB"

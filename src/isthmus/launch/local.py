@@ -17,6 +17,14 @@ did; only the steps since that checkpoint are redone. A rank that stopped on a u
 exit by itself; the agent kills it (SIGTERM, then SIGKILL) before restarting, so a launch with
 restarts is not delayed, but under another launcher that does not tear the group down it would
 wait for the gloo timeout.
+
+Failures end in one line and the exit code of `isthmus.errors`: a rank's own error (bad input, a
+full disk, a non-finite loss) travels as ``rank<N>.error`` (JSON: the line and its exit code); a rank
+that stops answering is named by the heartbeats (`isthmus.launch.heartbeat`); SIGINT / SIGTERM stop
+every rank (`isthmus.launch.stop`). These files, and torch's own error files, live in a temporary
+launch directory (``ISTHMUS_LAUNCH_DIR``) rather than the run directory, whose disk may be full.
+Each rank's stderr goes to its log file, so nothing but rank 0's log lines and the launcher's last
+line reach the console.
 """
 
 from __future__ import annotations
@@ -24,21 +32,28 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from isthmus.config import JobConfig
-from isthmus.errors import IsthmusError
-from isthmus.log import get_logger, setup_logging
+from isthmus.errors import EXIT_USAGE, Interrupted, IsthmusError, RunFailed, full_disk_as
+from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
+from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
 from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
+from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
-from isthmus.train.trainer import TrainResult, train
+from isthmus.train.trainer import Progress, TrainResult, train
+
+LAUNCH_DIR_ENV = "ISTHMUS_LAUNCH_DIR"
+"""The launcher's temporary directory (rank errors, heartbeats), set for the ranks it starts."""
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -92,7 +107,7 @@ def _threads_per_rank(cfg: JobConfig, local_world: int) -> int:
 
 
 def run_rank(cfg: JobConfig, launched_at: float | None = None, loopback: bool = False) -> TrainResult:
-    """The body of one rank: logging (console on rank 0 only), threads, then training.
+    """The body of one rank: logging (console on rank 0 only), threads, heartbeat, then training.
 
     ``launched_at`` (a ``time.time()``) is when the launch began: a restarted rank resumes only from
     checkpoints committed since then, never from those an earlier run left in the directory.
@@ -102,12 +117,16 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None, loopback: bool = 
     rank = int(os.environ.get("RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    log_dir = Path(cfg.train.run_dir) / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(logging.INFO, log_file=str(log_dir / f"rank{rank}.log"), console=rank == 0)
+    launch_dir = Path(os.environ[LAUNCH_DIR_ENV]) if LAUNCH_DIR_ENV in os.environ else None
+    log_file = _rank_log_file(cfg, rank)
+    console: TextIO | None = redirect_stderr(log_file) if launch_dir is not None else sys.stderr
+    setup_logging(logging.INFO, log_file=str(log_file), console=rank == 0, console_stream=console)
+    route_library_warnings()
+    # Under an external launcher (its own restarts, no launch directory) the errors stay with the logs.
+    error_dir = launch_dir if launch_dir is not None else log_file.parent
     if restart > 0:
-        if any(log_dir.glob("rank*.error")):
-            raise SystemExit(2)  # a user error comes back on every attempt; the launcher reports it once
+        if read_rank_errors(error_dir):
+            raise SystemExit(EXIT_USAGE)  # a user error comes back on every attempt; the launcher reports it once
         note = prepare_restart(cfg, restart, launched_at)
         if rank == 0:
             get_logger().warning("%s", note)
@@ -116,15 +135,76 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None, loopback: bool = 
     torch.set_num_threads(_threads_per_rank(cfg, local_world))
     if rank != 0:
         cfg.metrics.progress = False
-    try:
-        if loopback and rank == 0:
-            with loopback_store_server(int(os.environ["MASTER_PORT"])):
-                return train(cfg)
-        return train(cfg)
-    except IsthmusError as e:
-        # The launcher reports a rank's user error as the one line it is, not as a traceback.
-        (log_dir / f"rank{rank}.error").write_text(str(e))
-        raise SystemExit(2) from None
+    progress = Progress()
+    heartbeat = None
+    if launch_dir is not None:
+        heartbeat = Heartbeat(launch_dir / f"rank{rank}.beat", rank, progress, beat_interval(cfg.parallel.timeout_s))
+        heartbeat.start()
+    # From the signal on, this rank's lines go to its log file only: the launcher prints the one line.
+    with stop_on_signals(on_stop=silence_console) as stop:
+        try:
+            if loopback and rank == 0:
+                with loopback_store_server(int(os.environ["MASTER_PORT"])):
+                    return train(cfg, progress)
+            return train(cfg, progress)
+        except BaseException as e:
+            raise _rank_exit(e, stop, cfg, rank, progress, launch_dir, error_dir) from None
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
+
+
+def _rank_log_file(cfg: JobConfig, rank: int) -> Path:
+    log_dir = Path(cfg.train.run_dir) / "logs"
+    with full_disk_as("logs folder", log_dir, "train.run_dir"):
+        log_dir.mkdir(parents=True, exist_ok=True)
+    return log_dir / f"rank{rank}.log"
+
+
+def _rank_exit(
+    e: BaseException, stop: StopState, cfg: JobConfig, rank: int, progress: Progress, launch_dir: Path | None,
+    error_dir: Path,
+) -> BaseException:
+    """What a rank that failed raises: a quiet exit with the right code, the error itself otherwise.
+
+    A signal wins over the error it caused (a collective that failed because a peer stopped first).
+    A user's error goes to ``rank<N>.error``: under our launcher for its one line (and the rank exits
+    quietly), under an external one for its restarts (and the rank prints the line itself).
+    """
+    if stop.signum is not None:
+        silence_console()
+        get_logger().info("stopped by signal %d after step %d", stop.signum, progress.step)
+        if launch_dir is None and rank == 0:  # an external launcher: rank 0 says it
+            return Interrupted(stop.signum, interrupted_line(stop.signum, progress.step, _checkpoint_root(cfg), cfg.checkpoint.every))
+        return SystemExit(128 + stop.signum)
+    if isinstance(e, IsthmusError):
+        try:
+            write_rank_error(error_dir, rank, e)
+        except OSError:
+            pass  # (a full disk under an external launcher) the line below still says it
+        if launch_dir is not None:
+            silence_console()
+            get_logger().error("%s", e)
+            return SystemExit(e.exit_code)
+    return e
+
+
+def write_rank_error(directory: Path, rank: int, e: IsthmusError) -> None:
+    tmp = directory / f"rank{rank}.error.tmp"
+    tmp.write_text(json.dumps({"message": str(e), "exit_code": e.exit_code}))
+    tmp.replace(directory / f"rank{rank}.error")
+
+
+def read_rank_errors(directory: Path) -> list[tuple[int, str, int]]:
+    """(rank, line, exit code) of every rank that stopped on an isthmus error, by rank."""
+    found = []
+    for path in directory.glob("rank*.error"):
+        try:
+            body = json.loads(path.read_text())
+            found.append((int(path.stem[4:]), str(body["message"]), int(body["exit_code"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(found)
 
 
 def prepare_restart(cfg: JobConfig, restart: int, launched_at: float | None) -> str:
@@ -134,8 +214,7 @@ def prepare_restart(cfg: JobConfig, restart: int, launched_at: float | None) -> 
     first attempt did (fresh, or from the checkpoint it was given).
     """
     c = cfg.checkpoint
-    root = Path(c.dir) if c.dir else Path(cfg.train.run_dir) / "checkpoints"
-    committed = committed_checkpoints(root)
+    committed = committed_checkpoints(_checkpoint_root(cfg))
     ours = [(step, path) for step, path in committed if launched_at is None or _committed_at(path) >= launched_at]
     reached = last_logged_step(_metrics_path(cfg))
     of = f"restart {restart}/{os.environ.get('TORCHELASTIC_MAX_RESTARTS', cfg.parallel.max_restarts)}"
@@ -157,6 +236,10 @@ def _committed_at(checkpoint: Path) -> float:
         return (checkpoint / MANIFEST_FILE).stat().st_mtime
     except OSError:
         return 0.0
+
+
+def _checkpoint_root(cfg: JobConfig) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.run_dir) / "checkpoints"
 
 
 def _metrics_path(cfg: JobConfig) -> Path:
@@ -208,7 +291,7 @@ def launch(cfg: JobConfig, config_name: str = "default") -> TrainResult:
     claim = claim_run_dir(cfg, config_name)
     try:
         if cfg.parallel.nproc == 1 and cfg.parallel.max_restarts == 0:
-            return train(cfg)
+            return _train_here(cfg)
         return _launch_local(cfg)
     finally:
         claim.release()
@@ -247,19 +330,60 @@ def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | Non
 
 def _launch_local(cfg: JobConfig) -> TrainResult:
     """``parallel.nproc`` ranks on this machine under torch's elastic agent (restarts included)."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    launch_dir = Path(tempfile.mkdtemp(prefix="isthmus-launch-"))
+    try:
+        with stop_on_signals():
+            return _launch_ranks(cfg, launch_dir)
+    except Stopped as e:  # before torch's agent took the signals over, or after
+        raise Interrupted(e.signum, _interrupted(cfg, e.signum, launch_dir)) from None
+    finally:
+        shutil.rmtree(launch_dir, ignore_errors=True)
+
+
+def _train_here(cfg: JobConfig) -> TrainResult:
+    """One process: the CLI's own; a signal stops it with the one line."""
+    progress = Progress()
+    with stop_on_signals(on_stop=silence_console) as stop:
+        try:
+            return train(cfg, progress)
+        except BaseException:
+            if stop.signum is None:
+                raise
+            # (also when the signal came inside a library that wrapped it in an error of its own)
+            line = interrupted_line(stop.signum, progress.step, _checkpoint_root(cfg), cfg.checkpoint.every)
+            raise Interrupted(stop.signum, line) from None
+
+
+def _interrupted(cfg: JobConfig, signum: int, launch_dir: Path) -> str:
+    """The launcher's line for a signal: the step every rank had finished, from their heartbeats."""
+    steps = [b.step for b in read_beats(launch_dir)]
+    return interrupted_line(signum, min(steps) if steps else 0, _checkpoint_root(cfg), cfg.checkpoint.every)
+
+
+def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
+    """nproc local ranks under torch's elastic agent, watched for stalls; every failure as one line."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_dir = Path(cfg.train.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for stale in (run_dir / "logs").glob("rank*.error"):
-        stale.unlink()
+    with full_disk_as("logs folder", run_dir / "logs", "train.run_dir"):
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    # The agent logs every failed worker with its own traceback, and each signal; the one line below
+    # says it better and names the per-rank logs, which keep everything. (Its modules set their own
+    # levels, so each logger under it is quieted, not only the parent.)
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    # ...and torch's process context warns as it terminates the survivors of a dead rank.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     # A little in the past: the clock of a checkpoint's mtime may be coarser than time.time().
     launched_at = time.time() - 1.0
-    _quiet_agent_logs()
+    env = {LAUNCH_DIR_ENV: str(launch_dir), **_loopback_environ()}
+    monitor = StallMonitor(launch_dir, cfg.parallel.timeout_s)
+    monitor.start()
     try:
-        with loopback_store_server() as rdzv_port, _environ(_loopback_environ()):
+        with loopback_store_server() as rdzv_port, _environ(env):
             config = LaunchConfig(
                 min_nodes=1,
                 max_nodes=1,
@@ -274,12 +398,17 @@ def _launch_local(cfg: JobConfig) -> TrainResult:
                 max_restarts=cfg.parallel.max_restarts,
                 monitor_interval=0.2,
                 start_method="spawn",
-                logs_specs=DefaultLogsSpecs(log_dir=str(run_dir / "logs" / "elastic")),
+                logs_specs=DefaultLogsSpecs(log_dir=str(launch_dir / "elastic")),
             )
-            results = elastic_launch(config, run_rank)(cfg, launched_at, True)
+            return elastic_launch(config, run_rank)(cfg, launched_at, True)[0]
+    except SignalException as e:
+        raise Interrupted(int(e.sigval), _interrupted(cfg, int(e.sigval), launch_dir)) from None
     except ChildFailedError as e:
-        raise _launch_failure(e, cfg, run_dir) from None
-    return results[0]
+        raise _launch_failure(cfg, e, monitor, launch_dir) from None
+    except json.JSONDecodeError:  # torch reads a rank's error file that a full disk cut short
+        raise RunFailed(f"a rank failed and its error report in {launch_dir} is unreadable (a full disk?); see {run_dir / 'logs'}") from None
+    finally:
+        monitor.stop()
 
 
 def _loopback_environ() -> dict[str, str]:
@@ -296,25 +425,32 @@ def _loopback_environ() -> dict[str, str]:
     }
 
 
-def _quiet_agent_logs() -> None:
-    # The agent logs every failed worker with its own traceback; the one line below says it better
-    # and names the per-rank logs, which keep everything.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
-    # ...and torch's process context warns as it terminates the survivors of a dead rank.
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
-
-
-def _launch_failure(e: ChildFailedError, cfg: JobConfig, run_dir: Path) -> IsthmusError:
-    """The one line for a launch whose ranks failed: a rank's own user error, or which rank died and how."""
-    errors = sorted((run_dir / "logs").glob("rank*.error"))
+def _launch_failure(cfg: JobConfig, e: ChildFailedError, monitor: StallMonitor, launch_dir: Path) -> IsthmusError:
+    """The one line for ranks that failed: a stalled rank, a rank's own error, a signal, or a crash."""
+    logs = Path(cfg.train.run_dir) / "logs"
+    if monitor.stall is not None:
+        s = monitor.stall
+        return RunFailed(
+            f"rank {s.rank} stopped answering for {s.silent_s:.0f} s (last step it finished: {s.step}); "
+            f"stopped every rank (parallel.timeout_s = {cfg.parallel.timeout_s}); see {logs}"
+        )
+    errors = read_rank_errors(launch_dir)
     if errors:
-        return IsthmusError(f"{errors[0].read_text().strip()} ({errors[0].stem})")
-    failure = e.failures[min(e.failures)]
+        rank, message, code = errors[0]
+        error = IsthmusError(f"{message} (rank{rank})")
+        error.exit_code = code
+        return error
+    failures = e.failures
+    first = min(failures)
+    failure = failures[first]
+    if failure.exitcode in (128 + 2, 128 + 15):  # the ranks got Ctrl-C (or SIGTERM) before the launcher did
+        signum = failure.exitcode - 128
+        return Interrupted(signum, _interrupted(cfg, signum, launch_dir))
     detail = _first_line(failure.message) or f"exit code {failure.exitcode}"
     restarts = cfg.parallel.max_restarts
     left = f"after {restarts} restart(s), none left" if restarts else "no restart"
-    return IsthmusError(
-        f"rank {failure.local_rank} failed ({detail}); {left} (parallel.max_restarts = {restarts}); see {run_dir / 'logs'}"
+    return RunFailed(
+        f"rank {failure.local_rank} failed ({detail}); {left} (parallel.max_restarts = {restarts}); see {logs}"
     )
 
 

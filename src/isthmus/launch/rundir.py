@@ -139,8 +139,11 @@ def _lock(directory: Path, key: str) -> IO[str]:
     f.seek(0)
     f.truncate()
     command = " ".join(["isthmus", *sys.argv[1:]])[:200]
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n")
-    f.flush()
+    note = f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: {command}\n"
+    try:  # unbuffered: on a full disk nothing stays behind to fail again at close
+        os.write(f.fileno(), note.encode())
+    except OSError:
+        pass  # the lock holds without the note of who holds it; the run's own writes report a full disk
     return f
 
 

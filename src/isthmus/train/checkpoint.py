@@ -37,6 +37,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -49,11 +50,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 
 from isthmus.config import CheckpointConfig, settings_that_differ
 from isthmus.data.loader import BatchSampler
-from isthmus.errors import CheckpointError, IsthmusError
+from isthmus.errors import CheckpointError, IsthmusError, RunFailed, is_no_space, no_space
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.llama import canonical_name
@@ -263,6 +265,7 @@ class Checkpointer:
         self._executor: ThreadPoolExecutor | None = None
         self._pending: tuple[int, Future[None]] | None = None
         self._abandoned = False
+        self._largest_item = 0
         self.log = get_logger()
 
     # --- resume ---------------------------------------------------------------------------------
@@ -414,10 +417,14 @@ class Checkpointer:
             # A collective under streaming DiLoCo: transfers in flight are waited for and saved decoded.
             tree["geo"] = {f"rank{self.rank}": geo_tree(state.geo.state_dict())}
         writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True, thread_count=1)
+        self._largest_item = _largest_tensor_bytes(tree)
         start = time.perf_counter()
         if not self.cfg.async_save:
-            dcp.save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
-            self._finish(partial, manifest, start)
+            try:
+                dcp.save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
+                self._finish(partial, manifest, start)
+            except (CheckpointException, OSError) as e:
+                raise self._save_failed(e, step, partial) from None
             return
         # DCP copies the tensors aside before returning; training may then change them.
         written = dcp.async_save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
@@ -449,9 +456,31 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed."""
         if self._pending is not None:
-            _, future = self._pending
+            step, future = self._pending
             self._pending = None
-            future.result()
+            try:
+                future.result()
+            except (CheckpointException, OSError) as e:
+                raise self._save_failed(e, step, self.root / (step_dir_name(step) + PARTIAL_SUFFIX)) from None
+
+    def _save_failed(self, e: BaseException, step: int, partial: Path) -> BaseException:
+        """A failed save as one line (DCP's CheckpointException holds each rank's error and traceback).
+
+        Every rank is past its writes when DCP reports the failure, so rank 0 removes the files at once:
+        on a full disk they are what fills it.
+        """
+        errors = [failure[0] for failure in e.failures.values()] if isinstance(e, CheckpointException) else [e]
+        interrupt = next((err for err in errors if not isinstance(err, Exception)), None)
+        if interrupt is not None:  # DCP wraps a Ctrl-C too: it stops the run, the save stays uncommitted
+            return interrupt
+        full = any(is_no_space(err) for err in errors) or _nearly_full(self.root, self._largest_item)
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        if full:
+            return no_space(f"checkpoint of step {step}", partial, "checkpoint.dir")
+        first = next((err for err in errors if isinstance(err, OSError)), errors[0])
+        line = (str(first).strip().splitlines() or [""])[0]
+        return RunFailed(f"the checkpoint of step {step} could not be written to {partial} ({type(first).__name__}: {line})")
 
     def abandon(self) -> None:
         """After a failed step: never commit the save in flight (the next start deletes its files)."""
@@ -461,6 +490,30 @@ class Checkpointer:
         self._pending = None
         if self._executor is not None:
             self._executor.shutdown(wait=False)
+
+
+def _largest_tensor_bytes(tree: Any) -> int:
+    """Bytes of the largest tensor in a state tree (a DTensor counted whole: an upper bound)."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return max((_largest_tensor_bytes(v) for v in tree.values()), default=0)
+    return 0
+
+
+def _nearly_full(path: Path, largest_write: int) -> bool:
+    """Whether the disk holding ``path`` lacks room for one more item of the save that failed.
+
+    DCP hands each rank's failure to rank 0 pickled, and torch's writer reports a failed write as
+    "unexpected pos" without the OSError under it, so ENOSPC itself is often lost on the way; the
+    free space right after the failure tells instead (a save writes one item at a time).
+    """
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free < largest_write + (1 << 20)
+    except OSError:
+        return False
 
 
 def _check_geo_layout(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:

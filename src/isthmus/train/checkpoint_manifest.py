@@ -267,3 +267,26 @@ def remove_partials(root: Path) -> list[Path]:
     for p in leftovers:
         shutil.rmtree(p, ignore_errors=True)
     return leftovers
+
+
+def resume_note(root: Path, every: int) -> str:
+    """What a new run can start from: the newest committed checkpoint under ``root``, or nothing."""
+    committed = committed_checkpoints(root)
+    newest = committed[0][0] if committed else 0
+    cut = [p for p in uncommitted_saves(root) if p[0] > newest]
+    cut_note = f" (the save of step {cut[0][0]} was cut short and stays uncommitted)" if cut else ""
+    if committed:
+        step, path = committed[0]
+        return f"the newest checkpoint is {path} (step {step}){cut_note}: continue with --checkpoint.resume {path}"
+    if every == 0:
+        return "nothing to resume from (checkpoint.every = 0): a new run starts over"
+    return f"no checkpoint was saved yet (checkpoint.every = {every}){cut_note}: a new run starts over"
+
+
+def uncommitted_saves(root: Path) -> list[tuple[int, Path]]:
+    """(step, directory) of the saves under ``root`` that never committed (``step-N.partial``), newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name.removesuffix(PARTIAL_SUFFIX)))
+             and p.name.endswith(PARTIAL_SUFFIX)]
+    return sorted(found, reverse=True)

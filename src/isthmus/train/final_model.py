@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 from torch import nn
 
-from isthmus.errors import IsthmusError
+from isthmus.errors import IsthmusError, full_disk_as, is_no_space, no_space
 from isthmus.models.args import ModelArgs
 from isthmus.train.checkpoint_manifest import file_digest, sign, signature_matches
 
@@ -55,16 +56,31 @@ def gather_full_state(modules: list[nn.Module], world_size: int) -> dict[str, to
 
 def save_final_model(state: dict[str, torch.Tensor], args: ModelArgs, directory: Path, key: bytes | None = None) -> Path:
     """Write ``model.pt`` (a full state dict) and ``model_args.json`` into ``directory`` (written aside, then
-    renamed), and ``signature.json`` given ``key``."""
-    directory.mkdir(parents=True, exist_ok=True)
+    renamed), and ``signature.json`` given ``key``.
+
+    A write that fails leaves no ``model.pt.tmp`` behind; a full disk is one line naming the file.
+    """
+    with full_disk_as("final model", directory, "train.run_dir"):
+        directory.mkdir(parents=True, exist_ok=True)
     tmp = directory / (MODEL_FILE + ".tmp")
-    torch.save(state, tmp)
+    out: _WriteErrors | None = None
+    try:
+        with tmp.open("wb") as f:
+            out = _WriteErrors(f)
+            torch.save(state, out)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        # torch's zip writer reports a failed write as "unexpected pos", without the OSError under it.
+        if is_no_space(e) or (out is not None and is_no_space(out.error)):
+            raise no_space("final model", directory / MODEL_FILE, "train.run_dir") from None
+        raise
     tmp.replace(directory / MODEL_FILE)
-    (directory / ARGS_FILE).write_text(json.dumps(args.__dict__, indent=1))
-    (directory / SIGNATURE_FILE).unlink(missing_ok=True)  # a stale one would describe other files
-    if key is not None:
-        body = _signed_body(directory)
-        (directory / SIGNATURE_FILE).write_text(json.dumps({**body, "hmac_sha256": sign(key, body)}, indent=1))
+    with full_disk_as("final model", directory / ARGS_FILE, "train.run_dir"):
+        (directory / ARGS_FILE).write_text(json.dumps(args.__dict__, indent=1))
+        (directory / SIGNATURE_FILE).unlink(missing_ok=True)  # a stale one would describe other files
+        if key is not None:
+            body = _signed_body(directory)
+            (directory / SIGNATURE_FILE).write_text(json.dumps({**body, "hmac_sha256": sign(key, body)}, indent=1))
     return directory / MODEL_FILE
 
 
@@ -92,6 +108,24 @@ def verify_final_model(directory: Path, key: bytes | None) -> None:
     except OSError:
         pass
     raise IsthmusError(f"{directory}: {MODEL_FILE} or {ARGS_FILE} differs from its signed sha256; the final model was altered")
+
+
+class _WriteErrors:
+    """A file for torch.save that remembers the OSError of a failed write (torch replaces it by its own)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def load_model_args(directory: Path) -> ModelArgs:

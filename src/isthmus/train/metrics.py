@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from isthmus.config import MetricsConfig
+from isthmus.errors import full_disk_as
 from isthmus.log import get_logger
 
 
@@ -95,12 +96,14 @@ class MetricsLogger:
         self.total_steps = total_steps
         self.start_time = time.perf_counter()
         path = Path(cfg.jsonl) if cfg.jsonl else run_dir / "metrics.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._jsonl = _open_records(path, start_step)
+        self.path = path
+        with full_disk_as("metrics", path, "metrics.jsonl"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = _open_records(path, start_step)
         self._tb = self._open_tensorboard(run_dir) if cfg.tensorboard else None
         self._progress = None
         self._task = None
-        if cfg.progress and sys.stderr.isatty():
+        if cfg.progress and sys.stdout.isatty():  # where rich draws it
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(
@@ -123,8 +126,9 @@ class MetricsLogger:
         return SummaryWriter(str(run_dir / "tb"))
 
     def _write(self, record: dict[str, Any]) -> None:
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        with full_disk_as("metrics", self.path, "metrics.jsonl"):
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)):
@@ -165,6 +169,9 @@ class MetricsLogger:
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
-        self._jsonl.close()
+        try:
+            self._jsonl.close()
+        except OSError:
+            pass  # every record was flushed when written; what a failed write left buffered is reported by it
         if self._tb is not None:
             self._tb.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
@@ -28,9 +29,9 @@ from isthmus.models.llama import build_model
 from isthmus.models.resolve import resolve_model_args
 from isthmus.parallel.dims import ParallelDims, check_layout
 from isthmus.parallel.parallelize import ParallelModel, parallelize
-from isthmus.errors import ConfigError
+from isthmus.errors import ConfigError, RunFailed, full_disk_as
 from isthmus.train.checkpoint import Checkpointer, TrainState
-from isthmus.train.checkpoint_manifest import checkpoint_key
+from isthmus.train.checkpoint_manifest import checkpoint_key, resume_note
 from isthmus.train.final_model import gather_full_state, save_final_model
 from isthmus.train.device import correct_peak, devices_worth, peak_flops, resolve_device
 from isthmus.train.grad import clip_grad_norm
@@ -57,6 +58,19 @@ class TrainResult:
     """Bytes sent by all ranks per link tier (intra_node, intra_dc, wan) by the geo strategy."""
 
 
+@dataclass
+class Progress:
+    """What a running trainer reports outside itself: the last optimizer step it finished."""
+
+    step: int = 0
+    changed: threading.Event = field(default_factory=threading.Event)
+    """Set at each new step, for a watcher that reports it at once (the launcher's heartbeat)."""
+
+    def advance(self, step: int) -> None:
+        self.step = step
+        self.changed.set()
+
+
 def init_distributed(backend: str, device: torch.device) -> int:
     """Join the process group the launcher prepared (RANK/WORLD_SIZE in the environment); returns world size."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -70,8 +84,9 @@ def init_distributed(backend: str, device: torch.device) -> int:
 class Trainer:
     """Builds everything for one run from a validated `JobConfig` and trains it."""
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, progress: Progress | None = None) -> None:
         self.cfg = cfg
+        self.progress = progress if progress is not None else Progress()
         self.log = get_logger()
         t, p = cfg.train, cfg.parallel
         if t.threads:
@@ -91,7 +106,8 @@ class Trainer:
 
         # Rank 0 tokenises and fills the cache first; the others then read it instead of redoing it.
         if self.rank == 0:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with full_disk_as("run folder", self.run_dir, "train.run_dir"):
+                self.run_dir.mkdir(parents=True, exist_ok=True)
             self.data = prepare_data(cfg.data, t.seq_len)
         self._barrier()
         if self.rank != 0:
@@ -107,8 +123,10 @@ class Trainer:
         )
         resume = self.checkpointer.find_resume()
         if self.rank == 0:  # only now: a run refused above leaves an earlier run's files as they were
-            (self.run_dir / "config.toml").write_text(cfg.to_toml())
-            self.data.tokenizer.save(self.run_dir)
+            with full_disk_as("config", self.run_dir / "config.toml", "train.run_dir"):
+                (self.run_dir / "config.toml").write_text(cfg.to_toml())
+            with full_disk_as("tokenizer", self.run_dir, "train.run_dir"):
+                self.data.tokenizer.save(self.run_dir)
         if resume is not None and resume.manifest.step >= t.steps:
             at = resume.manifest.step
             raise ConfigError("train.steps", t.steps, f"the checkpoint {resume.path} is at step {at} already; raise it to train on")
@@ -135,6 +153,7 @@ class Trainer:
         self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler,
                                       replica=self._replica_key())
         self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
+        self.progress.advance(self.step)
         _apply_step_cap(t, self.step)
         # Built from the loaded model, so a checkpoint without geo state starts geo.sync from it.
         self.geo = self._build_geo_sync()
@@ -194,6 +213,36 @@ class Trainer:
         epoch, offset = divmod(step * self.cfg.train.batch_size, self.sampler.n_windows)
         self.sampler.load_state_dict({"epoch": epoch, "offset": offset})
         self.step = step
+
+    def _set_timeouts(self) -> None:
+        """parallel.timeout_s for every process group this rank uses, once the first step ran.
+
+        Not from the start: before it, rank 0 may tokenise a large corpus while the others wait, and
+        the first step builds what later steps reuse (torchtitan does the same). A rank that stops
+        answering meanwhile is found by the launcher's heartbeats, which need no timeout here.
+        """
+        if self.world == 1:
+            return
+        groups: list[Any] = [None]  # the default group
+        if self.mesh is not None:
+            groups += self.mesh.root.get_all_groups() + [m.get_group() for m in self.mesh.flat.values()]
+        if self.checkpointer.group is not None:
+            groups.append(self.checkpointer.group)
+        set_group_timeouts(self.cfg.parallel.timeout_s, groups)
+
+    def _check_finite(self, loss: float, grad_norm: float, lr: float) -> None:
+        """Stop at the first non-finite loss or gradient norm, before the step's metrics or checkpoint.
+
+        Every rank sees the same values (both are reduced over ranks), so every rank stops here. A save
+        still in flight holds the state of a finite step: it is committed first, to resume from.
+        """
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return
+        self.checkpointer.wait()
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm} (loss {loss:.4f})"
+        t = self.cfg.train
+        change = f"lower train.lr (now {lr:g})" + (" or train.dtype = fp32" if t.dtype == "bf16" else "")
+        raise RunFailed(f"{what} at step {self.step}; {resume_note(self.checkpointer.root, self.cfg.checkpoint.every)}; {change}")
 
     def _barrier(self) -> None:
         if self.world > 1:
@@ -321,8 +370,10 @@ class Trainer:
                 lr = self.scheduler.get_last_lr()[0]
                 loss, grad_norm = self.train_step()
                 step_times.append(time.perf_counter() - step_start)
-                if not math.isfinite(loss):
-                    raise FloatingPointError(f"loss became {loss} at step {self.step}; lower train.lr or use fp32")
+                self._check_finite(loss, grad_norm, self.cfg.train.lr)
+                self.progress.advance(self.step)
+                if len(step_times) == 1:
+                    self._set_timeouts()
                 result.losses.append(loss)
                 result.grad_norms.append(grad_norm)
                 extra: dict[str, Any] = {"grad_norm": grad_norm}
@@ -396,6 +447,21 @@ def _apply_step_cap(t: Any, start: int) -> None:
         t.steps = min(t.steps, start + int(cap))
 
 
+def set_group_timeouts(timeout_s: float, groups: list[Any]) -> None:
+    """A collective on any of ``groups`` (None: the default group) fails after ``timeout_s`` seconds.
+
+    Groups made by DeviceMesh and ``new_group`` take torch's 30-minute default, not the default
+    group's timeout, so each is set. torch's only way to change the timeout of a group already made
+    is private (torchtitan uses it too).
+    """
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    for group in groups:
+        _set_pg_timeout(timedelta(seconds=timeout_s), group)
+
+
 def _scale_grads(params: list[torch.nn.Parameter], factor: float) -> None:
     for p in params:
         if p.grad is not None:
@@ -442,9 +508,12 @@ def _layout(dims: ParallelDims, cfg: JobConfig) -> dict[str, Any]:
     }
 
 
-def train(cfg: JobConfig) -> TrainResult:
-    """Train one run described by ``cfg`` in this process (one rank of it, when launched with several)."""
-    trainer = Trainer(cfg)
+def train(cfg: JobConfig, progress: Progress | None = None) -> TrainResult:
+    """Train one run described by ``cfg`` in this process (one rank of it, when launched with several).
+
+    ``progress`` follows the last finished step, for whoever watches the run (the launcher's heartbeat).
+    """
+    trainer = Trainer(cfg, progress)
     try:
         return trainer.fit()
     finally:

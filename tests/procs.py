@@ -1,0 +1,103 @@
+"""Real `isthmus train` processes for the failure tests: start one, wait for a step, find a rank, read its last line.
+
+No test hook in the library: a rank is found in the process tree by the log file it holds open,
+and a run's progress by its ``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from isthmus.launch.local import last_logged_step
+
+# A tiny run that never ends by itself (the tests stop it), on a small slice of the default corpus.
+BASE_ARGS = [
+    "--config", "tiny", "--train.steps", "100000", "--train.val_every", "0", "--train.batch_size", "8",
+    "--train.seq_len", "32", "--data.max_bytes", "60000", "--metrics.log_every", "1000",
+]
+
+
+class Train:
+    """`python -m isthmus train` in a subprocess, in a session of its own (as a shell job is)."""
+
+    def __init__(self, run_dir: Path, cache: Path, *extra: str, base: list[str] = BASE_ARGS) -> None:
+        self.dir = run_dir
+        args = [*base, "--train.run_dir", str(run_dir), "--data.cache_dir", str(cache), *extra]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "isthmus", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True,
+        )
+        self.code: int | None = None
+        self.err = ""
+
+    @property
+    def metrics(self) -> Path:
+        return self.dir / "metrics.jsonl"
+
+    def wait_for_step(self, step: int, timeout: float = 300) -> int:
+        """Block until the run has logged ``step``; returns the step it logged last."""
+        deadline = time.monotonic() + timeout
+        while (last := last_logged_step(self.metrics)) < step:
+            assert self.proc.poll() is None, f"the run ended before step {step}: {self.proc.communicate()[1][-3000:]}"
+            assert time.monotonic() < deadline, f"the run never reached step {step}"
+            time.sleep(0.01)
+        return last
+
+    def rank_pid(self, rank: int) -> int:
+        return holder_of(self.proc.pid, self.dir / "logs" / f"rank{rank}.log")
+
+    def wait(self, timeout: float = 300) -> tuple[int, str]:
+        _, self.err = self.proc.communicate(timeout=timeout)
+        self.code = self.proc.returncode
+        return self.code, self.err
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+        for child in children:
+            found += [child, *descendants(child)]
+    return found
+
+
+def holder_of(root: int, path: Path) -> int:
+    """The process under ``root`` that has ``path`` open (each rank holds its own log file)."""
+    for pid in descendants(root):
+        try:
+            if any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir()):
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no process under {root} holds {path}")
+
+
+def gone(pid: int, timeout: float = 10) -> bool:
+    """Whether ``pid`` has exited (a zombie counts as gone) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        if state in ("Z", "X"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def last_line(err: str) -> str:
+    """The one line a failure ends in; asserts nothing else on stderr looks like an error or a traceback."""
+    lines = err.rstrip().splitlines()
+    assert lines, "nothing on stderr"
+    assert "Traceback" not in err, err[-3000:]
+    noise = [line for line in lines[:-1] if line.startswith("isthmus:") or "error" in line.lower() or "warn" in line.lower()]
+    assert not noise, noise
+    return lines[-1]

@@ -1,0 +1,100 @@
+"""Ctrl-C and SIGTERM of a real `isthmus train`, and a loss that turns non-finite: one line, the right exit code.
+
+Real signals to real processes after they logged a step: to the launcher alone (as `kill PID` does) and
+to its whole process group (as Ctrl-C in a terminal does), on one process and on two ranks. The runs
+go side by side to keep the wall time down; each is checked on its own.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from isthmus.train.checkpoint_manifest import verify_checkpoint
+from procs import Train, gone, last_line
+
+SIGNAL_AT = 4
+# name: (signal, ranks, to the whole process group, extra args)
+SIGNALLED = {
+    "sigint_one_process": (signal.SIGINT, 1, False, []),
+    "sigterm_one_process": (signal.SIGTERM, 1, False, []),
+    "sigint_two_ranks": (signal.SIGINT, 2, False, ["--checkpoint.async", "true"]),
+    "sigterm_two_ranks": (signal.SIGTERM, 2, False, []),
+    "ctrl_c_two_ranks": (signal.SIGINT, 2, True, []),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Train, list[int]]]:
+    tmp = tmp_path_factory.mktemp("signals")
+    cache = tmp / "cache"
+    started = {
+        name: Train(tmp / name, cache, "--parallel.nproc", str(n), "--checkpoint.every", "3", *extra)
+        for name, (_, n, _, extra) in SIGNALLED.items()
+    }
+    started["nan_two_ranks"] = Train(tmp / "nan2", cache, "--parallel.nproc", "2", "--train.lr", "1e30",
+                                     "--train.warmup_steps", "0", "--checkpoint.every", "1")
+    started["nan_one_process"] = Train(tmp / "nan1", cache, "--train.lr", "1e30", "--train.warmup_steps", "0")
+    ranks: dict[str, list[int]] = {}
+    for name, (signum, n, group, _) in SIGNALLED.items():
+        run = started[name]
+        run.wait_for_step(SIGNAL_AT)
+        ranks[name] = [run.rank_pid(r) for r in range(n)] if n > 1 else []
+        (os.killpg if group else os.kill)(run.proc.pid, signum)
+    for run in started.values():
+        run.wait()
+    return {name: (run, ranks.get(name, [])) for name, run in started.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SIGNALLED))
+def test_a_signal_stops_every_rank_in_one_line(name: str, runs: dict[str, tuple[Train, list[int]]]) -> None:
+    signum, n, _, _ = SIGNALLED[name]
+    run, rank_pids = runs[name]
+    assert run.code == 128 + signum, run.err[-3000:]
+    line = last_line(run.err)
+    # e.g. "isthmus: interrupted (SIGINT) at step 7; the newest checkpoint is .../step-000006 (step 6):
+    # continue with --checkpoint.resume .../step-000006"; an async save may still be in flight (cut short)
+    cut = r"( \(the save of step \d+ was cut short and stays uncommitted\))?"
+    head = rf"isthmus: interrupted \({signal.Signals(signum).name}\) at step (\d+); "
+    m = re.fullmatch(head + rf"the newest checkpoint is (\S+) \(step (\d+)\){cut}: continue with --checkpoint.resume (\S+)", line)
+    if m is None and "async" in " ".join(SIGNALLED[name][3]):
+        m = re.fullmatch(head + rf"no checkpoint was saved yet \(checkpoint.every = 3\){cut}: a new run starts over", line)
+        assert m, line
+        assert not list((run.dir / "checkpoints").glob("step-??????"))
+    else:
+        assert m, line
+        step, path, saved, _, resume = m.groups()
+        assert int(step) >= SIGNAL_AT and int(saved) <= int(step) and path == resume
+        # What it names is committed and whole; a save cut short stays a .partial (deleted by the next start).
+        assert verify_checkpoint(Path(path)).step == int(saved)
+    assert all(gone(pid) for pid in rank_pids), "a rank outlived the launcher"
+    for log in (run.dir / "logs").glob("rank*.log"):  # the ranks said nothing either, not even in their logs
+        assert "Traceback" not in log.read_text(), log
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_names_the_step_and_the_checkpoint(runs: dict[str, tuple[Train, list[int]]]) -> None:
+    run, _ = runs["nan_two_ranks"]
+    assert run.code == 3, run.err[-3000:]
+    line = last_line(run.err)
+    m = re.fullmatch(
+        r"isthmus: error: loss is (nan|inf) at step (\d+); the newest checkpoint is (\S+) \(step (\d+)\): "
+        r"continue with --checkpoint.resume \S+; lower train.lr \(now 1e\+30\) \(rank0\)",
+        line,
+    )
+    assert m, line
+    assert int(m.group(4)) == int(m.group(2)) - 1  # the step before: every finite step was saved
+    assert verify_checkpoint(Path(m.group(3))).step == int(m.group(4))
+
+    run, _ = runs["nan_one_process"]
+    assert run.code == 3, run.err[-3000:]
+    assert re.fullmatch(
+        r"isthmus: error: loss is (nan|inf) at step \d+; nothing to resume from \(checkpoint.every = 0\): "
+        r"a new run starts over; lower train.lr \(now 1e\+30\)",
+        last_line(run.err),
+    ), run.err[-2000:]
