@@ -257,6 +257,10 @@ def test_launch_emulated_torchrun_ranks_follow_datacenters(tmp_path: Path) -> No
         assert info["MASTER_ADDR"] == "10.213.0.100" and info["GLOO_SOCKET_IFNAME"] == "wan0"
         assert info["ISTHMUS_N_DC"] == "2" and info["ISTHMUS_DC_RANKS"] == "2" and info["ISTHMUS_DC_LAYOUT"] == "2,2"
         assert info["sum"] == 6.0
+    # The agents' output is clean: names for every address (no DNS warning from the store), and
+    # the rendezvous store outlived both agents (no reset connection as the last one closed it).
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+    assert "[W" not in logs and "Connection reset" not in logs and "Traceback" not in logs, logs[-3000:]
     assert set(netns.list_namespaces()) <= before
 
 
