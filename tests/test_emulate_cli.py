@@ -5,6 +5,7 @@
 - The README's diloco command (shortened) and its fault-tolerant example succeed with nothing on
   the console that looks like a failure (no traceback, no C++ trace or warning); in the
   fault-tolerant one both datacenters are in the quorum of every outer step and bytes cross the WAN.
+  A run that fails once started ends with one line and exit code 3.
 - SIGKILL of the `isthmus emulate` process mid-training: its reaper stops every rank and removes
   the run's namespaces within seconds.
 
@@ -111,6 +112,8 @@ def readme_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
                    "--data.max_bytes", "200000", *common],
         # As printed: the tiny config is 20 steps already.
         "fault_tolerant": [*README_FAULT_TOLERANT, *common],
+        # A run that fails once started: the loss becomes NaN within a few steps on every rank.
+        "fails": ["emulate", "--", "train", "--config", "tiny", "--train.lr", "1e12", "--train.steps", "10", *common],
     }
     started = {}
     for name, argv in commands.items():
@@ -134,6 +137,18 @@ def test_a_successful_run_prints_no_traceback_or_cpp_trace(readme_runs: dict[str
     assert "isthmus train: done" in run["console"]
     bad = [line for line in run["console"].splitlines() if FAILURE_SIGNS.search(line)]
     assert bad == [], "\n".join(bad)
+
+
+@needs_root
+@pytest.mark.slow
+def test_a_failed_run_ends_in_one_line_and_exit_3(readme_runs: dict[str, dict[str, Any]]) -> None:
+    run = readme_runs["fails"]
+    assert run["rc"] == 3, run["console"][-3000:]
+    lines = run["console"].splitlines()
+    assert lines[-1].startswith("isthmus: error: the emulated run failed: a datacenter's rank exited with code 1")
+    assert "loss became nan" in run["console"]  # the ranks' own output says why
+    # ...and the launchers add no traceback of their own (ChildFailedError, SignalException).
+    assert not any("torch/distributed/run.py" in line or "SignalException" in line for line in lines), run["console"]
 
 
 def _wan_bytes_in_summaries(console: str) -> list[float]:

@@ -421,7 +421,8 @@ def throughput_probe(em: Emulation, src_dc: int, dst_dc: int, n_bytes: int = 5_0
 
 def torchrun_argv(em: Emulation, dc_index: int, train_argv: Sequence[str], script: str | None = None,
                   rdzv_port: int = RDZV_PORT) -> list[str]:
-    """The elastic agent of datacenter ``dc_index``: node ``dc_index`` of an N-node c10d job.
+    """The elastic agent of datacenter ``dc_index``: node ``dc_index`` of an N-node c10d job
+    (torchrun's, through :mod:`isthmus.launch.agent`).
 
     The c10d store listens on dc0's address, served by :func:`serve_rendezvous_store`: no agent
     hosts it (``is_host=0``; inside a namespace the hostname heuristic could not tell anyway).
@@ -431,7 +432,7 @@ def torchrun_argv(em: Emulation, dc_index: int, train_argv: Sequence[str], scrip
     dc, dc0 = em.dcs[dc_index], em.dcs[0]
     target = ["-m", "isthmus"] if script is None else [script]
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "isthmus.launch.agent",  # torchrun, quiet about its exit
         "--nnodes", str(len(em.dcs)),
         "--nproc-per-node", str(dc.ranks),
         "--rdzv-backend", "c10d",
@@ -451,7 +452,7 @@ def torchrun_dc_job_argv(em: Emulation, dc_index: int, train_argv: Sequence[str]
     which then rejoin the others through torchft."""
     dc = em.dcs[dc_index]
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "isthmus.launch.agent",  # torchrun, quiet about its exit
         "--nnodes", "1",
         "--nproc-per-node", str(dc.ranks),
         "--rdzv-backend", "c10d",
@@ -651,9 +652,6 @@ def launch_emulated(
         finally:
             for f in files:
                 f.close()
-    if rc:
-        where = f"; see {log_dir}" if log_dir is not None else ""
-        log.error("emulated run ended with exit code %d%s", rc, where)
     return rc
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from isthmus.errors import ConfigError, IsthmusError
+from isthmus.errors import ConfigError, Interrupted, IsthmusError, RunFailed
 from isthmus.log import get_logger
 
 if TYPE_CHECKING:
@@ -152,5 +153,20 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
     if added:
         get_logger().info("the topology's part of the train command: %s", " ".join(added))
     log_dir = Path(ns.log_dir) if ns.log_dir else None
-    return launch_emulated(net, command.argv, log_dir=log_dir, timeout_s=ns.timeout, fault_tolerant=fault_tolerant,
-                           max_restarts=ns.dc_restarts)
+    rc = launch_emulated(net, command.argv, log_dir=log_dir, timeout_s=ns.timeout, fault_tolerant=fault_tolerant,
+                         max_restarts=ns.dc_restarts)
+    return _exit_code(rc, ns.timeout, log_dir)
+
+
+def _exit_code(rc: int, timeout_s: float | None, log_dir: Path | None) -> int:
+    """The launcher's code as the CLI reports it: 0, or one line and the signal's 128+N when it was
+    stopped, or exit 3 for a run that failed (the agents' own code, torchrun's 1, says nothing more)."""
+    if rc == 0:
+        return 0
+    if rc > 128:
+        name = signal.Signals(rc - 128).name if rc - 128 in signal.valid_signals() else f"signal {rc - 128}"
+        raise Interrupted(rc - 128, f"interrupted ({name}): every rank was stopped and the network removed")
+    where = f"see {log_dir}/dc<i>.log" if log_dir is not None else "its ranks' output is above"
+    if rc == 124 and timeout_s is not None:
+        raise RunFailed(f"the emulated run passed its --timeout of {timeout_s:g} s and was stopped; {where}")
+    raise RunFailed(f"the emulated run failed: a datacenter's rank exited with code {rc}; {where}")
