@@ -42,6 +42,15 @@ def find_config(name: str | None) -> Path:
     raise ConfigError("--config", name, f"file not found (shipped configs: {available})")
 
 
+LATEST_RUN = "runs/latest"
+"""The newest run of the default train.run_dir (a link `isthmus train` updates)."""
+
+
+def config_name(name: str | None) -> str:
+    """What ``{config}`` in train.run_dir becomes: the shipped config's name, or the file's stem."""
+    return "default" if name is None else Path(name).stem
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(
         prog="isthmus",
@@ -58,8 +67,8 @@ def _build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", default=None, help="job config TOML file, or a shipped config name (default: default)")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     gen = sub.add_parser("generate", help="sample text from a trained run or an exported model", allow_abbrev=False)
-    model = gen.add_mutually_exclusive_group(required=True)
-    model.add_argument("--run", help="run directory (train.run_dir of the run): its final model")
+    model = gen.add_mutually_exclusive_group()
+    model.add_argument("--run", help=f"run directory (train.run_dir of the run): its final model (default: {LATEST_RUN})")
     model.add_argument("--model", help="a .safetensors file written by isthmus export")
     gen.add_argument("--prompt", default="def ", help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=200)
@@ -71,7 +80,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Write a run's model (its final model, else its newest good checkpoint; any layout) as one "
         "safetensors file, with its shape, config and tokenizer in the metadata.",
     )
-    export.add_argument("--run", required=True, help="run directory (train.run_dir of the run)")
+    export.add_argument("--run", default=LATEST_RUN, help=f"run directory (train.run_dir of the run; default: {LATEST_RUN})")
     export.add_argument("--out", required=True, help="the file to write, FILE.safetensors")
     export.add_argument(
         "--checkpoint", nargs="?", const="latest", default=None, metavar="DIR",
@@ -121,7 +130,7 @@ def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
     from isthmus.log import setup_logging
 
     setup_logging()
-    result = launch(cfg)
+    result = launch(cfg, config_name(ns.config))
     if not launched_externally() or os.environ.get("RANK") == "0":
         _print_summary(result)
     return 0
@@ -171,7 +180,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
         raise ConfigError("--max-new-tokens", ns.max_new_tokens, "must be at least 1")
     if ns.temperature < 0:
         raise ConfigError("--temperature", ns.temperature, "must be 0 (greedy) or positive")
-    text = generate(ns.model or ns.run, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed)
+    text = generate(ns.model or ns.run or LATEST_RUN, ns.prompt, ns.max_new_tokens, ns.temperature, ns.top_k, ns.seed)
     sys.stdout.write(text + "\n")
     return 0
 

@@ -19,6 +19,10 @@ from typing import Any, Literal, get_args, get_origin
 from isthmus.errors import ConfigError
 
 
+RUN_DIR_PLACEHOLDERS = ("{config}", "{time}")
+"""What train.run_dir may hold: the config's name and the run's start time (see isthmus.launch.rundir)."""
+
+
 @dataclass
 class ModelConfig:
     flavor: str = "small"
@@ -93,8 +97,10 @@ class TrainConfig:
     """Validate every N steps (0 = only at the end)."""
     val_batches: int = 8
     """Batches of train.batch_size sequences per validation."""
-    run_dir: str = "runs/default"
-    """Directory for the resolved config, logs, metrics and the final model."""
+    run_dir: str = "runs/{config}-{time}"
+    """This run's directory (config, logs, metrics, checkpoints, final model); {config} and {time} make a fresh one per run."""
+    overwrite: bool = False
+    """Replace what an earlier run left in train.run_dir (and checkpoint.dir) instead of refusing to start."""
     device: str = "auto"
     """Device: auto (cuda when available, else cpu), cpu or cuda."""
     threads: int = 0
@@ -226,6 +232,30 @@ class JobConfig:
                     lines.append(f"{key} = {_toml_value(value)}")
             lines.append("")
         return "\n".join(lines)
+
+
+RESUME_MAY_CHANGE = (
+    "parallel.", "geo.", "checkpoint.", "metrics.", "train.steps", "train.run_dir", "train.overwrite",
+    "train.val_every", "train.val_batches", "train.threads", "train.device", "data.cache_dir",
+)
+"""Settings a run may change when it continues from its checkpoint: the layout (checkpoints reshard),
+how long it trains, where and how it logs. Everything else (model, data, optimizer, batch) defines the run."""
+
+
+def settings_that_differ(saved_toml: str, current_toml: str, may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> list[str]:
+    """``key: saved -> current`` for every setting (outside ``may_change``) where two resolved configs differ."""
+    def flat(text: str) -> dict[str, Any]:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError:
+            return {}
+        return {f"{section}.{key}": value for section, values in data.items() if isinstance(values, dict)
+                for key, value in values.items()}
+
+    saved, current = flat(saved_toml), flat(current_toml)
+    keys = sorted(set(saved) | set(current))
+    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
+            if not k.startswith(may_change) and saved.get(k) != current.get(k)]
 
 
 def _toml_value(value: Any) -> str:
@@ -416,6 +446,11 @@ def validate(cfg: JobConfig) -> None:
         "train.grad_accum", t.grad_accum, f"must divide train.batch_size = {t.batch_size}",
     )
     _require(bool(t.run_dir.strip()), "train.run_dir", t.run_dir, "must not be empty")
+    unknown = t.run_dir
+    for placeholder in RUN_DIR_PLACEHOLDERS:
+        unknown = unknown.replace(placeholder, "")
+    _require("{" not in unknown and "}" not in unknown, "train.run_dir", t.run_dir,
+             f"may hold only the placeholders {' and '.join(RUN_DIR_PLACEHOLDERS)}")
     _require(0.0 < d.val_fraction < 0.5, "data.val_fraction", d.val_fraction, "must be in (0, 0.5)")
     _require(d.max_bytes >= 0, "data.max_bytes", d.max_bytes, "must be 0 (no limit) or positive")
     _require(d.bpe_vocab_size >= 300, "data.bpe_vocab_size", d.bpe_vocab_size, "must be at least 300 (256 bytes + merges)")

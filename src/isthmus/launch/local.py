@@ -32,6 +32,7 @@ from pathlib import Path
 from isthmus.config import JobConfig
 from isthmus.errors import IsthmusError
 from isthmus.log import get_logger, setup_logging
+from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.train.trainer import TrainResult, train
 
@@ -146,15 +147,65 @@ def check_external_launch(cfg: JobConfig, world: int) -> None:
         )
 
 
-def launch(cfg: JobConfig) -> TrainResult:
-    """Train ``cfg``: in this process (nproc 1 or under torchrun) or on nproc local ranks."""
+def launch(cfg: JobConfig, config_name: str = "default") -> TrainResult:
+    """Train ``cfg``: in this process (nproc 1 or under torchrun) or on nproc local ranks.
+
+    The launching process claims the run directory first (`claim_run_dir`: placeholders resolved,
+    locked while it lives, an earlier run's files never adopted unasked); ``config_name`` fills
+    ``{config}`` in ``train.run_dir``.
+    """
     if launched_externally():
         world = int(os.environ["WORLD_SIZE"])
         check_external_launch(cfg, world)
         cfg.parallel.nproc = world
-        return run_rank(cfg)
-    if cfg.parallel.nproc == 1 and cfg.parallel.max_restarts == 0:
-        return train(cfg)
+        claim = _claim_under_launcher(cfg, config_name)
+        try:
+            return run_rank(cfg)
+        finally:
+            if claim is not None:
+                claim.release()
+    claim = claim_run_dir(cfg, config_name)
+    try:
+        if cfg.parallel.nproc == 1 and cfg.parallel.max_restarts == 0:
+            return train(cfg)
+        return _launch_local(cfg)
+    finally:
+        claim.release()
+
+
+def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | None:
+    """Under torchrun: global rank 0 claims the run directory and tells the others which it is.
+
+    Ranks on other nodes could resolve ``{time}`` differently, so the process group is joined first
+    (the trainer reuses it) and rank 0's answer, or its one-line refusal, is broadcast. A launcher
+    that claimed the directory itself (``isthmus emulate``) says so in the environment.
+    """
+    if os.environ.get(CLAIMED_ENV) == cfg.train.run_dir:
+        return None
+    import torch.distributed as dist
+
+    from isthmus.train.device import resolve_device
+    from isthmus.train.trainer import init_distributed
+
+    device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
+    world = init_distributed(cfg.parallel.backend, device)
+    claim, answer = None, [cfg.train.run_dir, None]
+    if int(os.environ["RANK"]) == 0:
+        try:
+            claim = claim_run_dir(cfg, config_name)
+            answer[0] = cfg.train.run_dir
+        except IsthmusError as e:
+            answer[1] = str(e)
+    if world > 1:
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise IsthmusError(answer[1])
+    cfg.train.run_dir = answer[0]
+    return claim
+
+
+def _launch_local(cfg: JobConfig) -> TrainResult:
+    """``parallel.nproc`` ranks on this machine under torch's elastic agent (restarts included)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

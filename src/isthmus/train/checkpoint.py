@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from isthmus.config import CheckpointConfig
+from isthmus.config import CheckpointConfig, settings_that_differ
 from isthmus.data.loader import BatchSampler
 from isthmus.errors import CheckpointError, IsthmusError
 from isthmus.log import get_logger
@@ -300,6 +300,15 @@ class Checkpointer:
             path = Path(mode)
             manifest = verify_checkpoint(path, self.model)
         _check_geo_layout(path, manifest.layout, self.layout)
+        differ = settings_that_differ(manifest.config, self.config_toml)
+        if differ and mode == "auto":
+            raise CheckpointError(
+                f"{path}: saved by a run with other settings ({'; '.join(differ)}); checkpoint.resume = auto continues "
+                "only the same run: name the checkpoint (--checkpoint.resume PATH) to start from it anyway, "
+                "or choose another train.run_dir"
+            )
+        if differ:
+            self.log.warning("checkpoint: %s was saved with other settings: %s", path, "; ".join(differ))
         self.log.info("checkpoint: resuming from %s (step %d)", path, manifest.step)
         return str(path), manifest
 

@@ -90,14 +90,11 @@ class Trainer:
         # Rank 0 tokenises and fills the cache first; the others then read it instead of redoing it.
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.toml").write_text(cfg.to_toml())
             self.data = prepare_data(cfg.data, t.seq_len)
         self._barrier()
         if self.rank != 0:
             self.data = prepare_data(cfg.data, t.seq_len)
         self.model_args = resolve_model_args(cfg.model, self.data.tokenizer.vocab_size)
-        if self.rank == 0:
-            self.data.tokenizer.save(self.run_dir)
 
         a = self.model_args
         self.dims: ParallelDims = check_layout(cfg, a.n_heads, a.n_kv_heads, a.n_layers, world_size=job_world)
@@ -107,6 +104,9 @@ class Trainer:
             cfg.checkpoint, self.run_dir, a, _layout(self.dims, cfg), cfg.to_toml(), self.world
         )
         resume = self.checkpointer.find_resume()
+        if self.rank == 0:  # only now: a run refused above leaves an earlier run's files as they were
+            (self.run_dir / "config.toml").write_text(cfg.to_toml())
+            self.data.tokenizer.save(self.run_dir)
         if resume is not None and resume.manifest.step >= t.steps:
             at = resume.manifest.step
             raise ConfigError("train.steps", t.steps, f"the checkpoint {resume.path} is at step {at} already; raise it to train on")
@@ -133,6 +133,7 @@ class Trainer:
         self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler,
                                       replica=self._replica_key())
         self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
+        _apply_step_cap(t, self.step)
         # Built from the loaded model, so a checkpoint without geo state starts geo.sync from it.
         self.geo = self._build_geo_sync()
         self.train_state.geo = self.geo
@@ -372,6 +373,20 @@ class Trainer:
             save_final_model(state, self.model_args, self.run_dir / "final")
         self._barrier()
         return result
+
+
+MAX_STEPS_ENV = "ISTHMUS_MAX_STEPS"
+"""A short-run override: stop every run after at most N more optimizer steps (the README's commands run
+this way in the tests). The learning-rate schedule keeps train.steps; the last step taken is saved as
+the last one, so a run resumed the same way continues from it."""
+
+
+def _apply_step_cap(t: Any, start: int) -> None:
+    cap = os.environ.get(MAX_STEPS_ENV, "")
+    if cap:
+        if not cap.isdigit() or int(cap) < 1:
+            raise ConfigError(MAX_STEPS_ENV, cap, "must be a positive integer (steps per run)")
+        t.steps = min(t.steps, start + int(cap))
 
 
 def _scale_grads(params: list[torch.nn.Parameter], factor: float) -> None:
