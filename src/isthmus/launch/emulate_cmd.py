@@ -53,6 +53,8 @@ class TrainCommand:
     """The config one rank builds from ``argv`` (degrees filled in, as under torchrun)."""
     print_config: bool
     """``--print-config`` was given: show ``config`` instead of running."""
+    config_name: str
+    """What ``{config}`` in train.run_dir becomes."""
 
 
 def train_command(argv: list[str], topology: str, n_dc: int, ranks_per_dc: int) -> TrainCommand:
@@ -63,7 +65,7 @@ def train_command(argv: list[str], topology: str, n_dc: int, ranks_per_dc: int) 
     degrees leave. Under ``geo.fault_tolerant`` each datacenter is a job of its own, so a rank's
     launcher starts only its datacenter's ranks. Raises the error a rank would, once.
     """
-    from isthmus.cli import find_config, parse_train_command, train_config
+    from isthmus.cli import config_name, find_config, parse_train_command, train_config
     from isthmus.config import build_config, parse_overrides
     from isthmus.launch.local import check_external_launch
 
@@ -95,7 +97,7 @@ def train_command(argv: list[str], topology: str, n_dc: int, ranks_per_dc: int) 
     with _as_torchrun_rank(job_world, ranks_per_dc):
         cfg = train_config(ns.config, rest, announce=False)
     check_external_launch(cfg, job_world)
-    return TrainCommand(args, cfg, ns.print_config)
+    return TrainCommand(args, cfg, ns.print_config, config_name(ns.config))
 
 
 @contextmanager
@@ -153,9 +155,28 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
     if added:
         get_logger().info("the topology's part of the train command: %s", " ".join(added))
     log_dir = Path(ns.log_dir) if ns.log_dir else None
-    rc = launch_emulated(net, command.argv, log_dir=log_dir, timeout_s=ns.timeout, fault_tolerant=fault_tolerant,
-                         max_restarts=ns.dc_restarts)
+    with _claimed_run_dir(command) as (argv, env):
+        rc = launch_emulated(net, argv, env=env, log_dir=log_dir, timeout_s=ns.timeout,
+                             fault_tolerant=fault_tolerant, max_restarts=ns.dc_restarts)
     return _exit_code(rc, ns.timeout, log_dir)
+
+
+@contextmanager
+def _claimed_run_dir(command: TrainCommand) -> Iterator[tuple[list[str], dict[str, str]]]:
+    """Claim the run directory here, for the whole run, before anything is made; yields the train
+    command and the environment that tell every rank which directory it is and that it is claimed.
+
+    The ranks must not claim it themselves: under geo.fault_tolerant each datacenter is a job with a
+    rank 0 of its own, and the second to claim the directory would find it taken by the first.
+    """
+    from isthmus.launch.rundir import CLAIMED_ENV, claim_run_dir
+
+    claim = claim_run_dir(command.config, command.config_name)
+    run_dir = command.config.train.run_dir  # concrete now: {config} and {time} resolved once, here
+    try:
+        yield [*command.argv, "--train.run_dir", run_dir], {CLAIMED_ENV: run_dir}
+    finally:
+        claim.release()
 
 
 def _exit_code(rc: int, timeout_s: float | None, log_dir: Path | None) -> int:
