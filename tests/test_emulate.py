@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -55,8 +56,15 @@ def test_namespaces_bridge_and_veths_exist_then_are_removed() -> None:
             assert "tbf" in subprocess.run(["tc", "-n", dc.namespace, "qdisc", "show", "dev", dc.ifname],
                                            capture_output=True, text=True).stdout
         assert len({dc.address for dc in em.dcs}) == 3
+        # Inside a namespace every address of the run has a name without DNS (torch's store looks
+        # its peers up); outside, the machine's own /etc/hosts is untouched.
+        looked_up = subprocess.run(["ip", "netns", "exec", em.dcs[0].namespace, "getent", "hosts", em.dcs[2].address],
+                                   capture_output=True, text=True)
+        assert looked_up.stdout.split()[1:] == [em.dcs[2].namespace], looked_up
+        assert em.prefix not in Path("/etc/hosts").read_text()
     assert netns.list_namespaces(em.prefix) == []
     assert not (netns.REGISTRY / em.run_id).exists()
+    assert not any(netns.NETNS_ETC.glob(f"{em.prefix}*"))
 
 
 def test_namespaces_removed_after_exception_inside() -> None:
@@ -117,8 +125,50 @@ def test_namespaces_removed_after_signal_to_owner(sig: signal.Signals) -> None:
     assert not _alive(sleeper)
 
 
+def _reaper_pid(prefix: str) -> int:
+    """The pid of the reaper watching the run of ``prefix`` (``ist-<id>-``)."""
+    run_id = prefix.split("-")[1]
+    for proc in Path("/proc").iterdir():
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"isthmus.launch.reaper" in cmd and run_id.encode() in cmd:
+            return int(proc.name)
+    raise AssertionError(f"no reaper for {prefix}")
+
+
+def _wait_until(check: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_reaper_removes_the_network_of_an_owner_killed_with_sigkill() -> None:
+    child, prefix, sleeper = _start_child()
+    reaper = _reaper_pid(prefix)
+    assert os.getsid(reaper) == reaper  # its own session: a Ctrl-C at the terminal does not reach it
+    child.kill()  # SIGKILL: the owner's own teardown cannot run
+    child.wait(timeout=10)
+    assert _wait_until(lambda: netns.list_namespaces(prefix) == [] and not _alive(sleeper), 15.0)
+    assert _wait_until(lambda: not _alive(reaper), 5.0)
+    assert not (netns.REGISTRY / prefix.split("-")[1]).exists()
+    assert not any(netns.NETNS_ETC.glob(f"{prefix}*"))
+
+
+def test_reaper_leaves_a_run_torn_down_by_its_owner_alone() -> None:
+    with emulated_network(_net()) as em:
+        reaper = _reaper_pid(em.prefix)
+    assert not _alive(reaper)  # dismissed, and gone with the network
+    assert not any(netns.NETNS_ETC.glob(f"{em.prefix}*"))
+
+
 def test_cleanup_stale_removes_a_killed_run_but_not_a_live_one() -> None:
     child, prefix, sleeper = _start_child()
+    os.kill(_reaper_pid(prefix), signal.SIGKILL)  # owner and reaper both gone (say, the OOM killer)
     child.kill()  # SIGKILL: no teardown can run
     child.wait(timeout=10)
     left = netns.list_namespaces(prefix)
@@ -207,6 +257,10 @@ def test_launch_emulated_torchrun_ranks_follow_datacenters(tmp_path: Path) -> No
         assert info["MASTER_ADDR"] == "10.213.0.100" and info["GLOO_SOCKET_IFNAME"] == "wan0"
         assert info["ISTHMUS_N_DC"] == "2" and info["ISTHMUS_DC_RANKS"] == "2" and info["ISTHMUS_DC_LAYOUT"] == "2,2"
         assert info["sum"] == 6.0
+    # The agents' output is clean: names for every address (no DNS warning from the store), and
+    # the rendezvous store outlived both agents (no reset connection as the last one closed it).
+    logs = "".join(p.read_text() for p in (tmp_path / "logs").glob("*.log"))
+    assert "[W" not in logs and "Connection reset" not in logs and "Traceback" not in logs, logs[-3000:]
     assert set(netns.list_namespaces()) <= before
 
 

@@ -68,7 +68,7 @@ def _kill_workers(namespace: str) -> int:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"isthmus" in cmd and b"torch.distributed.run" not in cmd and b"train" in cmd:
+        if b"isthmus" in cmd and b"isthmus.launch.agent" not in cmd and b"train" in cmd:
             os.kill(pid, signal.SIGKILL)
             killed += 1
     return killed

@@ -10,9 +10,12 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import TYPE_CHECKING, NoReturn, Sequence
 
 from isthmus.errors import EXIT_INTERRUPTED, EXIT_USAGE, ConfigError, Interrupted, IsthmusError
+
+if TYPE_CHECKING:
+    from isthmus.config import JobConfig
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -104,16 +107,29 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
+def train_config(config: str | None, rest: list[str], print_config: bool = False, announce: bool = True) -> JobConfig:
+    """The validated config of ``isthmus train [--config CONFIG] REST``, as this process would run it
+    (under torchrun its RANK / WORLD_SIZE count). ``announce``: print the planner's choice when
+    ``parallel.plan = auto`` (as a TOML comment with ``print_config``)."""
     from isthmus.config import build_config, parse_overrides
-
     from isthmus.preflight import preflight
 
     overrides = parse_overrides(rest)
-    cfg = build_config(find_config(ns.config), overrides)
+    cfg = build_config(find_config(config), overrides)
     if cfg.parallel.plan == "auto":
-        _plan_auto(cfg, overrides, as_comment=ns.print_config)
+        _plan_auto(cfg, overrides, as_comment=print_config, announce=announce)
     preflight(cfg)
+    return cfg
+
+
+def parse_train_command(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """``train [--config C] [--print-config] --section.key VALUE ...`` as `isthmus train` parses it:
+    its options and the overrides left."""
+    return _build_parser().parse_known_args(argv)
+
+
+def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
+    cfg = train_config(ns.config, rest, print_config=ns.print_config)
     if ns.print_config:
         sys.stdout.write(cfg.to_toml())
         return 0
@@ -127,7 +143,7 @@ def _cmd_train(ns: argparse.Namespace, rest: list[str]) -> int:
     return 0
 
 
-def _plan_auto(cfg: object, overrides: list[tuple[str, str]], as_comment: bool) -> None:
+def _plan_auto(cfg: object, overrides: list[tuple[str, str]], as_comment: bool, announce: bool = True) -> None:
     """``--parallel.plan auto``: the planner sets the layout; what the command line names stays fixed.
 
     The choice is printed first (as a TOML comment above ``--print-config``'s output)."""
@@ -138,7 +154,7 @@ def _plan_auto(cfg: object, overrides: list[tuple[str, str]], as_comment: bool) 
     fixed = {k: v for k, v in fixed.items() if v != -1}  # a data-parallel degree of -1 is the planner's to choose
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None  # torchrun
     choice = apply_local_choice(cfg, fixed, world)
-    if world is None or os.environ.get("RANK") == "0":
+    if announce and (world is None or os.environ.get("RANK") == "0"):
         sys.stdout.write(("# " if as_comment else "") + choice.summary + "\n")
         sys.stdout.flush()
 

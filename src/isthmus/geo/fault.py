@@ -29,6 +29,12 @@ every datacenter fresh it returns 0; behind the others, it blocks until their ne
 heals, takes part in that round with weight 0 and returns the step they are at, where the trainer
 continues (learning-rate schedule and data position included).
 
+A fresh start waits for every datacenter (up to ``START_WAIT_S``) before its first step. The
+Lighthouse forms a quorum of whoever asks as soon as no datacenter it has heard from is missing,
+and it hears from a datacenter only once that one's Manager exists: the datacenters' ranks start
+seconds apart (launchers, imports, data), so without the wait the first to start trained alone,
+the other joined one outer step later, and in a run shorter than that gap none ever met.
+
 Limits: fp32 outer gradients only (torchft's fault-tolerant path is an all-reduce; a quantised
 all-gather is not wrapped); streaming needs each fragment's round to finish before the next
 begins (``overlap_steps < inner_steps // fragments``: one Manager round at a time). The Lighthouse
@@ -37,7 +43,10 @@ is a single point of coordination: while it is down, outer syncs wait (up to the
 
 from __future__ import annotations
 
+import logging
 import os
+import time
+import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -68,6 +77,12 @@ TIMEOUT_S = 60
 QUORUM_TIMEOUT_S = 1800
 """How long an outer sync waits for a quorum: a restarted datacenter waits up to inner_steps
 steps for the others' next sync (TORCHFT_QUORUM_TIMEOUT_SEC overrides)."""
+START_WAIT_S = 120
+"""How long a fresh start waits for every datacenter to join its first quorum before it trains
+with those present (ISTHMUS_FT_START_WAIT_SEC overrides)."""
+START_WAIT_ENV = "ISTHMUS_FT_START_WAIT_SEC"
+_START_POLL_S = 0.5
+"""Between two quorum requests of a fresh start waiting for the others."""
 
 
 def is_enabled(cfg: GeoConfig) -> bool:
@@ -183,6 +198,7 @@ class FaultTolerantDiLoCo(DiLoCoSync):
     def _build_manager(self) -> "Manager":
         # torchft's Rust side logs every lighthouse tick at info; keep it to warnings unless asked.
         os.environ.setdefault("RUST_LOG", "warn")
+        _quiet_torchft_internals()
         from torchft import Manager, ProcessGroupGloo
         from torchft.checkpointing.pg_transport import PGTransport
 
@@ -249,10 +265,11 @@ class FaultTolerantDiLoCo(DiLoCoSync):
     def join(self, params: list[nn.Parameter]) -> int:
         """Enter the quorum before the first step; returns the step to train from.
 
-        Blocks until the live datacenters meet (a restarted one: until their next outer sync).
+        Blocks until the live datacenters meet (a restarted one: until their next outer sync; a
+        fresh start: until every datacenter is there, up to ``START_WAIT_S``).
         """
         self._check(params)
-        if not self._enter_quorum(0):
+        if not self._enter_first_quorum():
             # Everyone in the quorum is as far as this datacenter: a fresh start, nothing to sync.
             committed = self.manager.should_commit()
             self._record(RoundRecord(0, None, self.manager.num_participants(), 0, committed, healed=False))
@@ -265,6 +282,31 @@ class FaultTolerantDiLoCo(DiLoCoSync):
             self._apply(rnd, params)
         get_logger().info("geo: datacenter %d rejoined at step %d with the global model", self.job.dc_index, t)
         return t
+
+    def _enter_first_quorum(self) -> bool:
+        """Join the first quorum; True when this datacenter healed (the others are ahead).
+
+        A fresh start (not a restart by the launcher) asks again until every datacenter is in the
+        quorum or the wait is over (see the module docstring). Every rank of the datacenter gets the
+        same quorums and counts the same attempts, so all of them stop asking at the same one.
+        """
+        fresh = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        attempts = max(1, round(float(os.environ.get(START_WAIT_ENV, START_WAIT_S)) / _START_POLL_S))
+        log = get_logger()
+        for attempt in range(attempts):
+            if self._enter_quorum(0):
+                return True
+            n = self.manager.num_participants()
+            if not fresh or n >= self.job.n_dc:
+                return False
+            if attempt == 0:
+                log.info("geo: datacenter %d waits for the other datacenters to start (%d of %d here)",
+                         self.job.dc_index, n, self.job.n_dc)
+            if attempt < attempts - 1:
+                time.sleep(_START_POLL_S)
+        log.warning("geo: datacenter %d starts with %d of %d datacenters: the others did not join within %s s",
+                    self.job.dc_index, n, self.job.n_dc, os.environ.get(START_WAIT_ENV, START_WAIT_S))
+        return False
 
     def _launch(self, f: int, t: int, params: list[nn.Parameter]) -> _Transfer:
         healed = self._enter_quorum(t)
@@ -326,9 +368,9 @@ class FaultTolerantDiLoCo(DiLoCoSync):
     def _record(self, rec: RoundRecord) -> None:
         self.history.append(rec)
         get_logger().info(
-            "geo: outer round at step %d: %d datacenter(s) in the quorum, %d contributed%s%s",
-            rec.step, rec.participants, rec.contributors, "" if rec.committed else ", not committed (dropped)",
-            ", healed from a peer" if rec.healed else "",
+            "geo: outer round at step %d (datacenter %d): %d datacenter(s) in the quorum, %d contributed%s%s",
+            rec.step, self.job.dc_index, rec.participants, rec.contributors,
+            "" if rec.committed else ", not committed (dropped)", ", healed from a peer" if rec.healed else "",
         )
 
     def global_snapshot(self) -> Tensor:
@@ -338,6 +380,25 @@ class FaultTolerantDiLoCo(DiLoCoSync):
     def finish(self, params: list[nn.Parameter]) -> None:
         super().finish(params)
         self.manager.shutdown(wait=False)
+
+
+class _DropFlightRecorderNote(logging.Filter):
+    """torchft warns at every reconfiguration that it cannot reset NCCL's flight recorder, which a
+    gloo group on CPU does not have: nothing to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "NCCL flight recorder" not in record.getMessage()
+
+
+def _quiet_torchft_internals() -> None:
+    """Silence what torchft says about its own internals at every recovery, precisely: a note on
+    NCCL's flight recorder, and the UserWarning / FutureWarning its checkpoint transport triggers in
+    torch (a read-only buffer it copies anyway, a deprecated pytree check)."""
+    manager_log = logging.getLogger("torchft.manager")
+    if not any(isinstance(f, _DropFlightRecorderNote) for f in manager_log.filters):
+        manager_log.addFilter(_DropFlightRecorderNote())
+    for category in (UserWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"torchft\.checkpointing\.pg_transport")
 
 
 def build_fault_tolerant_sync(

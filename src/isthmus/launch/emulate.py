@@ -12,9 +12,10 @@ Traffic to another datacenter leaves through ``wan0``, whose egress qdisc limits
 rate (``tbf``; ``htb`` with one class per destination when rates differ per pair). Latency is NOT
 emulated: ``tc netem`` is unavailable on the kernel this was built on, so only bandwidth is.
 
-Everything made here (namespaces, bridge, veths, qdiscs) is removed on exit, on an exception, on
-SIGINT / SIGTERM / SIGHUP; a run killed with SIGKILL leaves namespaces that the next run (or
-:func:`isthmus.launch.netns.cleanup_stale`) removes. The root namespace is never touched.
+Everything made here (namespaces, bridge, veths, qdiscs, the hosts files of ``/etc/netns``) is
+removed on exit, on an exception, on SIGINT / SIGTERM / SIGHUP; when this process is killed with
+SIGKILL, its reaper (:mod:`isthmus.launch.reaper`, started with the network) stops the run's
+processes and removes it. The root namespace is never touched.
 
 What a rank reads to know where it runs (set by :func:`launch_emulated` for every rank):
 
@@ -26,6 +27,12 @@ What a rank reads to know where it runs (set by :func:`launch_emulated` for ever
 torchrun's c10d rendezvous sorts nodes by their ``--local-addr``; the addresses here sort in
 datacenter order, so ``GROUP_RANK == ISTHMUS_DC_INDEX`` and the global ranks of datacenter ``i``
 are the contiguous block starting at ``sum(layout[:i])``: ``RANK = start + LOCAL_RANK``.
+
+The rendezvous store of that job is served by a process of its own in dc0's namespace, not by
+dc0's agent: after the agents' exit barrier each agent still closes the rendezvous in the store,
+and an agent that hosted it would take it away as it exits while another is still closing (a C++
+"Connection reset by peer" trace on a run that succeeded; pytorch/pytorch#69520). Started before
+the agents and stopped after the last of them, the store outlives them all.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from typing import IO, Any
 
 from isthmus.errors import ConfigError
 from isthmus.launch import netns
+from isthmus.launch.reaper import dismiss_reaper, start_reaper
 from isthmus.log import get_logger
 
 LATENCY_NOTE = (
@@ -108,6 +116,11 @@ class EmulatedNetwork:
         """The shaped rate of traffic from datacenter ``src`` to ``dst``."""
         pairs = self.wan_mbit_per_pair or {}
         return pairs.get((src, dst), pairs.get((dst, src), self.wan_mbit))
+
+    def distinct_rates_mbit(self) -> list[float]:
+        """The WAN rates of this network, slowest first (one value unless rates differ per pair)."""
+        n = len(self.datacenters)
+        return sorted({self.rate_mbit(i, j) for i in range(n) for j in range(n) if i != j} or {self.wan_mbit})
 
     @property
     def world_size(self) -> int:
@@ -290,6 +303,10 @@ def _build(em: Emulation) -> None:
         netns.sh("ip", "-n", dc.namespace, "addr", "add", f"{dc.address}/24", "dev", dc.ifname)
         netns.sh("ip", "-n", dc.namespace, "link", "set", dc.ifname, "up")
         _shape(em.network, dc, em.dcs)
+    # Names for every address here, so that servers in the namespaces need no DNS (see write_hosts).
+    names = {dc.address: dc.namespace for dc in em.dcs} | {LIGHTHOUSE_ADDRESS: f"{em.prefix}lighthouse"}
+    for ns in em.namespaces:
+        netns.write_hosts(ns, names)
 
 
 @contextmanager
@@ -310,18 +327,24 @@ def emulated_network(net: EmulatedNetwork, clean_stale: bool = True) -> Iterator
     em = Emulation(net, run_id, dcs)
     log = get_logger()
     with _signals_raise():
+        reaper = None
         try:
             netns.register_run(run_id)
+            # Before anything is made: whatever exists of the run when this process dies is reaped.
+            reaper = start_reaper(run_id)
             _build(em)
             log.info(
                 "emulated %d datacenter(s) in namespaces %s*: %s; WAN %s Mbit/s",
-                len(dcs), prefix, ", ".join(f"{d.name}={d.address} x{d.ranks}" for d in dcs), f"{net.wan_mbit:g}",
+                len(dcs), prefix, ", ".join(f"{d.name}={d.address} x{d.ranks}" for d in dcs),
+                "/".join(f"{r:g}" for r in net.distinct_rates_mbit()),
             )
             log.warning(LATENCY_NOTE)
             yield em
         finally:
             with _signals_ignored():
                 em.close()
+                if reaper is not None:
+                    dismiss_reaper(reaper)
 
 
 # A bounded one-connection TCP sink and source; stdlib only, each ends by its own deadline.
@@ -398,23 +421,24 @@ def throughput_probe(em: Emulation, src_dc: int, dst_dc: int, n_bytes: int = 5_0
 
 def torchrun_argv(em: Emulation, dc_index: int, train_argv: Sequence[str], script: str | None = None,
                   rdzv_port: int = RDZV_PORT) -> list[str]:
-    """The elastic agent of datacenter ``dc_index``: node ``dc_index`` of an N-node c10d job.
+    """The elastic agent of datacenter ``dc_index``: node ``dc_index`` of an N-node c10d job
+    (torchrun's, through :mod:`isthmus.launch.agent`).
 
-    The c10d store listens on dc0's address (``is_host`` says which agent hosts it: inside a
-    namespace the hostname heuristic cannot tell). ``--local-addr`` makes the workers' MASTER_ADDR
-    dc0's address and orders the nodes (see the module docstring). ``--node-rank`` is not passed:
-    c10d ignores it.
+    The c10d store listens on dc0's address, served by :func:`serve_rendezvous_store`: no agent
+    hosts it (``is_host=0``; inside a namespace the hostname heuristic could not tell anyway).
+    ``--local-addr`` makes the workers' MASTER_ADDR dc0's address and orders the nodes (see the
+    module docstring). ``--node-rank`` is not passed: c10d ignores it.
     """
     dc, dc0 = em.dcs[dc_index], em.dcs[0]
     target = ["-m", "isthmus"] if script is None else [script]
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "isthmus.launch.agent",  # torchrun, quiet about its exit
         "--nnodes", str(len(em.dcs)),
         "--nproc-per-node", str(dc.ranks),
         "--rdzv-backend", "c10d",
         "--rdzv-endpoint", f"{dc0.address}:{rdzv_port}",
         "--rdzv-id", f"isthmus-{em.run_id}",
-        "--rdzv-conf", f"is_host={int(dc_index == 0)}",
+        "--rdzv-conf", "is_host=0",
         "--local-addr", dc.address,
         "--max-restarts", "0",
         *target, *train_argv,
@@ -428,7 +452,7 @@ def torchrun_dc_job_argv(em: Emulation, dc_index: int, train_argv: Sequence[str]
     which then rejoin the others through torchft."""
     dc = em.dcs[dc_index]
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "isthmus.launch.agent",  # torchrun, quiet about its exit
         "--nnodes", "1",
         "--nproc-per-node", str(dc.ranks),
         "--rdzv-backend", "c10d",
@@ -450,6 +474,33 @@ while True:
     time.sleep(3600)
 """
 
+# The store of the c10d rendezvous of one job over every datacenter, in a process of its own (see
+# the module docstring). multi_tenant as torchrun's own (the agent's workers may share it).
+_RDZV_STORE = r"""
+import sys, time
+from torch.distributed import TCPStore
+store = TCPStore(sys.argv[1], int(sys.argv[2]), is_master=True, wait_for_workers=False, multi_tenant=True)
+print("ready", flush=True)
+while True:
+    time.sleep(3600)
+"""
+
+
+def _serve(em: Emulation, namespace: str, code: str, args: Sequence[str], what: str) -> str:
+    """Start ``python -c code args`` in ``namespace`` as a child of the emulation (stopped with the
+    others at teardown) and return the first line it prints, which says it is ready."""
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", namespace, sys.executable, "-c", code, *args],
+        stdout=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    em._children.append(proc)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60.0)
+    line = proc.stdout.readline().strip() if ready else ""
+    if not line:
+        raise RuntimeError(f"the {what} did not start in {namespace} (exit code {proc.poll()})")
+    return line
+
 
 def serve_lighthouse(em: Emulation, heartbeat_timeout_ms: int = 5000, join_timeout_ms: int = 10000,
                      port: int = LIGHTHOUSE_PORT) -> str:
@@ -457,18 +508,17 @@ def serve_lighthouse(em: Emulation, heartbeat_timeout_ms: int = 5000, join_timeo
     and return its ``http://`` address; it is stopped with the emulation's other children."""
     wan = em.bridge_namespace
     netns.sh("ip", "-n", wan, "addr", "add", f"{LIGHTHOUSE_ADDRESS}/24", "dev", BRIDGE)
-    proc = subprocess.Popen(
-        ["ip", "netns", "exec", wan, sys.executable, "-c", _LIGHTHOUSE, LIGHTHOUSE_ADDRESS, str(port),
-         str(heartbeat_timeout_ms), str(join_timeout_ms)],
-        stdout=subprocess.PIPE, text=True, start_new_session=True,
-    )
-    em._children.append(proc)
-    assert proc.stdout is not None
-    ready, _, _ = select.select([proc.stdout], [], [], 60.0)
-    line = proc.stdout.readline().strip() if ready else ""
+    args = [LIGHTHOUSE_ADDRESS, str(port), str(heartbeat_timeout_ms), str(join_timeout_ms)]
+    line = _serve(em, wan, _LIGHTHOUSE, args, "torchft lighthouse")
     if not line.startswith("http://"):
-        raise RuntimeError(f"the torchft lighthouse did not start in {wan} (exit code {proc.poll()})")
+        raise RuntimeError(f"the torchft lighthouse did not start in {wan}: {line}")
     return line
+
+
+def serve_rendezvous_store(em: Emulation, port: int = RDZV_PORT) -> None:
+    """Serve the agents' c10d rendezvous store on dc0's address until the emulation's teardown,
+    which stops it after every agent has exited."""
+    _serve(em, em.dcs[0].namespace, _RDZV_STORE, [em.dcs[0].address, str(port)], "rendezvous store")
 
 
 def _wait_all(procs: list[subprocess.Popen[Any]], names: list[str], timeout_s: float | None, grace_s: float) -> int:
@@ -573,6 +623,11 @@ def launch_emulated(
                     extra["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
                 log.info("fault tolerant: torchft lighthouse at %s; each datacenter is its own job (restarts: %d)",
                          extra["TORCHFT_LIGHTHOUSE"], max_restarts)
+            else:
+                serve_rendezvous_store(em, rdzv_port)
+            # What torchrun would set (and announce in a banner per agent) when it is not set; each
+            # rank then sets its own thread count (isthmus.launch.local).
+            extra["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
             for dc in em.dcs:
                 out: IO[str] | None = None
                 if log_dir is not None:
@@ -597,9 +652,6 @@ def launch_emulated(
         finally:
             for f in files:
                 f.close()
-    if rc:
-        where = f"; see {log_dir}" if log_dir is not None else ""
-        log.error("emulated run ended with exit code %d%s", rc, where)
     return rc
 
 
@@ -612,6 +664,7 @@ __all__ = [
     "emulated_network",
     "launch_emulated",
     "serve_lighthouse",
+    "serve_rendezvous_store",
     "throughput_probe",
     "torchrun_argv",
 ]

@@ -2,16 +2,27 @@
 
 The topology file is the planner's: its datacenters become network namespaces of ``devices``
 ranks each, its WAN links become ``tc``-shaped links. What the run needs to know of them (the
-number of datacenters, the replicas in each) is added to the train command unless given.
+number of datacenters, the world size) is added to the train command unless given, and the whole
+command is validated here, as its ranks will run it, before anything is made.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from isthmus.errors import ConfigError, IsthmusError
+from isthmus.errors import ConfigError, Interrupted, IsthmusError, RunFailed
 from isthmus.log import get_logger
+
+if TYPE_CHECKING:
+    from isthmus.config import JobConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,27 +37,87 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", default="emulated-2dc", help="topology preset name or TOML file (default: emulated-2dc)")
     p.add_argument("--wan-mbit", type=float, default=None, help="override every WAN link's rate, in Mbit/s")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
-    p.add_argument("--log-dir", default=None, help="where each datacenter's launcher log goes (default: <run_dir>/logs)")
+    p.add_argument("--log-dir", default=None, help="write each datacenter's output to DIR/dc<i>.log (default: this console)")
     p.add_argument("--dc-restarts", type=int, default=0, metavar="N",
                    help="with --geo.fault_tolerant true: restart a datacenter's ranks up to N times when they die; "
                    "they rejoin from the global model (default: 0)")
 
 
-def _train_args(argv: list[str], n_dc: int, ranks_per_dc: int) -> list[str]:
+@dataclass(frozen=True)
+class TrainCommand:
+    """The train command every datacenter's ranks run, validated as they will run it."""
+
+    argv: list[str]
+    """``train ...`` with what the topology decides added."""
+    config: JobConfig
+    """The config one rank builds from ``argv`` (degrees filled in, as under torchrun)."""
+    print_config: bool
+    """``--print-config`` was given: show ``config`` instead of running."""
+    config_name: str
+    """What ``{config}`` in train.run_dir becomes."""
+
+
+def train_command(argv: list[str], topology: str, n_dc: int, ranks_per_dc: int) -> TrainCommand:
+    """Check the train command after ``--`` as every rank would, before any namespace or rank exists.
+
+    The world comes from the topology: ``--geo.datacenters`` and ``--parallel.nproc`` are added
+    unless given (and must then agree with it); the data-parallel degree fills what the named
+    degrees leave. Under ``geo.fault_tolerant`` each datacenter is a job of its own, so a rank's
+    launcher starts only its datacenter's ranks. Raises the error a rank would, once.
+    """
+    from isthmus.cli import config_name, find_config, parse_train_command, train_config
+    from isthmus.config import build_config, parse_overrides
+    from isthmus.launch.local import check_external_launch
+
     if not argv or argv[0] != "train":
         raise IsthmusError("isthmus emulate: give the training command after --, e.g. `isthmus emulate -- train --config tiny`")
+    ns, rest = parse_train_command(argv)
+    given = dict(parse_overrides(rest))
+    asked = build_config(find_config(ns.config), list(given.items()))
+    world = n_dc * ranks_per_dc
+    job_world = ranks_per_dc if asked.geo.fault_tolerant else world
+    if "geo.datacenters" in given and asked.geo.datacenters != n_dc:
+        raise ConfigError("geo.datacenters", asked.geo.datacenters,
+                          f"the topology {topology} has {n_dc} datacenters (leave it out: isthmus emulate sets it)")
+    if "parallel.nproc" in given and asked.parallel.nproc not in (1, job_world):
+        each = f"; each datacenter is a job of {ranks_per_dc} under geo.fault_tolerant" if asked.geo.fault_tolerant else ""
+        raise ConfigError("parallel.nproc", asked.parallel.nproc,
+                          f"the topology {topology} runs {world} ranks ({n_dc} datacenters x {ranks_per_dc}){each}; "
+                          f"set it to {job_world} or leave it out")
+    if asked.parallel.max_restarts:
+        raise ConfigError("parallel.max_restarts", asked.parallel.max_restarts,
+                          "is not used by isthmus emulate: restart a datacenter's ranks with --dc-restarts N "
+                          "(with --geo.fault_tolerant true)")
     args = list(argv)
-    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
-    if "--geo.datacenters" not in given:
+    if "geo.datacenters" not in given:
         args += ["--geo.datacenters", str(n_dc)]
-    degrees = {"--parallel.dp_replicate", "--parallel.dp_shard", "--parallel.tp", "--parallel.pp", "--parallel.cp"}
-    if not degrees & given:
-        args += ["--parallel.dp_replicate", str(ranks_per_dc)]
-    return args
+    if "parallel.nproc" not in given:
+        args += ["--parallel.nproc", str(job_world)]
+    ns, rest = parse_train_command(args)
+    with _as_torchrun_rank(job_world, ranks_per_dc):
+        cfg = train_config(ns.config, rest, announce=False)
+    check_external_launch(cfg, job_world)
+    return TrainCommand(args, cfg, ns.print_config, config_name(ns.config))
+
+
+@contextmanager
+def _as_torchrun_rank(world: int, local_world: int) -> Iterator[None]:
+    """This process's environment as torchrun gives its rank 0, for the duration (then restored)."""
+    values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world)}
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def run(ns: argparse.Namespace, rest: list[str]) -> int:
-    from isthmus.launch.emulate import LATENCY_NOTE, EmulatedDatacenter, EmulatedNetwork, launch_emulated
+    from isthmus.launch.emulate import EmulatedDatacenter, EmulatedNetwork, launch_emulated
     from isthmus.topology import load_topology
 
     topo = load_topology(ns.topology)
@@ -73,38 +144,50 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
     )
     if ns.dc_restarts < 0:
         raise ConfigError("--dc-restarts", ns.dc_restarts, "must be 0 or more")
-    train_argv = _train_args(rest, len(names), sizes.pop())
-    fault_tolerant = _fault_tolerant(train_argv)
+    command = train_command(rest, ns.topology, len(names), sizes.pop())
+    fault_tolerant = command.config.geo.fault_tolerant
     if ns.dc_restarts and not fault_tolerant:
         raise ConfigError("--dc-restarts", ns.dc_restarts, "needs --geo.fault_tolerant true in the train command")
-    log = get_logger()
-    log.warning("%s", LATENCY_NOTE)
-    log.info("emulating %d datacenters (%s), WAN %s Mbit/s", len(names), ", ".join(names),
-             "/".join(f"{r:g}" for r in sorted(rates)))
+    if command.print_config:
+        sys.stdout.write(command.config.to_toml())
+        return 0
+    added = command.argv[len(rest):]
+    if added:
+        get_logger().info("the topology's part of the train command: %s", " ".join(added))
     log_dir = Path(ns.log_dir) if ns.log_dir else None
-    return launch_emulated(net, train_argv, log_dir=log_dir, timeout_s=ns.timeout, fault_tolerant=fault_tolerant,
-                           max_restarts=ns.dc_restarts)
+    with _claimed_run_dir(command) as (argv, env):
+        rc = launch_emulated(net, argv, env=env, log_dir=log_dir, timeout_s=ns.timeout,
+                             fault_tolerant=fault_tolerant, max_restarts=ns.dc_restarts)
+    return _exit_code(rc, ns.timeout, log_dir)
 
 
-def _fault_tolerant(train_argv: list[str]) -> bool:
-    """Whether the train command (its --config and overrides, validated here first) asks for geo.fault_tolerant."""
-    from isthmus.cli import find_config
-    from isthmus.config import build_config, parse_overrides
+@contextmanager
+def _claimed_run_dir(command: TrainCommand) -> Iterator[tuple[list[str], dict[str, str]]]:
+    """Claim the run directory here, for the whole run, before anything is made; yields the train
+    command and the environment that tell every rank which directory it is and that it is claimed.
 
-    config, rest, i = None, [], 1
-    while i < len(train_argv):
-        a = train_argv[i]
-        if a == "--config" and i + 1 < len(train_argv):
-            config, i = train_argv[i + 1], i + 2
-            continue
-        if a.startswith("--config="):
-            config = a.split("=", 1)[1]
-        elif a != "--print-config":
-            rest.append(a)
-        i += 1
-    cfg = build_config(find_config(config), parse_overrides(rest))
-    if cfg.geo.fault_tolerant:
-        from isthmus.geo.fault import check_config
+    The ranks must not claim it themselves: under geo.fault_tolerant each datacenter is a job with a
+    rank 0 of its own, and the second to claim the directory would find it taken by the first.
+    """
+    from isthmus.launch.rundir import CLAIMED_ENV, claim_run_dir
 
-        check_config(cfg.geo)
-    return cfg.geo.fault_tolerant
+    claim = claim_run_dir(command.config, command.config_name)
+    run_dir = command.config.train.run_dir  # concrete now: {config} and {time} resolved once, here
+    try:
+        yield [*command.argv, "--train.run_dir", run_dir], {CLAIMED_ENV: run_dir}
+    finally:
+        claim.release()
+
+
+def _exit_code(rc: int, timeout_s: float | None, log_dir: Path | None) -> int:
+    """The launcher's code as the CLI reports it: 0, or one line and the signal's 128+N when it was
+    stopped, or exit 3 for a run that failed (the agents' own code, torchrun's 1, says nothing more)."""
+    if rc == 0:
+        return 0
+    if rc > 128:
+        name = signal.Signals(rc - 128).name if rc - 128 in signal.valid_signals() else f"signal {rc - 128}"
+        raise Interrupted(rc - 128, f"interrupted ({name}): every rank was stopped and the network removed")
+    where = f"see {log_dir}/dc<i>.log" if log_dir is not None else "its ranks' output is above"
+    if rc == 124 and timeout_s is not None:
+        raise RunFailed(f"the emulated run passed its --timeout of {timeout_s:g} s and was stopped; {where}")
+    raise RunFailed(f"the emulated run failed: a datacenter's rank exited with code {rc}; {where}")

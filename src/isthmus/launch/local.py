@@ -260,6 +260,17 @@ def last_logged_step(path: Path) -> int:
     return 0
 
 
+def check_external_launch(cfg: JobConfig, world: int) -> None:
+    """What a run started by an external launcher of ``world`` ranks (torchrun) may not ask for."""
+    if cfg.parallel.nproc not in (1, world):
+        raise IsthmusError(f"parallel.nproc = {cfg.parallel.nproc}: the launcher started {world} ranks; set it to {world} or leave it at 1")
+    if cfg.parallel.max_restarts:
+        raise IsthmusError(
+            f"parallel.max_restarts = {cfg.parallel.max_restarts}: under an external launcher restarts are its own "
+            "(torchrun --max-restarts N); leave it at 0"
+        )
+
+
 def launch(cfg: JobConfig, config_name: str = "default") -> TrainResult:
     """Train ``cfg``: in this process (nproc 1 or under torchrun) or on nproc local ranks.
 
@@ -274,13 +285,7 @@ def launch(cfg: JobConfig, config_name: str = "default") -> TrainResult:
     """
     if launched_externally():
         world = int(os.environ["WORLD_SIZE"])
-        if cfg.parallel.nproc not in (1, world):
-            raise IsthmusError(f"parallel.nproc = {cfg.parallel.nproc}: the launcher started {world} ranks; set it to {world} or leave it at 1")
-        if cfg.parallel.max_restarts:
-            raise IsthmusError(
-                f"parallel.max_restarts = {cfg.parallel.max_restarts}: under an external launcher restarts are its own "
-                "(torchrun --max-restarts N); leave it at 0"
-            )
+        check_external_launch(cfg, world)
         cfg.parallel.nproc = world
         claim = _claim_under_launcher(cfg, config_name)
         try:

@@ -27,6 +27,9 @@ PREFIX = "ist-"
 REGISTRY = Path("/run/isthmus-emulate")
 """One file per live run: the owner's pid and start time, so stale runs can be told from live ones."""
 
+NETNS_ETC = Path("/etc/netns")
+"""``ip netns exec NS`` bind-mounts the files of ``/etc/netns/NS/`` over those of ``/etc``."""
+
 _RUN_RE = re.compile(r"^ist-([0-9a-f]{6})-")
 
 
@@ -70,6 +73,22 @@ def add_namespace(name: str) -> None:
     sh("ip", "-n", name, "link", "set", "lo", "up")
 
 
+def write_hosts(name: str, names: dict[str, str]) -> None:
+    """Give processes started in namespace ``name`` (by ``ip netns exec``) a hosts file with ``names``
+    (IPv4 address -> host name).
+
+    Without it, torch's TCPStore looks up every connecting peer's address in DNS, which no
+    namespace here can reach, and warns once per connection ("The hostname of the client socket
+    cannot be retrieved"). The machine's own /etc/hosts comes first, so nothing it names changes.
+    """
+    base = Path("/etc/hosts").read_text() if Path("/etc/hosts").is_file() else "127.0.0.1 localhost\n"
+    # Twice: torch's store listens on a dual-stack socket, where an IPv4 peer shows as ::ffff:a.b.c.d.
+    ours = "".join(f"{address} {host}\n::ffff:{address} {host}\n" for address, host in names.items())
+    folder = NETNS_ETC / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "hosts").write_text(base.rstrip("\n") + "\n# isthmus emulate\n" + ours)
+
+
 def namespace_pids(name: str) -> list[int]:
     out = sh("ip", "netns", "pids", name, check=False).stdout
     return [int(p) for p in out.split() if p.isdigit()]
@@ -103,6 +122,17 @@ def delete_namespace(name: str) -> None:
     proc = sh("ip", "netns", "del", name, check=False)
     if proc.returncode != 0 and name in list_namespaces(name):
         get_logger().warning("could not remove network namespace %s: %s", name, proc.stderr.strip())
+    _remove_etc(name)
+
+
+def _remove_etc(name: str) -> None:
+    """Remove ``/etc/netns/<name>`` (our hosts file), and ``/etc/netns`` itself once empty."""
+    assert name.startswith(PREFIX), name
+    shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+    try:
+        NETNS_ETC.rmdir()  # only when empty: another tool's files there stay
+    except OSError:
+        pass
 
 
 def delete_prefix(prefix: str) -> list[str]:
@@ -174,6 +204,11 @@ def cleanup_stale(prefix: str = PREFIX, include_live: bool = False) -> list[str]
         if include_live or not run_is_live(run_id):
             removed += delete_prefix(run_prefix(run_id))
             unregister_run(run_id)
+    if NETNS_ETC.is_dir():  # hosts files of namespaces already gone (a run killed while removing them)
+        for folder in NETNS_ETC.glob(f"{prefix}*"):
+            m = _RUN_RE.match(folder.name)
+            if m and (include_live or not run_is_live(m.group(1))):
+                _remove_etc(folder.name)
     if REGISTRY.is_dir():  # registry entries of runs whose namespaces are already gone
         for entry in REGISTRY.iterdir():
             if entry.name not in runs and not run_is_live(entry.name):

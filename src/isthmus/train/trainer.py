@@ -363,6 +363,7 @@ class Trainer:
         step_times: list[float] = []
         sent_before: dict[str, int] = {}
         wan_before: dict[str, int] = {}
+        rounds_seen = len(self.geo.history) if self.ft_job is not None else 0
         start = time.perf_counter()
         try:
             while self.step < t.steps:
@@ -384,6 +385,10 @@ class Trainer:
                     step_bytes = total_over_ranks(bytes_delta(sent_before, self.geo.bytes_sent))
                     sent_before = dict(self.geo.bytes_sent)
                     extra.update({f"{tier}_bytes": n for tier, n in step_bytes.items()})
+                if self.ft_job is not None and len(self.geo.history) > rounds_seen:
+                    # geo.fault_tolerant: how many datacenters the outer step of this step had.
+                    extra["dc_quorum"] = self.geo.history[-1].participants
+                    rounds_seen = len(self.geo.history)
                 if self.pp_wan is not None:
                     from isthmus.geo import bytes_delta, total_over_ranks
 
