@@ -6,6 +6,7 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
 
 from isthmus.errors import ConfigError
 from isthmus.models.flavors import GPT3_TABLE, get_flavor, list_flavors
