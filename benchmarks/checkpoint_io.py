@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from isthmus.train.short_run import capped
+
 BLOCKS = ("none", "sync", "async")
 
 
@@ -161,6 +163,10 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=3, help="training steps per block (a save every N steps)")
     ap.add_argument("--rounds", type=int, default=12, help="rounds of one block of each kind (none, sync, async)")
     opts = ap.parse_args()
+    # ISTHMUS_MAX_STEPS (a smoke run, as the docs' commands run in the tests) caps every loop.
+    opts.rounds = capped(opts.rounds)
+    opts.repeats = capped(opts.repeats)
+    opts.every = capped(opts.every)
     root = tempfile.mkdtemp(prefix="isthmus-ckpt-bench-")
     load_before = os.getloadavg()[0]
     try:

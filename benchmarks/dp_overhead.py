@@ -25,6 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from isthmus.train.short_run import capped
+
 ORDER = ("isthmus ddp", "plain ddp", "isthmus fsdp", "plain fsdp")
 # Step = run one optimizer step; the bool asks it to return the pre-clip gradient norm.
 Step = Callable[[bool], float | None]
@@ -128,6 +130,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per setup per round")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
     opts = ap.parse_args()
+    # ISTHMUS_MAX_STEPS (a smoke run, as the docs' commands run in the tests) caps every loop.
+    opts.rounds = capped(opts.rounds)
+    opts.steps = capped(opts.steps)
+    opts.warmup = capped(opts.warmup)
     if opts.warmup < 1:
         ap.error("--warmup must be at least 1 (the first warm-up step records the gradient norm)")
     import socket

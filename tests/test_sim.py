@@ -268,5 +268,5 @@ def test_png_without_matplotlib_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp
 
     monkeypatch.setattr(builtins, "__import__", no_mpl)
     res = simulate(SMALL, load_topology("local"), Layout(micro_batch=16), ISTHMUS, record=True)
-    with pytest.raises(IsthmusError, match=r"pip install 'isthmus\[plot\]'"):
+    with pytest.raises(IsthmusError, match=r"pip install -c constraints.txt -e '\.\[plot\]'"):
         write_png(res, tmp_path / "t.png")

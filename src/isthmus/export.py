@@ -77,7 +77,7 @@ def _safetensors() -> Any:
     try:
         import safetensors.torch
     except ImportError:
-        raise IsthmusError("safetensors is not installed: pip install 'isthmus[hf]'") from None
+        raise IsthmusError("safetensors is not installed (a dependency of isthmus): pip install -c constraints.txt -e .") from None
     return safetensors.torch
 
 

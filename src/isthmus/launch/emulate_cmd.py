@@ -158,7 +158,7 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
     with _claimed_run_dir(command) as (argv, env):
         rc = launch_emulated(net, argv, env=env, log_dir=log_dir, timeout_s=ns.timeout,
                              fault_tolerant=fault_tolerant, max_restarts=ns.dc_restarts)
-    return _exit_code(rc, ns.timeout, log_dir)
+    return _exit_code(rc, ns.timeout, log_dir, Path(command.config.train.run_dir) / "logs")
 
 
 @contextmanager
@@ -173,15 +173,21 @@ def _claimed_run_dir(command: TrainCommand) -> Iterator[tuple[list[str], dict[st
 
     claim = claim_run_dir(command.config, command.config_name)
     run_dir = command.config.train.run_dir  # concrete now: {config} and {time} resolved once, here
+    for stale in (Path(run_dir) / "logs").glob("rank*.error"):  # an earlier attempt's, resumed here
+        stale.unlink()
     try:
         yield [*command.argv, "--train.run_dir", run_dir], {CLAIMED_ENV: run_dir}
     finally:
         claim.release()
 
 
-def _exit_code(rc: int, timeout_s: float | None, log_dir: Path | None) -> int:
+def _exit_code(rc: int, timeout_s: float | None, log_dir: Path | None, rank_logs: Path) -> int:
     """The launcher's code as the CLI reports it: 0, or one line and the signal's 128+N when it was
-    stopped, or exit 3 for a run that failed (the agents' own code, torchrun's 1, says nothing more)."""
+    stopped, or exit 3 for a run that failed (the agents' own code, torchrun's 1, says nothing more).
+
+    A rank that stopped on an error of isthmus's own left its line in ``rank_logs`` (``rank<N>.error``):
+    the last line repeats the first such line, with its exit code.
+    """
     if rc == 0:
         return 0
     if rc > 128:
@@ -190,4 +196,12 @@ def _exit_code(rc: int, timeout_s: float | None, log_dir: Path | None) -> int:
     where = f"see {log_dir}/dc<i>.log" if log_dir is not None else "its ranks' output is above"
     if rc == 124 and timeout_s is not None:
         raise RunFailed(f"the emulated run passed its --timeout of {timeout_s:g} s and was stopped; {where}")
+    from isthmus.launch.local import read_rank_errors
+
+    errors = read_rank_errors(rank_logs)
+    if errors:
+        rank, message, code = errors[0]
+        error = RunFailed(f"the emulated run failed: {message} (rank {rank}); {where}")
+        error.exit_code = code
+        raise error
     raise RunFailed(f"the emulated run failed: a datacenter's rank exited with code {rc}; {where}")

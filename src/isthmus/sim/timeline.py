@@ -36,7 +36,7 @@ def write_png(result: SimResult, path: str | Path, width: float = 14.0) -> None:
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError:
-        raise IsthmusError("--png needs matplotlib: pip install 'isthmus[plot]'") from None
+        raise IsthmusError("--png needs matplotlib: pip install -c constraints.txt -e '.[plot]'") from None
     rows: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for e in result.trace_events:
         if e.track.startswith("device:"):

@@ -121,7 +121,7 @@ class MetricsLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            get_logger().warning("metrics.tensorboard = true but tensorboard is not installed (pip install 'isthmus[tensorboard]')")
+            get_logger().warning("metrics.tensorboard = true but tensorboard is not installed (pip install -c constraints.txt -e '.[tensorboard]')")
             return None
         return SummaryWriter(str(run_dir / "tb"))
 

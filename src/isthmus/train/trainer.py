@@ -37,6 +37,7 @@ from isthmus.train.device import correct_peak, devices_worth, peak_flops, resolv
 from isthmus.train.grad import clip_grad_norm
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
+from isthmus.train.short_run import max_steps_override
 from isthmus.train.step import cross_entropy, forward_backward, loss_context, shard_batch
 
 
@@ -438,18 +439,10 @@ class Trainer:
         return result
 
 
-MAX_STEPS_ENV = "ISTHMUS_MAX_STEPS"
-"""A short-run override: stop every run after at most N more optimizer steps (the README's commands run
-this way in the tests). The learning-rate schedule keeps train.steps; the last step taken is saved as
-the last one, so a run resumed the same way continues from it."""
-
-
 def _apply_step_cap(t: Any, start: int) -> None:
-    cap = os.environ.get(MAX_STEPS_ENV, "")
-    if cap:
-        if not cap.isdigit() or int(cap) < 1:
-            raise ConfigError(MAX_STEPS_ENV, cap, "must be a positive integer (steps per run)")
-        t.steps = min(t.steps, start + int(cap))
+    cap = max_steps_override()
+    if cap is not None:
+        t.steps = min(t.steps, start + cap)
 
 
 def set_group_timeouts(timeout_s: float, groups: list[Any]) -> None:
