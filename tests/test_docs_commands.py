@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -148,8 +149,10 @@ def user(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 
 def _run(command: Command, user: dict[str, object]) -> str | None:
     """Run one command; None if it did what the docs say, else what went wrong."""
+    began = time.monotonic()
     proc = subprocess.run(["bash", "-c", command.text], cwd=user["copy"], env=user["env"],  # type: ignore[arg-type]
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    print(f"{time.monotonic() - began:6.1f} s  {command.doc}:{command.line}: {command.text}")  # shown with -s
     where = f"{command.doc}:{command.line}: {command.text}"
     tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
     if command.expected is None:

@@ -115,6 +115,11 @@ def train_config(config: str | None, rest: list[str], print_config: bool = False
     from isthmus.preflight import preflight
 
     overrides = parse_overrides(rest)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and all(k != "parallel.nproc" for k, _ in overrides):
+        # Under torchrun the launcher started the ranks: a config's nproc (the default config's 2) is
+        # how many isthmus's own launcher would start, so the launcher's count stands. Named on the
+        # command line, nproc must agree with it (checked at launch).
+        overrides.append(("parallel.nproc", os.environ["WORLD_SIZE"]))
     cfg = build_config(find_config(config), overrides)
     if cfg.parallel.plan == "auto":
         _plan_auto(cfg, overrides, as_comment=print_config, announce=announce)
