@@ -22,6 +22,8 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from isthmus.train.short_run import capped
+
 # (label, overrides given dp degree N): plain DDP is the baseline every ZeRO stage is read against.
 LAYOUTS: list[tuple[str, Callable[[int], list[str]]]] = [
     ("ddp", lambda n: ["--parallel.dp_replicate", str(n)]),
@@ -166,7 +168,7 @@ def main() -> None:
     rows: list[list[str]] = []
     with tempfile.TemporaryDirectory() as root:
         for world in opts.worlds:
-            for label, overrides in LAYOUTS:
+            for label, overrides in LAYOUTS[:capped(len(LAYOUTS))]:  # ISTHMUS_MAX_STEPS: a smoke run
                 ranks = run_ranks(_measure, world, ["--model.flavor", opts.flavor, *overrides(world)],
                                   f"{root}/{label}{world}", f"{root}/cache")
                 for rank, r in enumerate(ranks):

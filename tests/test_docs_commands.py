@@ -156,7 +156,11 @@ def _run(command: Command, user: dict[str, object]) -> str | None:
     where = f"{command.doc}:{command.line}: {command.text}"
     tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
     if command.expected is None:
-        return None if proc.returncode == 0 else f"{where}\n  exit code {proc.returncode}\n{tail}"
+        if proc.returncode != 0:
+            return f"{where}\n  exit code {proc.returncode}\n{tail}"
+        if "Traceback (most recent call last)" in proc.stdout:
+            return f"{where}\n  printed a traceback, yet exited 0\n{tail}"
+        return None
     expected = [line for line in command.expected if line.strip()]
     printed = proc.stdout.strip().splitlines()[-len(expected):] if expected else []
     if printed != expected:

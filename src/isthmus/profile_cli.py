@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.errors import ConfigError
+from isthmus.train.short_run import capped, max_steps_override
 
 ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))
 """4 KB, 16 KB, ... 64 MB."""
@@ -84,7 +85,8 @@ def run_profile(ns: argparse.Namespace) -> int:
     out = Path(ns.out)
     if not out.parent.exists():
         raise ConfigError("--out", ns.out, "its directory does not exist")
-    budget = ns.seconds
+    # ISTHMUS_MAX_STEPS=N (a smoke run, as the docs' commands run in the tests): at most N seconds.
+    budget = float(capped(int(ns.seconds))) if max_steps_override() is not None else ns.seconds
     load = os.getloadavg()[0]
     prof = measure(budget, threads, ns.model, ns.batch, ns.seq_len)
     from isthmus.train.device import PEAK_CACHE_FILE, default_cache_dir, remeasure_cpu_peaks

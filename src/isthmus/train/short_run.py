@@ -4,7 +4,8 @@ The README's and docs' commands are run as written by the tests with this set, s
 seconds; a user can set it too, for a smoke run. A run trains at most N more optimizer steps (its
 learning-rate schedule still follows ``train.steps``, and the last step taken is saved as the last
 one, so a run resumed the same way continues from it); a benchmark runs each of its loops (rounds,
-timed steps, repeats) at most N times, so its figures then mean nothing.
+timed steps, repeats, layouts) at most N times and ``isthmus profile`` measures for at most N
+seconds, so their figures then mean nothing.
 """
 
 from __future__ import annotations
