@@ -98,7 +98,7 @@ class Strategy:
 
 
 def world_size() -> int:
-    from isthmus.topology import load_topology
+    from isthmus.planner.topology import load_topology
 
     return sum(dc.devices for dc in load_topology(TOPOLOGY).datacenters)
 
@@ -301,7 +301,7 @@ def planner_prediction(kind: str, mbit: float, inner_steps: int, settings: dict[
     """(predicted step seconds, predicted WAN bytes per step, how) for one strategy at ``mbit``."""
     from isthmus.models.flavors import get_flavor
     from isthmus.planner import RUNTIMES, Layout, Workload, estimate
-    from isthmus.topology import load_topology
+    from isthmus.planner.topology import load_topology
 
     topo = load_topology(TOPOLOGY)
     per_dc = topo.datacenters[0].devices

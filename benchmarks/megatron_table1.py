@@ -16,7 +16,7 @@ import sys
 from dataclasses import replace
 
 from isthmus.planner.reference import MEGATRON_2021_TABLE1, megatron_row_estimate
-from isthmus.topology import Topology, load_topology
+from isthmus.planner.topology import Topology, load_topology
 
 
 def with_a100(topo: Topology, **constants: float) -> Topology:

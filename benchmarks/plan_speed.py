@@ -15,7 +15,7 @@ import time
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.search import SearchSpace, search
-from isthmus.topology import load_topology
+from isthmus.planner.topology import load_topology
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ First ``isthmus profile`` measures this machine (unless ``--topology`` names a f
 Then every layout below runs as a real ``isthmus train`` (``--train.steps`` steps of 16 x 128
 tokens, the default data) and its median step time, leaving out the first ``--skip`` steps, is
 compared with the simulator's and the cost model's prediction for that many local ranks on the
-profiled topology (``isthmus.autoplan.local_topology``: threads per rank as the launcher sets them,
+profiled topology (``isthmus.planner.autoplan.local_topology``: threads per rank as the launcher sets them,
 more ranks than cores time-sliced; ``autoplan.local_runtime``: gloo does not overlap compute). The
 machine is shared: before each run the script waits (``--quiet``, ``--max-wait``) until other work
 keeps fewer than 0.3 cores busy, and records what it saw. With ``--rounds R`` every layout runs R
@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from isthmus.autoplan import SIMPLEST_WITHIN, choose_layout, local_runtime, local_topology
+from isthmus.planner.autoplan import SIMPLEST_WITHIN, choose_layout, local_runtime, local_topology
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.layout import Layout, Workload
 from isthmus.planner.search import SearchSpace
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     topology = ns.topology
     if topology is None:  # what `isthmus profile --out FILE --seconds S` does
-        from isthmus.profile_cli import measure as profile, topology_toml
+        from isthmus.profile.measure import measure as profile, topology_toml
 
         wait_quiet(ns.quiet, ns.max_wait)
         topology = str(root / "profile.toml")

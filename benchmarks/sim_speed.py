@@ -21,7 +21,7 @@ from isthmus.planner.layout import RUNTIMES, Layout, Workload
 from isthmus.planner.reference import MEGATRON_2021_TABLE1, SEQ_LEN, megatron_layout
 from isthmus.planner.search import SearchSpace, search
 from isthmus.sim import simulate
-from isthmus.topology import load_topology
+from isthmus.planner.topology import load_topology
 
 GPT3_175B = gpt3(96, 12288, 96)
 

@@ -45,7 +45,7 @@ def _train(overrides: list[str], run_dir: str, cache_dir: str) -> tuple[list[flo
     import torch.distributed as dist
 
     from isthmus.config import build_config, parse_overrides
-    from isthmus.preflight import preflight
+    from isthmus.launch.preflight import preflight
     from isthmus.train.trainer import train
 
     args = [*BASE, *GEO, *overrides, "--train.run_dir", run_dir, "--data.cache_dir", cache_dir,

@@ -39,7 +39,7 @@ def _train(overrides: list[str], run_dir: str, cache_dir: str) -> Run:
 
     from isthmus.config import build_config, parse_overrides
     from isthmus.data.loader import BatchSampler, rank_slice
-    from isthmus.preflight import preflight
+    from isthmus.launch.preflight import preflight
     from isthmus.train.trainer import train
 
     args = [*BASE, *overrides, "--train.run_dir", run_dir, "--data.cache_dir", cache_dir]

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from isthmus.cli import main
 from isthmus.errors import CheckpointError, ConfigError, UnsafeCheckpoint
-from isthmus.export import load_exported
+from isthmus.train.export import load_exported
 from isthmus.log import setup_logging
 from isthmus.train.checkpoint_manifest import (
     KEY_ENV,

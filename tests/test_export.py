@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from isthmus.cli import main
-from isthmus.export import load_exported
+from isthmus.train.export import load_exported
 from isthmus.log import setup_logging
 from isthmus.models.llama import build_model
 from isthmus.train.final_model import load_final_state, load_model_args

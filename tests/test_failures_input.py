@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 import isthmus
-from isthmus.cli import main, shipped_configs_dir
+from isthmus.cli import main
+from isthmus.cli.train import shipped_configs_dir
 from isthmus.config import JobConfig, apply_toml, build_config, parse_overrides, toml_string
 from isthmus.log import get_logger, route_library_warnings, setup_logging
-from isthmus.preflight import preflight
+from isthmus.launch.preflight import preflight
 
 REPO = Path(__file__).resolve().parent.parent
 

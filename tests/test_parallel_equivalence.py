@@ -35,7 +35,7 @@ PARAM_RTOL = 5e-5
 def _train(overrides: list[str], run_dir: str, cache_dir: str) -> tuple[list[float], list[float]]:
     from isthmus.config import build_config, parse_overrides
     from isthmus.log import setup_logging
-    from isthmus.preflight import preflight
+    from isthmus.launch.preflight import preflight
     from isthmus.train.trainer import train
 
     import torch.distributed as dist

@@ -1,4 +1,4 @@
-"""`isthmus plan` through its parser (cli.py's one-line-error parser class) and run_plan."""
+"""`isthmus plan` through its parser (the CLI's one-line-error parser class) and its run."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ import json
 
 import pytest
 
-from isthmus.cli import _ArgumentParser
+from isthmus.cli import plan as plan_cli
+from isthmus.cli.common import ArgumentParser
 from isthmus.errors import IsthmusError
-from isthmus.plan_cli import add_plan_parser, run_plan
 
 
 def plan(argv: list[str]) -> int:
-    parser = _ArgumentParser(prog="isthmus")
-    sub = parser.add_subparsers(dest="command", parser_class=_ArgumentParser)
-    add_plan_parser(sub)
-    return run_plan(parser.parse_args(["plan", *argv]))
+    parser = ArgumentParser(prog="isthmus")
+    sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
+    plan_cli.add_parser(sub)
+    return plan_cli.run(parser.parse_args(["plan", *argv]))
 
 
 def test_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,7 +13,7 @@ from isthmus.planner.geo import cross_dc_all_reduce
 from isthmus.planner.layout import RUNTIMES, Layout, Workload
 from isthmus.planner.memory import layer_activation_bytes, layer_input_bytes, model_state_bytes
 from isthmus.planner.pipeline import in_flight, partition_layers, pipeline_time
-from isthmus.topology import Link, device_kinds, load_topology, parse_topology
+from isthmus.planner.topology import Link, device_kinds, load_topology, parse_topology
 
 A100 = device_kinds()["a100-80g"]
 MEG, ISTH = RUNTIMES["megatron-2021"], RUNTIMES["isthmus"]

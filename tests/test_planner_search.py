@@ -12,7 +12,7 @@ from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.memory import USABLE_FRACTION
 from isthmus.planner.placement import place
 from isthmus.planner.search import SearchSpace, search
-from isthmus.topology import load_topology
+from isthmus.planner.topology import load_topology
 
 ISTH = RUNTIMES["isthmus"]
 GPT3_175B = get_flavor("gpt3-145.6b").with_overrides(n_layers=96)  # 96 layers, h 12288, 96 heads

@@ -8,20 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.autoplan import choose_local_layout, local_topology, threads_per_rank
-from isthmus.cli import _ArgumentParser
+from isthmus.planner.autoplan import choose_local_layout, local_topology, threads_per_rank
+from isthmus.cli import profile as profile_cli
+from isthmus.cli.common import ArgumentParser
 from isthmus.config import build_config
 from isthmus.errors import IsthmusError
-from isthmus.profile_cli import add_profile_parser, fit_alpha_beta, fit_gemm_curve, run_profile
-from isthmus.topology import load_topology
+from isthmus.profile.measure import fit_alpha_beta, fit_gemm_curve
+from isthmus.planner.topology import load_topology
 from isthmus.train.device import PEAK_CACHE_FILE, cpu_peak_key
 
 
 def profile(argv: list[str]) -> int:
-    parser = _ArgumentParser(prog="isthmus")
-    sub = parser.add_subparsers(dest="command", parser_class=_ArgumentParser)
-    add_profile_parser(sub)
-    return run_profile(parser.parse_args(["profile", *argv]))
+    parser = ArgumentParser(prog="isthmus")
+    sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
+    profile_cli.add_parser(sub)
+    return profile_cli.run(parser.parse_args(["profile", *argv]))
 
 
 def test_profile_writes_a_loadable_topology(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -165,12 +166,12 @@ def test_runtime_overheads_enter_cost_model_and_simulator_alike() -> None:
     """Measured per-block runtime work: tp per block and pass, FSDP2 per block and collective."""
     import tomllib
 
-    from isthmus.autoplan import local_runtime
+    from isthmus.planner.autoplan import local_runtime
     from isthmus.models.flavors import get_flavor
     from isthmus.planner.cost import estimate
     from isthmus.planner.layout import Layout, Workload
     from isthmus.sim import simulate
-    from isthmus.topology import parse_topology
+    from isthmus.planner.topology import parse_topology
 
     plain = parse_topology(tomllib.loads(_with_overheads(0, 0, 0)))
     over = parse_topology(tomllib.loads(_with_overheads(1000, 500, 2000)))
@@ -205,11 +206,11 @@ def test_mechanism_fit_recovers_known_overheads() -> None:
     """Steps made of the planner's own prediction plus known per-block work give that work back."""
     from dataclasses import replace as dc_replace
 
-    from isthmus.autoplan import local_runtime
+    from isthmus.planner.autoplan import local_runtime
     from isthmus.models.flavors import get_flavor
     from isthmus.planner.cost import estimate
     from isthmus.planner.layout import Layout, Workload
-    from isthmus.profile_cli import MECHANISMS, SHARD_EVENTS, fit_mechanisms
+    from isthmus.profile.measure import MECHANISMS, SHARD_EVENTS, fit_mechanisms
 
     text = (Path(__file__).resolve().parents[1] / "topologies" / "local.toml").read_text()
     topo = load_topology("local")
@@ -232,7 +233,7 @@ def test_bad_overhead_key_is_one_line() -> None:
     import tomllib
 
     from isthmus.errors import ConfigError
-    from isthmus.topology import parse_topology
+    from isthmus.planner.topology import parse_topology
 
     with pytest.raises(ConfigError, match=r"devices.cpu-o.tp_block_us = -1: must be a number of microseconds, 0 or more"):
         parse_topology(tomllib.loads(_with_overheads(-1, 0, 0)))

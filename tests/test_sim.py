@@ -14,7 +14,7 @@ from isthmus.planner.pipeline import in_flight
 from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.engine import Device, Engine, Link, Phase, Transfer
 from isthmus.sim.schedule import peak_in_flight, rank_actions, stage_ranks
-from isthmus.topology import load_topology
+from isthmus.planner.topology import load_topology
 
 ISTHMUS = RUNTIMES["isthmus"]
 SMALL = Workload(get_flavor("small"), 16, 128, "fp32")

@@ -1,4 +1,4 @@
-"""`isthmus simulate` through cli.py's one-line-error parser class: layouts, JSON, trace, timeline."""
+"""`isthmus simulate` through the CLI's one-line-error parser class: layouts, JSON, trace, timeline."""
 
 from __future__ import annotations
 
@@ -7,21 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.cli import _ArgumentParser
+from isthmus.cli import plan as plan_cli
+from isthmus.cli import simulate as simulate_cli
+from isthmus.cli.common import ArgumentParser
 from isthmus.errors import IsthmusError
-from isthmus.plan_cli import add_plan_parser, run_plan
-from isthmus.sim_cli import add_simulate_parser, run_simulate
 
 LOCAL = ["--model", "small", "--topology", "local", "--global-batch", "16", "--seq-len", "128"]
 
 
 def run(command: str, argv: list[str]) -> int:
-    parser = _ArgumentParser(prog="isthmus")
-    sub = parser.add_subparsers(dest="command", parser_class=_ArgumentParser)
-    add_plan_parser(sub)
-    add_simulate_parser(sub)
+    parser = ArgumentParser(prog="isthmus")
+    sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
+    plan_cli.add_parser(sub)
+    simulate_cli.add_parser(sub)
     ns = parser.parse_args([command, *argv])
-    return run_plan(ns) if command == "plan" else run_simulate(ns)
+    return plan_cli.run(ns) if command == "plan" else simulate_cli.run(ns)
 
 
 def test_json_has_the_plan_fields_and_no_plan_takes_the_best(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,7 +15,7 @@ from isthmus.planner.layout import RUNTIMES, Workload
 from isthmus.planner.reference import MEGATRON_2021_TABLE1, SEQ_LEN, MegatronRow, megatron_layout
 from isthmus.models.flavors import gpt3
 from isthmus.sim import simulate
-from isthmus.topology import load_topology
+from isthmus.planner.topology import load_topology
 
 TOLERANCE = 0.10
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from isthmus.errors import ConfigError
-from isthmus.topology import device_kinds, list_presets, load_topology, parse_topology, shipped_topologies_dir
+from isthmus.planner.topology import device_kinds, list_presets, load_topology, parse_topology, shipped_topologies_dir
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ namespace: the same agent as ``python -m torch.distributed.run`` (same arguments
 rendezvous, same workers), but its own ends are not tracebacks. torchrun turns a worker that failed
 into a ``ChildFailedError`` traceback and the emulator's stop (SIGTERM) into a ``SignalException``
 traceback, each after its own log lines; the workers' output says what failed, and the emulator
-says the rest in one line (`isthmus.launch.emulate_cmd`).
+says the rest in one line (`isthmus.cli.emulate`).
 
 Exit codes: 0 when every worker succeeded; the first failed worker's exit code (1 when it has
 none of its own: killed by a signal); 128 + N when the agent was stopped by signal N.

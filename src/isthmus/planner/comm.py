@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from isthmus.topology import Link
+from isthmus.planner.topology import Link
 
 Algo = str  # "hierarchical" | "ring"
 

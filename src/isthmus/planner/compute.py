@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from isthmus.models.args import ModelArgs
 from isthmus.planner.layout import Layout, Runtime
-from isthmus.topology import DeviceKind
+from isthmus.planner.topology import DeviceKind
 
 ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 FLASH_EFFICIENCY = 0.7

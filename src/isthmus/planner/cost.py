@@ -20,7 +20,7 @@ from isthmus.planner.layout import Layout, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory, stage_params
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
 from isthmus.planner.placement import Placement, SiteSpans, place
-from isthmus.topology import DeviceKind, Topology
+from isthmus.planner.topology import DeviceKind, Topology
 
 RING_HIDDEN_SHARE = 0.3
 """Share of a block's forward that ring attention's KV hops can hide behind (its attention part)."""

@@ -6,7 +6,7 @@ from isthmus.models.flops import count_params
 from isthmus.planner.cost import Estimate
 from isthmus.planner.placement import place
 from isthmus.planner.search import SearchResult
-from isthmus.topology import Topology
+from isthmus.planner.topology import Topology
 
 COLUMNS = ("#", "layout", "step s", "tokens/s", "TFLOP/s/dev", "MFU", "mem GB", "bubble", "WAN GB/step", "bottleneck")
 

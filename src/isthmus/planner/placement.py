@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from isthmus.errors import ConfigError
 from isthmus.planner.comm import Span
 from isthmus.planner.layout import Layout
-from isthmus.topology import Datacenter, DeviceKind, Link, Topology
+from isthmus.planner.topology import Datacenter, DeviceKind, Link, Topology
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from isthmus.models.flavors import gpt3
 from isthmus.planner.cost import Estimate, estimate
 from isthmus.planner.layout import RUNTIMES, Layout, Workload
-from isthmus.topology import Topology, load_topology
+from isthmus.planner.topology import Topology, load_topology
 
 SEQ_LEN = 2048
 

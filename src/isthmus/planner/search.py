@@ -27,7 +27,7 @@ from isthmus.planner.layout import DILOCO_KINDS, GEO_STRATEGIES, Layout, Runtime
 from isthmus.planner.memory import USABLE_FRACTION, model_state_bytes, stage_params
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
 from isthmus.planner.placement import Placement, choose_dcs, place
-from isthmus.topology import Topology
+from isthmus.planner.topology import Topology
 
 DEFAULT_SEQ_LENS = (2048, 4096, 8192)
 DEFAULT_BATCH_TOKENS = 4 * 1024 * 1024

@@ -20,7 +20,7 @@ from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside, streaming_equivalen
 from isthmus.planner.layout import Layout, Runtime, Workload
 from isthmus.planner.placement import SiteSpans
 from isthmus.models.flops import layer_matmul_params
-from isthmus.topology import DeviceKind
+from isthmus.planner.topology import DeviceKind
 
 Detail = tuple[float, float, str, str]
 """(offset from the op's start, seconds, name, category) of one interval inside an op."""

@@ -34,7 +34,7 @@ from isthmus.sim import costs
 from isthmus.sim.costs import DpPlan, PhaseSpec, StageOps
 from isthmus.sim.engine import Device, Engine, Link, Phase, Stream, Token, Transfer
 from isthmus.sim.schedule import Action, peak_in_flight, rank_actions, stage_ranks
-from isthmus.topology import DeviceKind, Topology
+from isthmus.planner.topology import DeviceKind, Topology
 
 
 @dataclass

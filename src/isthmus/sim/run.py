@@ -18,7 +18,7 @@ from isthmus.planner.layout import Layout, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory
 from isthmus.sim.engine import Event
 from isthmus.sim.program import Simulation
-from isthmus.topology import Topology
+from isthmus.planner.topology import Topology
 
 
 @dataclass

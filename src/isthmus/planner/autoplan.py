@@ -27,7 +27,7 @@ from isthmus.planner.cost import Estimate, estimate
 from isthmus.planner.layout import Layout, Runtime
 from isthmus.planner.pipeline import check_pipeline
 from isthmus.planner.search import SearchSpace, search
-from isthmus.topology import DeviceKind, Topology, load_topology, parse_topology, shipped_topologies_dir
+from isthmus.planner.topology import DeviceKind, Topology, load_topology, parse_topology, shipped_topologies_dir
 
 PLAN_KEYS: dict[str, type] = {
     "nproc": int, "dp_replicate": int, "dp_shard": int, "zero_stage": int, "tp": int, "sequence_parallel": bool,
@@ -253,7 +253,7 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
     names. ``topology``: the ``local`` preset or a file from ``isthmus profile``.
     """
     from isthmus.models.resolve import resolve_model_args
-    from isthmus.preflight import expected_vocab
+    from isthmus.launch.preflight import expected_vocab
 
     p, t = cfg.parallel, cfg.train
     args = resolve_model_args(cfg.model, expected_vocab(cfg))

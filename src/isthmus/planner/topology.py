@@ -162,7 +162,7 @@ class Topology:
 
 
 def shipped_topologies_dir() -> Path:
-    return Path(__file__).parent / "topologies"
+    return Path(__file__).parents[1] / "topologies"
 
 
 def list_presets() -> list[str]:

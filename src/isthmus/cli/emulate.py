@@ -16,13 +16,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
+from isthmus.cli.train import config_name, find_config, parse_train_command, train_config
+from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError, Interrupted, IsthmusError, RunFailed
+from isthmus.launch.emulate import EmulatedDatacenter, EmulatedNetwork, launch_emulated
+from isthmus.launch.rundir import CLAIMED_ENV, claim_run_dir
 from isthmus.log import get_logger
-
-if TYPE_CHECKING:
-    from isthmus.config import JobConfig
+from isthmus.planner.topology import load_topology
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,8 +65,7 @@ def train_command(argv: list[str], topology: str, n_dc: int, ranks_per_dc: int) 
     degrees leave. Under ``geo.fault_tolerant`` each datacenter is a job of its own, so a rank's
     launcher starts only its datacenter's ranks. Raises the error a rank would, once.
     """
-    from isthmus.cli import config_name, find_config, parse_train_command, train_config
-    from isthmus.config import build_config, parse_overrides
+    # launch.local loads torch (seconds): only for a train command that got this far.
     from isthmus.launch.local import check_external_launch
 
     if not argv or argv[0] != "train":
@@ -117,9 +116,6 @@ def _as_torchrun_rank(world: int, local_world: int) -> Iterator[None]:
 
 
 def run(ns: argparse.Namespace, rest: list[str]) -> int:
-    from isthmus.launch.emulate import EmulatedDatacenter, EmulatedNetwork, launch_emulated
-    from isthmus.topology import load_topology
-
     topo = load_topology(ns.topology)
     if len(topo.datacenters) < 2:
         raise ConfigError("--topology", ns.topology, "needs at least 2 datacenters to emulate")
@@ -169,8 +165,6 @@ def _claimed_run_dir(command: TrainCommand) -> Iterator[tuple[list[str], dict[st
     The ranks must not claim it themselves: under geo.fault_tolerant each datacenter is a job with a
     rank 0 of its own, and the second to claim the directory would find it taken by the first.
     """
-    from isthmus.launch.rundir import CLAIMED_ENV, claim_run_dir
-
     claim = claim_run_dir(command.config, command.config_name)
     run_dir = command.config.train.run_dir  # concrete now: {config} and {time} resolved once, here
     for stale in (Path(run_dir) / "logs").glob("rank*.error"):  # an earlier attempt's, resumed here
@@ -196,7 +190,7 @@ def _exit_code(rc: int, timeout_s: float | None, log_dir: Path | None, rank_logs
     where = f"see {log_dir}/dc<i>.log" if log_dir is not None else "its ranks' output is above"
     if rc == 124 and timeout_s is not None:
         raise RunFailed(f"the emulated run passed its --timeout of {timeout_s:g} s and was stopped; {where}")
-    from isthmus.launch.local import read_rank_errors
+    from isthmus.launch.local import read_rank_errors  # torch: loaded already by the failed run's checks
 
     errors = read_rank_errors(rank_logs)
     if errors:

@@ -4,8 +4,7 @@
                  --global-batch 1536 --seq-len 2048 --top 5
 
 Anything not fixed on the command line (training shape, any parallel degree, the schedule, the
-cross-datacenter placement and strategy) is left to the search. cli.py wires this in with
-``add_plan_parser(subparsers)`` and ``run_plan(ns)``.
+cross-datacenter placement and strategy) is left to the search.
 """
 
 from __future__ import annotations
@@ -14,14 +13,16 @@ import argparse
 import json
 import sys
 import textwrap
-from typing import TYPE_CHECKING
-
+from isthmus.config import ModelConfig
 from isthmus.errors import ConfigError
+from isthmus.models.resolve import resolve_model_args
+from isthmus.planner.explain import explain, format_table, result_json
+from isthmus.planner.layout import GEO_STRATEGIES, RUNTIMES
+from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace, search
+from isthmus.planner.topology import load_topology
 
-if TYPE_CHECKING:
-    from isthmus.planner.search import SearchSpace
 
-_SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
+SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
     ("n_layers", int), ("dim", int), ("n_heads", int), ("n_kv_heads", int), ("ffn_dim", int), ("vocab_size", int),
 )
 _POSITIVE = ("global_batch", "seq_len", "micro_batch", "top", "gpus", "tp", "pp", "cp", "dp_shard", "virtual_stages",
@@ -36,7 +37,7 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Add the ``plan`` sub-command; the parser class (one-line errors) comes from ``subparsers``."""
     p = subparsers.add_parser(
         "plan", allow_abbrev=False,
@@ -45,7 +46,7 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
         "recomputation and cross-datacenter placement; print the ranked layouts and why the best one wins.",
     )
     p.add_argument("--model", required=True, metavar="FLAVOR", help="model flavor (e.g. gpt3-145.6b, llama3-70b)")
-    for key, typ in _SHAPE_FLAGS:
+    for key, typ in SHAPE_FLAGS:
         p.add_argument(f"--model.{key}", dest=f"model_{key}", type=typ, default=None, metavar="N", help=f"override the flavor's {key}")
     p.add_argument("--model.mlp", dest="model_mlp", choices=("swiglu", "gelu"), default=None, help="override the MLP kind")
     p.add_argument("--model.tie_embeddings", dest="model_tie_embeddings", type=_bool, default=None, metavar="BOOL",
@@ -81,12 +82,12 @@ def add_plan_parser(subparsers: argparse._SubParsersAction) -> argparse.Argument
     return p
 
 
-def _check(ns: argparse.Namespace) -> None:
+def check_arguments(ns: argparse.Namespace) -> None:
     for key in _POSITIVE:
         value = getattr(ns, key, None)
         if value is not None and value < 1:
             raise ConfigError("--" + key.replace("_", "-"), value, "must be at least 1")
-    for key, _ in _SHAPE_FLAGS:
+    for key, _ in SHAPE_FLAGS:
         value = getattr(ns, f"model_{key}")
         if value is not None and value < 1:
             raise ConfigError(f"--model.{key}", value, "must be at least 1")
@@ -100,8 +101,6 @@ def _check(ns: argparse.Namespace) -> None:
 
 def search_space(ns: argparse.Namespace) -> SearchSpace:
     """The search space the shared `plan` / `simulate` flags describe."""
-    from isthmus.planner.layout import GEO_STRATEGIES
-    from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace
 
     geo = GEO_STRATEGIES if ns.geo is None else tuple(g.strip() for g in ns.geo.split(",") if g.strip())
     for g in geo:
@@ -116,17 +115,11 @@ def search_space(ns: argparse.Namespace) -> SearchSpace:
     )
 
 
-def run_plan(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     """Run the search for a parsed ``plan`` command and print the result; 0 on success."""
-    from isthmus.config import ModelConfig
-    from isthmus.models.resolve import resolve_model_args
-    from isthmus.planner.explain import explain, format_table, result_json
-    from isthmus.planner.layout import RUNTIMES
-    from isthmus.planner.search import search
-    from isthmus.topology import load_topology
 
-    _check(ns)
-    overrides = {key: getattr(ns, f"model_{key}") for key, _ in _SHAPE_FLAGS}
+    check_arguments(ns)
+    overrides = {key: getattr(ns, f"model_{key}") for key, _ in SHAPE_FLAGS}
     model = ModelConfig(flavor=ns.model, mlp=ns.model_mlp, tie_embeddings=ns.model_tie_embeddings, **overrides)
     args = resolve_model_args(model)
     topo = load_topology(ns.topology)

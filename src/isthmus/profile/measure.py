@@ -1,4 +1,4 @@
-"""`isthmus profile`: measure this machine and write a topology file the planner and simulator read.
+"""What `isthmus profile` measures on this machine, and the fits that turn it into a topology file.
 
     isthmus profile --out local-profile.toml --seconds 20
     isthmus plan --model small --topology local-profile.toml --global-batch 16 --seq-len 128
@@ -27,14 +27,12 @@ What it measures, as one rank sees it (torch on CPU, fp32), at the shapes of one
 
 It writes a topology in the format of ``topologies/local.toml``: a ``[devices.cpu-local]`` kind
 (one rank, one thread), ``[devices.cpu-local-<t>t]`` (one rank with t threads, which
-``isthmus.autoplan.local_topology`` uses when fewer ranks than cores run), and one node of
-``cores`` devices joined by the measured gloo link. cli.py wires it in with
-``add_profile_parser(subparsers)`` and ``run_profile(ns)``.
+``isthmus.planner.autoplan.local_topology`` uses when fewer ranks than cores run), and one node of
+``cores`` devices joined by the measured gloo link. `isthmus.cli.profile` is the command.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import socket
@@ -43,82 +41,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from isthmus.errors import ConfigError
-from isthmus.train.short_run import capped, max_steps_override
 
 ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))
 """4 KB, 16 KB, ... 64 MB."""
-
-
-def add_profile_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
-    p = subparsers.add_parser(
-        "profile", allow_abbrev=False,
-        help="measure this machine's compute and gloo bandwidth and write a topology file",
-        description="Time fp32 matmuls (1 and N threads), elementwise bandwidth, per-op overhead and gloo "
-        "all-reduce between two local ranks; fit the planner's constants and write a topology TOML.",
-    )
-    p.add_argument("--out", default="local-profile.toml", metavar="FILE.toml",
-                   help="where to write (default: local-profile.toml)")
-    p.add_argument("--seconds", type=float, default=20.0, metavar="S", help="measurement budget, roughly (default: 20)")
-    p.add_argument("--threads", type=int, default=0, metavar="T",
-                   help="threads of a rank that has the machine alone (default: the cores, %d)" % (os.cpu_count() or 1))
-    p.add_argument("--name", default="local-profile", help="the topology's name (default: local-profile)")
-    p.add_argument("--model", default="small", metavar="FLAVOR", help="calibrate at this model's shapes (default: small)")
-    p.add_argument("--batch", type=int, default=16, metavar="N", help="sequences per step to calibrate at (default: 16)")
-    p.add_argument("--seq-len", type=int, default=128, metavar="N", help="tokens per sequence (default: 128)")
-    return p
-
-
-def run_profile(ns: argparse.Namespace) -> int:
-    if not ns.seconds > 0:
-        raise ConfigError("--seconds", ns.seconds, "must be positive")
-    for key in ("batch", "seq_len"):
-        if getattr(ns, key) < 1:
-            raise ConfigError("--" + key.replace("_", "-"), getattr(ns, key), "must be at least 1")
-    from isthmus.models.flavors import get_flavor
-
-    get_flavor(ns.model)  # an unknown flavor fails here, before any measuring
-    cores = os.cpu_count() or 1
-    threads = ns.threads or cores
-    if threads < 1:
-        raise ConfigError("--threads", ns.threads, "must be at least 1")
-    out = Path(ns.out)
-    if not out.parent.exists():
-        raise ConfigError("--out", ns.out, "its directory does not exist")
-    # ISTHMUS_MAX_STEPS=N (a smoke run, as the docs' commands run in the tests): at most N seconds.
-    budget = float(capped(int(ns.seconds))) if max_steps_override() is not None else ns.seconds
-    load = os.getloadavg()[0]
-    prof = measure(budget, threads, ns.model, ns.batch, ns.seq_len)
-    from isthmus.train.device import PEAK_CACHE_FILE, default_cache_dir, remeasure_cpu_peaks
-
-    # What MFU divides by: measured again here, where the machine is known to be in use for nothing else.
-    peaks = remeasure_cpu_peaks(sorted({1, threads}))
-    text = topology_toml(prof, ns.name, cores)
-    out.write_text(text)
-    from isthmus.topology import load_topology
-
-    topo = load_topology(str(out))  # what was written must load
-    dc = topo.datacenters[0]
-    sys.stdout.write(
-        f"isthmus profile: {cores} cores, {prof['seconds']:.1f} s, calibrated at {ns.model} {ns.batch} x {ns.seq_len}\n"
-        f"  GEMM curve (1 thread): gemm_max_fraction {prof['fraction']:.3f}, gemm_half_dim {prof['half_dim']:g} "
-        f"(rms error {100 * prof['fit_error']:.1f}% over {len(prof['gemms'])} shapes)\n"
-        f"  one block forward + backward: {prof['block_1t'] * 1e3:.1f} ms on 1 thread ({prof['block_quarter'] * 1e3:.1f} ms at "
-        f"a quarter of the batch) -> per-op {prof['launch_s'] * 1e6:.1f} us, memory {prof['memory_bandwidth'] / 1e9:.1f} GB/s "
-        f"effective; {prof['block_nt'] * 1e3:.1f} ms on {threads} threads ({prof['speedup']:.2f} x); "
-        f"{prof['shared']:.2f} x slower with both ranks computing\n"
-        f"  gloo all-reduce, 2 ranks: {prof['gloo_bw'] / 1e9:.2f} GB/s, latency {prof['gloo_lat'] * 1e6:.0f} us\n"
-        f"  runtime work per block on 2 ranks: tp {dc.kind.tp_block_s * 1e3:.1f} ms per pass "
-        f"(sp {dc.kind.sp_block_s * 1e3:+.1f} ms), FSDP2 {dc.kind.shard_block_s * 1e3:.1f} ms per collective\n"
-        f"  CPU peak for MFU: " + "; ".join(
-            f"{t} thread(s) {peaks[t, 'fp32'] / 1e9:.1f} GFLOP/s fp32, {peaks[t, 'bf16'] / 1e9:.1f} bf16"
-            for t in sorted({t for t, _ in peaks})) + f" (rewritten in {default_cache_dir() / PEAK_CACHE_FILE})\n"
-        f"wrote {out} ({dc.devices} x {dc.kind.name}); use it with --topology {out}\n"
-    )
-    if max(load, os.getloadavg()[0]) > 0.5 * cores:
-        sys.stdout.write(f"note: the load average was {max(load, os.getloadavg()[0]):.1f} on {cores} cores: other work "
-                         "shared the CPU, so these numbers understate an idle machine; profile again when it is quiet\n")
-    return 0
 
 
 # --- measurements -------------------------------------------------------------------------------------
@@ -309,7 +234,7 @@ def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float) -> dict
     from isthmus.models.flavors import get_flavor
     from isthmus.planner.compute import layer_times
     from isthmus.planner.layout import RUNTIMES
-    from isthmus.topology import device_kinds
+    from isthmus.planner.topology import device_kinds
 
     # As many steps as the budget allows, from the cpu kind's guess at one 3-block step.
     a = get_flavor(flavor)
@@ -321,7 +246,7 @@ def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float) -> dict
 
 
 def _two_ranks(worker: str, worker_args: Any, timeout_s: float, what: str) -> Any:
-    """Run ``profile_cli.<worker>(rank, *worker_args(port, out))`` in two fresh interpreters (one
+    """Run ``measure.<worker>(rank, *worker_args(port, out))`` in two fresh interpreters (one
     thread each) and return the JSON rank 0 wrote to ``out``.
 
     Fresh interpreters rather than multiprocessing: spawn would re-import the caller's main module.
@@ -335,7 +260,7 @@ def _two_ranks(worker: str, worker_args: Any, timeout_s: float, what: str) -> An
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        code = f"import json, sys; from isthmus.profile_cli import {worker}; {worker}(*json.loads(sys.argv[1]))"
+        code = f"import json, sys; from isthmus.profile.measure import {worker}; {worker}(*json.loads(sys.argv[1]))"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, *worker_args(port, out)])], env=env)
                  for rank in range(2)]
@@ -365,8 +290,8 @@ def fit_mechanisms(topology_text: str, flavor: str, batch: int, seq: int, measur
     from isthmus.models.flavors import get_flavor
     from isthmus.planner.cost import estimate
     from isthmus.planner.layout import Layout, Workload
-    from isthmus.autoplan import local_runtime
-    from isthmus.topology import parse_topology
+    from isthmus.planner.autoplan import local_runtime
+    from isthmus.planner.topology import parse_topology
     import tomllib
 
     topo = parse_topology(tomllib.loads(topology_text))
@@ -554,7 +479,7 @@ def measure(budget: float, threads: int, flavor: str = "small", batch: int = 16,
     from dataclasses import replace
 
     from isthmus.models.flavors import get_flavor
-    from isthmus.topology import device_kinds
+    from isthmus.planner.topology import device_kinds
 
     start = time.perf_counter()
     base = device_kinds()["cpu"]

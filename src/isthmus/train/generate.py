@@ -27,7 +27,7 @@ def load_model(source: str | Path, key: bytes | None = None) -> tuple[Transforme
     """
     path = Path(source)
     if path.is_file() or path.suffix == ".safetensors":
-        from isthmus.export import load_exported
+        from isthmus.train.export import load_exported
 
         exported = load_exported(path, key)
         return exported.build(), exported.tokenizer, _seq_len(exported.config)

@@ -7,7 +7,7 @@
 Takes ``isthmus plan``'s arguments plus a layout: ``--plan`` names ``[parallel]`` keys, and the
 search fills in whatever it leaves out (no ``--plan``: the planner's best). Prints the planner's
 figures as simulated (``--json``: the fields of ``isthmus plan --json``), next to the cost model's
-step time. cli.py wires this in with ``add_simulate_parser(subparsers)`` and ``run_simulate(ns)``.
+step time.
 """
 
 from __future__ import annotations
@@ -15,21 +15,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from isthmus.cli import plan as plan_cli
+from isthmus.config import ModelConfig
 from isthmus.errors import ConfigError
+from isthmus.models.resolve import resolve_model_args
+from isthmus.planner.autoplan import choose_layout, parse_plan
+from isthmus.planner.layout import RUNTIMES
+from isthmus.planner.topology import load_topology
+from isthmus.sim import simulate, write_png, write_trace
+from isthmus.sim.run import SimResult
 
-if TYPE_CHECKING:
-    from isthmus.sim.run import SimResult
 
-
-def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
     """Add the ``simulate`` sub-command: every ``plan`` flag, plus the layout and the outputs."""
-    from isthmus.plan_cli import add_plan_parser
-
-    # The plan flags, from plan_cli itself so the two commands never drift apart.
+    # The plan flags, from `isthmus plan` itself so the two commands never drift apart.
     scratch = argparse.ArgumentParser(add_help=False).add_subparsers()
-    plan = add_plan_parser(scratch)
+    plan = plan_cli.add_parser(scratch)
     p = subparsers.add_parser(
         "simulate", parents=[plan], conflict_handler="resolve", allow_abbrev=False,
         help="simulate a layout event by event: step time, bubbles, a trace and a timeline (no GPU needed)",
@@ -47,29 +50,21 @@ def add_simulate_parser(subparsers: argparse._SubParsersAction) -> argparse.Argu
     return p
 
 
-def run_simulate(ns: argparse.Namespace) -> int:
+def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     """Choose the layout, simulate it, print and write what was asked; 0 on success."""
-    from isthmus.autoplan import choose_layout, parse_plan
-    from isthmus.config import ModelConfig
-    from isthmus.models.resolve import resolve_model_args
-    from isthmus.plan_cli import _SHAPE_FLAGS, _check, search_space
-    from isthmus.planner.layout import RUNTIMES
-    from isthmus.sim import simulate, write_png, write_trace
-    from isthmus.topology import load_topology
-
-    _check(ns)
+    plan_cli.check_arguments(ns)
     if ns.iterations < 1:
         raise ConfigError("--iterations", ns.iterations, "must be at least 1")
     fixed = parse_plan(ns.plan) if ns.plan else {}
     model = ModelConfig(flavor=ns.model, mlp=ns.model_mlp, tie_embeddings=ns.model_tie_embeddings,
-                        **{key: getattr(ns, f"model_{key}") for key, _ in _SHAPE_FLAGS})
+                        **{key: getattr(ns, f"model_{key}") for key, _ in plan_cli.SHAPE_FLAGS})
     args = resolve_model_args(model)
     topo = load_topology(ns.topology)
     if ns.gpus is not None:
         topo = topo.subset(ns.gpus)
     if ns.wan_bandwidth is not None:
         topo = topo.with_wan(bandwidth_gb_s=ns.wan_bandwidth)
-    space = search_space(ns)
+    space = plan_cli.search_space(ns)
     runtime = RUNTIMES[ns.runtime]
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
     chosen = choose_layout(args, topo, space, fixed, runtime, dtype, top=ns.top)
@@ -95,7 +90,7 @@ def run_simulate(ns: argparse.Namespace) -> int:
     return 0
 
 
-def format_result(r: "SimResult", topo_name: str) -> str:
+def format_result(r: SimResult, topo_name: str) -> str:
     """The simulated figures beside the cost model's, and the step by cause."""
     est = r.planner
     lay, work = r.layout, r.work

@@ -1,0 +1,42 @@
+"""`isthmus export`: a run's model (final, or a checkpoint in any layout) as one safetensors file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from isthmus.cli.common import KEY_HELP, LATEST_RUN
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    export = sub.add_parser(
+        "export", allow_abbrev=False, help="write a run's model as one .safetensors file that one process loads",
+        description="Write a run's model (its final model, else its newest good checkpoint; any layout) as one "
+        "safetensors file, with its shape, config and tokenizer in the metadata.",
+    )
+    export.add_argument("--run", default=LATEST_RUN, help=f"run directory (train.run_dir of the run; default: {LATEST_RUN})")
+    export.add_argument("--out", required=True, help="the file to write, FILE.safetensors")
+    export.add_argument(
+        "--checkpoint", nargs="?", const="latest", default=None, metavar="DIR",
+        help="export a checkpoint instead of the final model: the newest good one, or the checkpoint directory DIR",
+    )
+    export.add_argument(
+        "--key-file", default="", metavar="FILE",
+        help=KEY_HELP.format(what="a checkpoint") + "; the exported file is signed with it",
+    )
+
+
+def run(ns: argparse.Namespace, rest: list[str]) -> int:
+    # Startup time: torch loads only when the sub-command runs.
+    from isthmus.log import setup_logging
+    from isthmus.train.checkpoint_manifest import checkpoint_key
+    from isthmus.train.export import export_run
+
+    setup_logging()  # a skipped damaged checkpoint is a warning line
+    done = export_run(ns.run, ns.out, ns.checkpoint, checkpoint_key(ns.key_file, "--key-file"))
+    origin = "final model" if done["origin"] == "final" else f"checkpoint {done['origin']} (step {done['step']})"
+    sys.stdout.write(
+        f"exported the {origin} of {ns.run}: {done['tensors']} tensors, {done['parameters']:,} parameters, "
+        f"{done['bytes'] / 1e6:.1f} MB -> {done['out']}\n"
+    )
+    return 0

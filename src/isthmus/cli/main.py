@@ -1,0 +1,63 @@
+"""`isthmus COMMAND ...`: the sub-commands wired together; every failure one line and an exit code.
+
+Every failure a user can cause or meet becomes one line on stderr and the exit code of
+`isthmus.errors` (2 bad input, 3 a run that failed, 128 + N a signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from isthmus.cli import emulate, export, generate, plan, profile, simulate, train
+from isthmus.cli.common import subcommand_parser
+from isthmus.errors import EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, IsthmusError
+from isthmus.log import setup_logging
+
+COMMANDS = (train, generate, export, plan, simulate, profile, emulate)
+"""In the order `isthmus --help` lists them."""
+TAKES_REST = {"train", "emulate"}
+"""Sub-commands whose arguments go on past what their parser knows (config overrides, a train command)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser, sub = subcommand_parser()
+    for command in COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    runners: dict[str, Callable[[argparse.Namespace, list[str]], int]] = {
+        c.__name__.rsplit(".", 1)[1]: c.run for c in COMMANDS
+    }
+    try:
+        if not argv:
+            parser.print_help()
+            return EXIT_USAGE
+        ns, rest = parser.parse_known_args(argv)
+        if ns.command not in runners:
+            parser.print_help()
+            return EXIT_USAGE
+        if ns.command == "emulate":
+            setup_logging()
+            rest = rest[1:] if rest[:1] == ["--"] else rest
+        elif rest and ns.command not in TAKES_REST:
+            raise IsthmusError(f"isthmus {ns.command}: unrecognized arguments: {' '.join(rest)}")
+        return runners[ns.command](ns, rest)
+    except Interrupted as e:
+        sys.stderr.write(f"isthmus: {e}\n")
+        return e.exit_code
+    except IsthmusError as e:
+        sys.stderr.write(f"isthmus: error: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write("isthmus: interrupted\n")
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
