@@ -300,7 +300,7 @@ def print_main(results: list[Summary], ns: argparse.Namespace) -> None:
 def planner_prediction(kind: str, mbit: float, inner_steps: int, settings: dict[str, str]) -> tuple[float, float, str]:
     """(predicted step seconds, predicted WAN bytes per step, how) for one strategy at ``mbit``."""
     from isthmus.models.flavors import get_flavor
-    from isthmus.planner import RUNTIMES, Layout, Workload, estimate
+    from isthmus.planner import RUNTIMES, LayoutSpec, Workload, estimate
     from isthmus.planner.topology import load_topology
 
     topo = load_topology(TOPOLOGY)
@@ -311,7 +311,7 @@ def planner_prediction(kind: str, mbit: float, inner_steps: int, settings: dict[
     world = n_dc * per_dc
 
     def est(geo: str, h: int = 0):  # noqa: ANN202
-        lay = Layout(dp_replicate=world, dc=n_dc, dc_axis="dp", geo=geo, diloco_h=h,  # type: ignore[arg-type]
+        lay = LayoutSpec(dp_replicate=world, datacenters=n_dc, dc_axis="dp", sync=geo, inner_steps=h,  # type: ignore[arg-type]
                      fragments=int(settings.get("fragments", "4")), overlap_steps=int(settings.get("overlap_steps", "1")),
                      micro_batch=BATCH // world, microbatches=1)
         return estimate(work, topo, lay, RUNTIMES["isthmus"])

@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|" + "---|" * len(head))
     for row, est, err in rows:
         lay = est.layout
-        sched = "-" if lay.pp == 1 else (f"interleaved v={lay.virtual_stages}" if lay.schedule == "interleaved_1f1b" else lay.schedule)
+        sched = "-" if lay.pp == 1 else (f"interleaved v={lay.pp_virtual_stages}" if lay.pp_schedule == "interleaved_1f1b" else lay.pp_schedule)
         cells = [f"{row.params_b}B", row.heads, row.hidden, row.layers, row.tp, row.pp, row.gpus, row.global_batch,
                  lay.dp, lay.microbatches, sched, row.tflops_per_gpu, f"{est.tflops_per_device:.1f}", f"{100 * err:+.1f}%",
                  f"{100 * est.bubble_fraction:.1f}%", f"{est.mem_per_device_gb:.1f}"]

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     args = get_flavor("gpt3-145.6b").with_overrides(n_layers=96)  # GPT-3 175B: 96 x 12288, 96 heads
     topo = load_topology("geo-3dc-h100")
-    space = SearchSpace() if ns.free else SearchSpace(global_batch=1536, seq_len=2048)
+    space = SearchSpace() if ns.free else SearchSpace(batch_size=1536, seq_len=2048)
     times = []
     for _ in range(ns.repeat):
         start = time.perf_counter()
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"GPT-3 175B on {topo.name} ({topo.n_devices:,} GPUs, {len(topo.datacenters)} datacenters), "
           f"{'shape searched' if ns.free else 'batch 1536 x 2048'}: {min(times):.2f} s "
           f"(best of {ns.repeat}), {result.considered:,} layouts considered, {result.pruned_memory:,} over memory")
-    print(f"winner: {best.layout.label()} at {best.work.global_batch} x {best.work.seq_len}, "
+    print(f"winner: {best.layout.label()} at {best.work.batch_size} x {best.work.seq_len}, "
           f"{best.tokens_per_s:,.0f} tokens/s, MFU {100 * best.mfu:.1f}%")
     return 0
 

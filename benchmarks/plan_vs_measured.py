@@ -32,7 +32,7 @@ from pathlib import Path
 
 from isthmus.planner.autoplan import SIMPLEST_WITHIN, choose_layout, local_runtime, local_topology
 from isthmus.models.flavors import get_flavor
-from isthmus.planner.layout import Layout, Workload
+from isthmus.planner.layout import LayoutSpec, Workload
 from isthmus.planner.search import SearchSpace
 from isthmus.sim import simulate
 
@@ -60,7 +60,7 @@ LAYOUTS: list[tuple[str, dict[str, object]]] = [
 @dataclass
 class Row:
     name: str
-    layout: Layout
+    layout: LayoutSpec
     sim_s: float = 0.0
     cost_s: float = 0.0
     rounds: list[list[float]] = field(default_factory=list)
@@ -82,22 +82,22 @@ class Row:
         return self.sim_s / self.measured - 1
 
 
-def to_layout(values: dict[str, object]) -> Layout:
+def to_layout(values: dict[str, object]) -> LayoutSpec:
     v = dict(values)
     accum = int(v.pop("grad_accum", 1))  # type: ignore[arg-type]
     dp = int(v.get("dp_replicate", 1)) * int(v.get("dp_shard", 1))  # type: ignore[arg-type]
     pp = int(v.get("pp", 1))  # type: ignore[arg-type]
     m = int(v.get("microbatches", 1)) if pp > 1 else accum  # type: ignore[arg-type]
-    return Layout(
-        tp=int(v.get("tp", 1)), sp=bool(v.get("sequence_parallel", False)), pp=pp,  # type: ignore[arg-type]
-        schedule=str(v.get("pp_schedule", "1f1b")), virtual_stages=int(v.get("pp_virtual_stages", 1)),  # type: ignore[arg-type]
+    return LayoutSpec(
+        tp=int(v.get("tp", 1)), sequence_parallel=bool(v.get("sequence_parallel", False)), pp=pp,  # type: ignore[arg-type]
+        pp_schedule=str(v.get("pp_schedule", "1f1b")), pp_virtual_stages=int(v.get("pp_virtual_stages", 1)),  # type: ignore[arg-type]
         dp_replicate=int(v.get("dp_replicate", 1)), dp_shard=int(v.get("dp_shard", 1)),  # type: ignore[arg-type]
         zero_stage=int(v.get("zero_stage", 3 if v.get("dp_shard", 1) != 1 else 1)),  # type: ignore[arg-type]
         micro_batch=BATCH // (dp * m), microbatches=m,
     )
 
 
-def train_flags(lay: Layout) -> list[str]:
+def train_flags(lay: LayoutSpec) -> list[str]:
     flags = []
     for key, value in lay.parallel_config().items():
         if key in ("cp_impl", "activation_checkpoint"):
@@ -128,7 +128,7 @@ def wait_quiet(limit: float, timeout: float) -> float:
     return busy
 
 
-def measure(lay: Layout, steps: int, skip: int, root: Path, tag: str) -> list[float]:
+def measure(lay: LayoutSpec, steps: int, skip: int, root: Path, tag: str) -> list[float]:
     """Step times of one real `isthmus train` run of ``lay`` (the first ``skip`` left out)."""
     jsonl = root / f"{tag}.jsonl"
     cmd = [sys.executable, "-m", "isthmus", "train", "--model.flavor", "small", "--train.steps", str(steps),
@@ -152,9 +152,9 @@ def predict(rows: list[Row], topology: str) -> None:
         row.sim_s, row.cost_s = res.step_time_s, res.planner.step_time_s
 
 
-def planner_choice(nproc: int, topology: str) -> Layout:
+def planner_choice(nproc: int, topology: str) -> LayoutSpec:
     topo = local_topology(nproc, topology)
-    space = SearchSpace(global_batch=BATCH, seq_len=SEQ, recompute="none", dc_axis="none")
+    space = SearchSpace(batch_size=BATCH, seq_len=SEQ, activation_checkpoint="none", dc_axis="none")
     return choose_layout(get_flavor("small"), topo, space, {"nproc": nproc}, local_runtime(), "fp32", top=50,
                          band=SIMPLEST_WITHIN).layout
 
@@ -223,7 +223,7 @@ def save(rows: list[Row], path: str) -> None:
                                        "rounds": r.rounds, "busy_cores": r.busy} for r in rows], indent=1))
 
 
-def print_table(rows: list[Row], choices: dict[int, Layout], markdown: bool) -> None:
+def print_table(rows: list[Row], choices: dict[int, LayoutSpec], markdown: bool) -> None:
     head = ["#", "layout", "ranks", "measured s", "simulated s", "error", "cost model s", "error", "other work (cores)"]
     lines = []
     for i, r in enumerate(rows, 1):

@@ -17,7 +17,7 @@ import sys
 import time
 
 from isthmus.models.flavors import gpt3
-from isthmus.planner.layout import RUNTIMES, Layout, Workload
+from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.reference import MEGATRON_2021_TABLE1, SEQ_LEN, megatron_layout
 from isthmus.planner.search import SearchSpace, search
 from isthmus.sim import simulate
@@ -26,14 +26,14 @@ from isthmus.planner.topology import load_topology
 GPT3_175B = gpt3(96, 12288, 96)
 
 
-def cases() -> list[tuple[str, Workload, Layout, int, str]]:
+def cases() -> list[tuple[str, Workload, LayoutSpec, int, str]]:
     topo = load_topology("selene-a100").subset(1024)
     work = Workload(GPT3_175B, 1536, 2048, "bf16")
-    best = search(GPT3_175B, topo, SearchSpace(global_batch=1536, seq_len=2048), RUNTIMES["isthmus"], top=1).best
+    best = search(GPT3_175B, topo, SearchSpace(batch_size=1536, seq_len=2048), RUNTIMES["isthmus"], top=1).best
     out = [("GPT-3 175B, planner's choice", best.work, best.layout, 1024, "isthmus")]
     out.append(("GPT-3 175B, tp8 pp16 interleaved v2", work,
-                Layout(tp=8, sp=True, pp=16, schedule="interleaved_1f1b", virtual_stages=2, dp_replicate=8, micro_batch=1,
-                       microbatches=192, recompute="full"), 1024, "isthmus"))
+                LayoutSpec(tp=8, sequence_parallel=True, pp=16, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, dp_replicate=8, micro_batch=1,
+                       microbatches=192, activation_checkpoint="full"), 1024, "isthmus"))
     for row in (MEGATRON_2021_TABLE1[5], MEGATRON_2021_TABLE1[9]):
         w = Workload(gpt3(row.heads, row.hidden, row.layers), row.global_batch, SEQ_LEN, "fp16")
         out.append((f"Megatron {row.params_b}B row", w, megatron_layout(row), row.gpus, "megatron-2021"))

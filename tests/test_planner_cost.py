@@ -10,7 +10,7 @@ from isthmus.planner import comm
 from isthmus.planner.compute import gemm_fraction, gemm_time, head_ops, layer_ops
 from isthmus.planner.cost import estimate
 from isthmus.planner.geo import cross_dc_all_reduce
-from isthmus.planner.layout import RUNTIMES, Layout, Workload
+from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.memory import layer_activation_bytes, layer_input_bytes, model_state_bytes
 from isthmus.planner.pipeline import in_flight, partition_layers, pipeline_time
 from isthmus.planner.topology import Link, device_kinds, load_topology, parse_topology
@@ -67,7 +67,7 @@ def test_cross_dc_strategies_trade_bytes_for_quality() -> None:
     b = 4e9
     times = {}
     for geo in ("flat", "hierarchical", "compressed", "diloco"):
-        times[geo] = cross_dc_all_reduce(b, span, Layout(dc=3, dc_axis="dp", geo=geo, diloco_h=50), ISTH)  # type: ignore[arg-type]
+        times[geo] = cross_dc_all_reduce(b, span, LayoutSpec(datacenters=3, dc_axis="dp", sync=geo, inner_steps=50), ISTH)  # type: ignore[arg-type]
     assert times["compressed"][2] == pytest.approx(ISTH.compress_ratio * times["hierarchical"][2])
     assert times["diloco"][2] == pytest.approx(times["hierarchical"][2] / 50)  # fp32 deltas, 1/H of the steps
     assert times["flat"][0] > times["hierarchical"][0] > times["compressed"][0] > times["diloco"][0]
@@ -118,10 +118,10 @@ def test_zero_stages_shard_state() -> None:
 def test_estimate_reports_memory_that_does_not_fit() -> None:
     topo = load_topology("selene-a100").subset(8)
     work = Workload(get_flavor("gpt3-145.6b"), 8, 2048)
-    est = estimate(work, topo, Layout(tp=8, sp=True, micro_batch=1, microbatches=8, recompute="full"), ISTH)
+    est = estimate(work, topo, LayoutSpec(tp=8, sequence_parallel=True, micro_batch=1, microbatches=8, activation_checkpoint="full"), ISTH)
     assert not est.fits and est.mem_per_device_gb > 80
     small = estimate(Workload(get_flavor("gpt3-1.7b"), 64, 2048), topo,
-                     Layout(dp_replicate=8, micro_batch=1, microbatches=8, recompute="full"), ISTH)
+                     LayoutSpec(dp_replicate=8, micro_batch=1, microbatches=8, activation_checkpoint="full"), ISTH)
     assert small.fits and 0.2 < small.mfu < 0.8 and small.bubble_fraction == 0 and small.wan_bytes_per_step == 0
     assert set(small.as_json()) >= {"layout", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
                                     "mem_per_device_gb", "bubble_fraction", "wan_bytes_per_step"}
@@ -133,7 +133,7 @@ def test_mixed_device_kinds_get_uneven_stages() -> None:
                 "intra_node": {"bandwidth_gb_s": 300, "latency_us": 3}, "fabric": {"bandwidth_gb_s": 25, "latency_us": 6}}
     topo = parse_topology({"name": "mixed", "datacenters": [dc("old", "a100-80g"), dc("new", "h100-sxm")],
                            "wan": [{"between": ["old", "new"], "bandwidth_gb_s": 50, "latency_us": 5000}]})
-    lay = Layout(tp=8, sp=True, pp=4, dp_replicate=8, micro_batch=1, microbatches=32, recompute="full", dc=2, dc_axis="pp")
+    lay = LayoutSpec(tp=8, sequence_parallel=True, pp=4, dp_replicate=8, micro_batch=1, microbatches=32, activation_checkpoint="full", datacenters=2, dc_axis="pp")
     est = estimate(Workload(get_flavor("gpt3-39.1b"), 256, 2048), topo, lay, ISTH)
     a100, h100 = est.stage_layers[:2], est.stage_layers[2:]
     assert sum(est.stage_layers) == 48 and max(a100) < min(h100)

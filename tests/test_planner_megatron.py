@@ -52,7 +52,7 @@ def test_per_gpu_tflops_within_ten_percent(ref: tuple) -> None:
     row = MegatronRow(*ref)
     est = megatron_row_estimate(row)
     lay = est.layout
-    assert (lay.tp, lay.pp, lay.world, lay.micro_batch, lay.recompute) == (row.tp, row.pp, row.gpus, 1, "full")
+    assert (lay.tp, lay.pp, lay.world, lay.micro_batch, lay.activation_checkpoint) == (row.tp, row.pp, row.gpus, 1, "full")
     assert lay.dp * lay.microbatches == row.global_batch
     assert est.fits, f"{row.params_b}B: {est.mem_per_device_gb:.1f} GB does not fit in 80 GB"
     err = est.tflops_per_device / row.tflops_per_gpu - 1

@@ -20,17 +20,17 @@ GPT3_175B = get_flavor("gpt3-145.6b").with_overrides(n_layers=96)  # 96 layers, 
 
 def test_local_plan_ranks_fitting_layouts() -> None:
     topo = load_topology("local")
-    res = search(get_flavor("small"), topo, SearchSpace(global_batch=16, seq_len=128), ISTH, top=5, dtype="fp32")
+    res = search(get_flavor("small"), topo, SearchSpace(batch_size=16, seq_len=128), ISTH, top=5, dtype="fp32")
     assert 1 <= len(res.ranked) <= 5
     ranks = [e.effective_tokens_per_s for e in res.ranked]
     assert ranks == sorted(ranks, reverse=True)
     for e in res.ranked:
-        assert e.fits and e.layout.world == 2 and e.work.global_batch == 16
+        assert e.fits and e.layout.world == 2 and e.work.batch_size == 16
 
 
 def test_big_model_needs_model_parallelism_to_fit() -> None:
     topo = load_topology("selene-a100").subset(64)
-    res = search(GPT3_175B, topo, SearchSpace(global_batch=64, seq_len=2048, micro_batch=1), ISTH, top=5)
+    res = search(GPT3_175B, topo, SearchSpace(batch_size=64, seq_len=2048, micro_batch=1), ISTH, top=5)
     for e in res.ranked:
         assert e.mem_per_device_gb * 1e9 <= 80e9 * USABLE_FRACTION
         lay = e.layout
@@ -40,26 +40,26 @@ def test_big_model_needs_model_parallelism_to_fit() -> None:
 
 def test_fixed_choices_are_kept() -> None:
     topo = load_topology("selene-a100").subset(64)
-    space = SearchSpace(global_batch=128, seq_len=2048, tp=2, pp=4, micro_batch=2, recompute="selective", schedule="1f1b")
+    space = SearchSpace(batch_size=128, seq_len=2048, tp=2, pp=4, micro_batch=2, activation_checkpoint="selective", pp_schedule="1f1b")
     res = search(get_flavor("gpt3-7.5b"), topo, space, ISTH, top=3)
     for e in res.ranked:
         lay = e.layout
-        assert (lay.tp, lay.pp, lay.micro_batch, lay.recompute, lay.schedule) == (2, 4, 2, "selective", "1f1b")
+        assert (lay.tp, lay.pp, lay.micro_batch, lay.activation_checkpoint, lay.pp_schedule) == (2, 4, 2, "selective", "1f1b")
         assert lay.dp * lay.micro_batch * lay.microbatches == 128
 
 
 def test_nothing_fits_is_a_one_line_error() -> None:
     with pytest.raises(ConfigError, match="no layout of this .*B-parameter model fits") as info:
-        search(get_flavor("gpt3-1t"), load_topology("local"), SearchSpace(global_batch=2, seq_len=2048), ISTH)
+        search(get_flavor("gpt3-1t"), load_topology("local"), SearchSpace(batch_size=2, seq_len=2048), ISTH)
     assert "\n" not in str(info.value)
 
 
 def test_175b_on_12288_gpus_in_under_10_seconds() -> None:
     start = time.perf_counter()
-    res = search(GPT3_175B, load_topology("geo-3dc-h100"), SearchSpace(global_batch=1536, seq_len=2048), ISTH, top=10)
+    res = search(GPT3_175B, load_topology("geo-3dc-h100"), SearchSpace(batch_size=1536, seq_len=2048), ISTH, top=10)
     elapsed = time.perf_counter() - start
     assert elapsed < 10, f"planning took {elapsed:.1f} s"
-    assert res.best.layout.world == 12288 or res.best.layout.dc == 1
+    assert res.best.layout.world == 12288 or res.best.layout.datacenters == 1
 
 
 def _geo_invariants(topo, est) -> None:  # type: ignore[no-untyped-def]
@@ -78,7 +78,7 @@ def _geo_invariants(topo, est) -> None:  # type: ignore[no-untyped-def]
 
 def test_geo_keeps_per_layer_traffic_local_and_adapts_to_wan_bandwidth() -> None:
     base = load_topology("geo-3dc-h100")
-    space = SearchSpace(global_batch=1536, seq_len=2048, micro_batch=1, recompute="none")
+    space = SearchSpace(batch_size=1536, seq_len=2048, micro_batch=1, activation_checkpoint="none")
     picks = []
     for bw in (3000.0, 300.0, 30.0, 3.0, 0.3):  # GB/s per WAN link, dropping
         topo = base.with_wan(bandwidth_gb_s=bw)
@@ -86,7 +86,7 @@ def test_geo_keeps_per_layer_traffic_local_and_adapts_to_wan_bandwidth() -> None
         for est in res.ranked:
             _geo_invariants(topo, est)
         best = res.best.layout
-        picks.append((bw, best.dc_axis, best.geo, res.best.wan_bytes_per_step))
+        picks.append((bw, best.dc_axis, best.sync, res.best.wan_bytes_per_step))
     crossings = [(axis, geo) for _, axis, geo, _ in picks]
     assert len(set(crossings)) >= 3, f"the WAN choice should change with bandwidth: {picks}"
     wan_bytes = [b for *_, b in picks]

@@ -169,7 +169,7 @@ def test_runtime_overheads_enter_cost_model_and_simulator_alike() -> None:
     from isthmus.planner.autoplan import local_runtime
     from isthmus.models.flavors import get_flavor
     from isthmus.planner.cost import estimate
-    from isthmus.planner.layout import Layout, Workload
+    from isthmus.planner.layout import LayoutSpec, Workload
     from isthmus.sim import simulate
     from isthmus.planner.topology import parse_topology
 
@@ -178,11 +178,11 @@ def test_runtime_overheads_enter_cost_model_and_simulator_alike() -> None:
     assert over.datacenters[0].kind.tp_block_s == pytest.approx(1e-3)
     work, rt = Workload(get_flavor("small"), 16, 128, "fp32"), local_runtime()
     cases = [  # layout, seconds the overheads add (4 blocks)
-        (Layout(tp=2, micro_batch=16, microbatches=1), 4 * 2 * 1e-3),
-        (Layout(tp=2, sp=True, micro_batch=16, microbatches=1), 4 * 2 * 1.5e-3),
-        (Layout(dp_shard=2, zero_stage=3, micro_batch=8, microbatches=1), 4 * 3 * 2e-3),
-        (Layout(dp_shard=2, zero_stage=2, micro_batch=8, microbatches=1), 4 * 2 * 2e-3),
-        (Layout(dp_replicate=2, micro_batch=8, microbatches=1), 0.0),
+        (LayoutSpec(tp=2, micro_batch=16, microbatches=1), 4 * 2 * 1e-3),
+        (LayoutSpec(tp=2, sequence_parallel=True, micro_batch=16, microbatches=1), 4 * 2 * 1.5e-3),
+        (LayoutSpec(dp_shard=2, zero_stage=3, micro_batch=8, microbatches=1), 4 * 3 * 2e-3),
+        (LayoutSpec(dp_shard=2, zero_stage=2, micro_batch=8, microbatches=1), 4 * 2 * 2e-3),
+        (LayoutSpec(dp_replicate=2, micro_batch=8, microbatches=1), 0.0),
     ]
     for lay, added in cases:
         a, b = estimate(work, plain, lay, rt).step_time_s, estimate(work, over, lay, rt).step_time_s
@@ -209,7 +209,7 @@ def test_mechanism_fit_recovers_known_overheads() -> None:
     from isthmus.planner.autoplan import local_runtime
     from isthmus.models.flavors import get_flavor
     from isthmus.planner.cost import estimate
-    from isthmus.planner.layout import Layout, Workload
+    from isthmus.planner.layout import LayoutSpec, Workload
     from isthmus.profile.measure import MECHANISMS, SHARD_EVENTS, fit_mechanisms
 
     text = (Path(__file__).resolve().parents[1] / "topologies" / "local.toml").read_text()
@@ -218,9 +218,9 @@ def test_mechanism_fit_recovers_known_overheads() -> None:
     measured = {}
     for name, v in MECHANISMS.items():
         d = v.get("dp_shard", 1)
-        lay = Layout(tp=v.get("tp", 1), sp=v.get("sequence_parallel", False), dp_shard=d,
+        lay = LayoutSpec(tp=v.get("tp", 1), sequence_parallel=v.get("sequence_parallel", False), dp_shard=d,
                      zero_stage=v.get("zero_stage", 1), micro_batch=16 // d, microbatches=1)
-        per_block = (2 * (tp + (sp if lay.sp else 0.0)) if lay.tp > 1 else SHARD_EVENTS[lay.zero_stage] * shard)
+        per_block = (2 * (tp + (sp if lay.sequence_parallel else 0.0)) if lay.tp > 1 else SHARD_EVENTS[lay.zero_stage] * shard)
         measured[name] = [estimate(Workload(dc_replace(get_flavor("small"), n_layers=n), 16, 128, "fp32"),
                                    topo.subset(2), lay, local_runtime()).step_time_s + n * per_block + 0.01
                           for n in (1, 3)]

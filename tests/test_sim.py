@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from isthmus.models.flavors import get_flavor
-from isthmus.planner.layout import RUNTIMES, Layout, Workload
+from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.pipeline import in_flight
 from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.engine import Device, Engine, Link, Phase, Transfer
@@ -125,24 +125,24 @@ def test_activations_in_flight_match_the_memory_model(schedule: str, v: int) -> 
 TOLERANCE = 0.03
 
 AGREE = [
-    ("small", "local", Layout(micro_batch=16), 16, 128),
-    ("small", "local", Layout(dp_replicate=2, micro_batch=8), 16, 128),
-    ("small", "local", Layout(tp=2, sp=True, micro_batch=16), 16, 128),
-    ("small", "local", Layout(pp=2, schedule="1f1b", micro_batch=4, microbatches=4), 16, 128),
-    ("small", "local", Layout(pp=2, schedule="interleaved_1f1b", virtual_stages=2, micro_batch=4, microbatches=4), 16, 128),
-    ("llama3-8b", "selene-a100", Layout(tp=8, sp=True, dp_replicate=8, micro_batch=2, microbatches=4), 64, 4096),
-    ("llama3-8b", "selene-a100", Layout(tp=8, sp=True, pp=2, dp_replicate=4, micro_batch=1, microbatches=16), 64, 4096),
-    ("llama3-8b", "selene-a100", Layout(tp=8, sp=True, pp=4, schedule="interleaved_1f1b", virtual_stages=2,
+    ("small", "local", LayoutSpec(micro_batch=16), 16, 128),
+    ("small", "local", LayoutSpec(dp_replicate=2, micro_batch=8), 16, 128),
+    ("small", "local", LayoutSpec(tp=2, sequence_parallel=True, micro_batch=16), 16, 128),
+    ("small", "local", LayoutSpec(pp=2, pp_schedule="1f1b", micro_batch=4, microbatches=4), 16, 128),
+    ("small", "local", LayoutSpec(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, micro_batch=4, microbatches=4), 16, 128),
+    ("llama3-8b", "selene-a100", LayoutSpec(tp=8, sequence_parallel=True, dp_replicate=8, micro_batch=2, microbatches=4), 64, 4096),
+    ("llama3-8b", "selene-a100", LayoutSpec(tp=8, sequence_parallel=True, pp=2, dp_replicate=4, micro_batch=1, microbatches=16), 64, 4096),
+    ("llama3-8b", "selene-a100", LayoutSpec(tp=8, sequence_parallel=True, pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
                                         dp_replicate=2, micro_batch=1, microbatches=32), 64, 4096),
-    ("llama3-70b", "selene-a100", Layout(tp=8, sp=True, pp=8, dp_shard=8, zero_stage=2, micro_batch=1, microbatches=64,
-                                         recompute="selective"), 512, 4096),
-    ("llama3-70b", "selene-a100", Layout(tp=8, sp=True, pp=8, schedule="interleaved_1f1b", virtual_stages=5, dp_shard=8,
-                                         zero_stage=2, micro_batch=1, microbatches=64, recompute="full"), 512, 4096),
+    ("llama3-70b", "selene-a100", LayoutSpec(tp=8, sequence_parallel=True, pp=8, dp_shard=8, zero_stage=2, micro_batch=1, microbatches=64,
+                                         activation_checkpoint="selective"), 512, 4096),
+    ("llama3-70b", "selene-a100", LayoutSpec(tp=8, sequence_parallel=True, pp=8, pp_schedule="interleaved_1f1b", pp_virtual_stages=5, dp_shard=8,
+                                         zero_stage=2, micro_batch=1, microbatches=64, activation_checkpoint="full"), 512, 4096),
 ]
 
 
 @pytest.mark.parametrize("flavor, topology, layout, batch, seq", AGREE, ids=[f"{a[0]}:{a[2].label()}" for a in AGREE])
-def test_simulator_agrees_with_the_cost_model(flavor: str, topology: str, layout: Layout, batch: int, seq: int) -> None:
+def test_simulator_agrees_with_the_cost_model(flavor: str, topology: str, layout: LayoutSpec, batch: int, seq: int) -> None:
     topo = load_topology(topology).subset(layout.world)
     work = Workload(get_flavor(flavor), batch, seq, topo.datacenters[0].kind.default_dtype)
     res = simulate(work, topo, layout, ISTHMUS)
@@ -155,7 +155,7 @@ def test_simulator_agrees_with_the_cost_model(flavor: str, topology: str, layout
 
 
 def test_more_steps_take_as_long_each() -> None:
-    lay = Layout(pp=2, schedule="1f1b", micro_batch=4, microbatches=4)
+    lay = LayoutSpec(pp=2, pp_schedule="1f1b", micro_batch=4, microbatches=4)
     topo = load_topology("local")
     one, three = simulate(SMALL, topo, lay, ISTHMUS), simulate(SMALL, topo, lay, ISTHMUS, iterations=3)
     assert three.step_times_s == pytest.approx([one.step_time_s] * 3)
@@ -164,9 +164,9 @@ def test_more_steps_take_as_long_each() -> None:
 def test_zero_bubble_fills_the_1f1b_bubble() -> None:
     topo = load_topology("selene-a100").subset(64)
     work = Workload(get_flavor("llama3-70b"), 64, 2048, "bf16")  # 80 blocks: 5 per ZB-V stage
-    base = Layout(tp=8, sp=True, pp=8, micro_batch=1, microbatches=32)
+    base = LayoutSpec(tp=8, sequence_parallel=True, pp=8, micro_batch=1, microbatches=32)
     one = simulate(work, topo, base, ISTHMUS)
-    zb = simulate(work, topo, replace(base, schedule="zero_bubble", virtual_stages=2), ISTHMUS)
+    zb = simulate(work, topo, replace(base, pp_schedule="zero_bubble", pp_virtual_stages=2), ISTHMUS)
     assert zb.bubble_fraction < 0.5 * one.bubble_fraction and zb.step_time_s < one.step_time_s
 
 
@@ -178,18 +178,18 @@ def _two_node_geo() -> object:
 
 
 GEO = [
-    Layout(tp=8, sp=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, dc=3, dc_axis="dp", geo="hierarchical"),
-    Layout(tp=8, sp=True, dp_replicate=6, micro_batch=1, microbatches=8, dc=3, dc_axis="dp", geo="flat"),
-    Layout(tp=8, sp=True, dp_replicate=6, micro_batch=1, microbatches=8, dc=3, dc_axis="dp", geo="compressed"),
-    Layout(tp=8, sp=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, dc=3, dc_axis="dp", geo="diloco", diloco_h=50),
-    Layout(tp=8, sp=True, pp=3, dp_replicate=2, micro_batch=1, microbatches=24, dc=3, dc_axis="pp"),
-    Layout(tp=8, sp=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, dc=3, dc_axis="dp",
-           geo="streaming_diloco", diloco_h=20, fragments=4, overlap_steps=1),
+    LayoutSpec(tp=8, sequence_parallel=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, datacenters=3, dc_axis="dp", sync="hierarchical"),
+    LayoutSpec(tp=8, sequence_parallel=True, dp_replicate=6, micro_batch=1, microbatches=8, datacenters=3, dc_axis="dp", sync="flat"),
+    LayoutSpec(tp=8, sequence_parallel=True, dp_replicate=6, micro_batch=1, microbatches=8, datacenters=3, dc_axis="dp", sync="compressed"),
+    LayoutSpec(tp=8, sequence_parallel=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, datacenters=3, dc_axis="dp", sync="diloco", inner_steps=50),
+    LayoutSpec(tp=8, sequence_parallel=True, pp=3, dp_replicate=2, micro_batch=1, microbatches=24, datacenters=3, dc_axis="pp"),
+    LayoutSpec(tp=8, sequence_parallel=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, datacenters=3, dc_axis="dp",
+           sync="streaming_diloco", inner_steps=20, fragments=4, overlap_steps=1),
 ]
 
 
 @pytest.mark.parametrize("layout", GEO, ids=[g.label() for g in GEO])
-def test_wan_bytes_and_time_follow_the_strategy(layout: Layout) -> None:
+def test_wan_bytes_and_time_follow_the_strategy(layout: LayoutSpec) -> None:
     work = Workload(get_flavor("llama3-8b"), 48, 4096, "bf16")
     res = simulate(work, _two_node_geo(), layout, ISTHMUS, record=True)  # type: ignore[arg-type]
     assert res.wan_bytes_per_step == pytest.approx(res.planner.wan_bytes_per_step, rel=1e-6)
@@ -208,7 +208,7 @@ def test_streaming_diloco_hides_what_its_overlap_covers(mbit: float, tau: int) -
 
     rate = mbit * 1e6 / 8
     topo = load_topology("emulated-2dc").with_wan(bandwidth_gb_s=rate / 1e9)
-    lay = Layout(dp_replicate=4, dc=2, dc_axis="dp", geo="streaming_diloco", diloco_h=20, fragments=4,
+    lay = LayoutSpec(dp_replicate=4, datacenters=2, dc_axis="dp", sync="streaming_diloco", inner_steps=20, fragments=4,
                  overlap_steps=tau, micro_batch=4, microbatches=1)
     est, sim = estimate(SMALL, topo, lay, ISTHMUS), simulate(SMALL, topo, lay, ISTHMUS)
     assert sim.step_time_s == pytest.approx(est.step_time_s, rel=0.05)
@@ -229,7 +229,7 @@ def test_streaming_diloco_hides_what_its_overlap_covers(mbit: float, tau: int) -
 # --- outputs --------------------------------------------------------------------------------------
 
 def test_trace_has_a_process_per_device_and_link(tmp_path) -> None:  # noqa: ANN001
-    lay = Layout(tp=8, sp=True, pp=3, dp_replicate=2, micro_batch=1, microbatches=24, dc=3, dc_axis="pp")
+    lay = LayoutSpec(tp=8, sequence_parallel=True, pp=3, dp_replicate=2, micro_batch=1, microbatches=24, datacenters=3, dc_axis="pp")
     work = Workload(get_flavor("llama3-8b"), 48, 4096, "bf16")
     res = simulate(work, _two_node_geo(), lay, ISTHMUS, record=True)  # type: ignore[arg-type]
     path = tmp_path / "t.json"
@@ -247,7 +247,7 @@ def test_trace_has_a_process_per_device_and_link(tmp_path) -> None:  # noqa: ANN
 
 def test_png_timeline(tmp_path) -> None:  # noqa: ANN001
     pytest.importorskip("matplotlib")
-    res = simulate(SMALL, load_topology("local"), Layout(pp=2, schedule="1f1b", micro_batch=4, microbatches=4), ISTHMUS,
+    res = simulate(SMALL, load_topology("local"), LayoutSpec(pp=2, pp_schedule="1f1b", micro_batch=4, microbatches=4), ISTHMUS,
                    record=True)
     path = tmp_path / "t.png"
     write_png(res, path)
@@ -267,6 +267,6 @@ def test_png_without_matplotlib_is_one_line(monkeypatch: pytest.MonkeyPatch, tmp
         return real(name, *a, **k)
 
     monkeypatch.setattr(builtins, "__import__", no_mpl)
-    res = simulate(SMALL, load_topology("local"), Layout(micro_batch=16), ISTHMUS, record=True)
+    res = simulate(SMALL, load_topology("local"), LayoutSpec(micro_batch=16), ISTHMUS, record=True)
     with pytest.raises(IsthmusError, match=r"pip install -c constraints.txt -e '\.\[plot\]'"):
         write_png(res, tmp_path / "t.png")

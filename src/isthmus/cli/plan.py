@@ -1,7 +1,7 @@
 """`isthmus plan`: search every layout of a model on a topology and print the ranked result.
 
     isthmus plan --model gpt3-145.6b --model.n_layers 96 --topology geo-3dc-h100 \\
-                 --global-batch 1536 --seq-len 2048 --top 5
+                 --train.batch_size 1536 --train.seq_len 2048 --top 5
 
 Anything not fixed on the command line (training shape, any parallel degree, the schedule, the
 cross-datacenter placement and strategy) is left to the search.
@@ -17,7 +17,8 @@ from isthmus.config import ModelConfig
 from isthmus.errors import ConfigError
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.explain import explain, format_table, result_json
-from isthmus.planner.layout import GEO_STRATEGIES, RUNTIMES
+from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES
+from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace, search
 from isthmus.planner.topology import load_topology
 
@@ -25,8 +26,11 @@ from isthmus.planner.topology import load_topology
 SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
     ("n_layers", int), ("dim", int), ("n_heads", int), ("n_kv_heads", int), ("ffn_dim", int), ("vocab_size", int),
 )
-_POSITIVE = ("global_batch", "seq_len", "micro_batch", "top", "gpus", "tp", "pp", "cp", "dp_shard", "virtual_stages",
-             "diloco_h", "fragments", "overlap_steps", "max_batch_tokens")
+_POSITIVE = {"batch_size": "--train.batch_size", "seq_len": "--train.seq_len", "micro_batch": "--micro-batch",
+             "top": "--top", "gpus": "--gpus", "tp": "--parallel.tp", "pp": "--parallel.pp", "cp": "--parallel.cp",
+             "dp_shard": "--parallel.dp_shard", "pp_virtual_stages": "--parallel.pp_virtual_stages",
+             "inner_steps": "--geo.inner_steps", "fragments": "--geo.fragments", "overlap_steps": "--geo.overlap_steps",
+             "max_batch_tokens": "--max-batch-tokens"}
 
 
 def _bool(text: str) -> bool:
@@ -54,24 +58,32 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--topology", default="local", metavar="FILE|PRESET", help="topology TOML file or preset (default: local)")
     p.add_argument("--gpus", type=int, default=None, metavar="N", help="use only the first N devices of the topology")
     p.add_argument("--wan-bandwidth", type=float, default=None, metavar="GB/S", help="replace every WAN link's bandwidth")
-    p.add_argument("--global-batch", type=int, default=None, metavar="N", help="sequences per step (default: searched)")
-    p.add_argument("--seq-len", type=int, default=None, metavar="N", help="tokens per sequence (default: searched)")
-    p.add_argument("--micro-batch", type=int, default=None, metavar="N", help="sequences per microbatch (default: searched)")
-    p.add_argument("--recompute", choices=("none", "selective", "full"), default=None, help="activation recomputation")
+    # Layout settings take the names `isthmus train` gives them (--section.key); the rest is searched.
+    p.add_argument("--train.batch_size", dest="batch_size", type=int, default=None, metavar="N",
+                   help="sequences per step (default: searched)")
+    p.add_argument("--train.seq_len", dest="seq_len", type=int, default=None, metavar="N",
+                   help="tokens per sequence (default: searched)")
+    p.add_argument("--micro-batch", dest="micro_batch", type=int, default=None, metavar="N",
+                   help="sequences per microbatch, the layout's micro_batch (derived, no config key; default: searched)")
     p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
-                   help="tokens per step when --global-batch is searched (default: 4,194,304)")
-    for flag, meta in (("--tp", "N"), ("--pp", "N"), ("--cp", "N"), ("--dp-shard", "N"), ("--virtual-stages", "N")):
-        p.add_argument(flag, type=int, default=None, metavar=meta, help=f"fix {flag[2:]}")
-    p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=None, help="fix the ZeRO stage")
-    p.add_argument("--schedule", choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"), default=None, help="fix the pipeline schedule")
-    p.add_argument("--dc-axis", choices=("none", "dp", "pp"), default=None,
+                   help="tokens per step when --train.batch_size is searched (default: 4,194,304)")
+    for key in ("tp", "pp", "cp", "dp_shard", "pp_virtual_stages"):
+        p.add_argument(f"--parallel.{key}", dest=key, type=int, default=None, metavar="N", help=f"fix parallel.{key}")
+    p.add_argument("--parallel.zero_stage", dest="zero_stage", type=int, choices=(1, 2, 3), default=None,
+                   help="fix the ZeRO stage")
+    p.add_argument("--parallel.pp_schedule", dest="pp_schedule", choices=PP_SCHEDULES, default=None,
+                   help="fix the pipeline schedule")
+    p.add_argument("--parallel.activation_checkpoint", dest="activation_checkpoint", choices=ACTIVATION_CHECKPOINTS,
+                   default=None, help="fix the activation recomputation")
+    p.add_argument("--geo.dc_axis", dest="dc_axis", choices=DC_AXES, default=None,
                    help="what crosses datacenters: none (use one), dp replicas or pp stages")
-    p.add_argument("--geo", default=None, metavar="LIST", help="cross-datacenter strategies to consider "
-                   "(comma list of flat, hierarchical, compressed, diloco, streaming_diloco; default: all)")
-    p.add_argument("--diloco-h", type=int, default=100, metavar="H", help="inner steps between DiLoCo syncs (default: 100)")
-    p.add_argument("--fragments", type=int, default=4, metavar="F",
+    p.add_argument("--geo.sync", dest="sync", default=None, metavar="LIST", help="cross-datacenter sync kinds to consider "
+                   f"(comma list of {', '.join(GEO_SYNCS)}; default: all)")
+    p.add_argument("--geo.inner_steps", dest="inner_steps", type=int, default=100, metavar="H",
+                   help="diloco / streaming_diloco: inner steps between syncs (default: 100)")
+    p.add_argument("--geo.fragments", dest="fragments", type=int, default=4, metavar="F",
                    help="streaming_diloco: fragments synchronised in turn (default: 4)")
-    p.add_argument("--overlap-steps", type=int, default=1, metavar="T",
+    p.add_argument("--geo.overlap_steps", dest="overlap_steps", type=int, default=1, metavar="T",
                    help="streaming_diloco: inner steps a fragment's transfer overlaps (default: 1)")
     p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16", "fp8"), default=None,
                    help="matmul dtype (default: the devices' own, bf16 on GPUs, fp32 on CPUs)")
@@ -83,18 +95,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def check_arguments(ns: argparse.Namespace) -> None:
-    for key in _POSITIVE:
+    for key, flag in _POSITIVE.items():
         value = getattr(ns, key, None)
         if value is not None and value < 1:
-            raise ConfigError("--" + key.replace("_", "-"), value, "must be at least 1")
+            raise ConfigError(flag, value, "must be at least 1")
     for key, _ in SHAPE_FLAGS:
         value = getattr(ns, f"model_{key}")
         if value is not None and value < 1:
             raise ConfigError(f"--model.{key}", value, "must be at least 1")
-    if ns.fragments > ns.diloco_h:
-        raise ConfigError("--fragments", ns.fragments, f"must be at most --diloco-h = {ns.diloco_h}")
-    if ns.overlap_steps >= ns.diloco_h:
-        raise ConfigError("--overlap-steps", ns.overlap_steps, f"must be less than --diloco-h = {ns.diloco_h}")
+    if ns.fragments > ns.inner_steps:
+        raise ConfigError("--geo.fragments", ns.fragments, f"must be at most --geo.inner_steps = {ns.inner_steps}")
+    if ns.overlap_steps >= ns.inner_steps:
+        raise ConfigError("--geo.overlap_steps", ns.overlap_steps, f"must be less than --geo.inner_steps = {ns.inner_steps}")
     if ns.wan_bandwidth is not None and not ns.wan_bandwidth > 0:
         raise ConfigError("--wan-bandwidth", ns.wan_bandwidth, "must be positive (GB/s)")
 
@@ -102,16 +114,16 @@ def check_arguments(ns: argparse.Namespace) -> None:
 def search_space(ns: argparse.Namespace) -> SearchSpace:
     """The search space the shared `plan` / `simulate` flags describe."""
 
-    geo = GEO_STRATEGIES if ns.geo is None else tuple(g.strip() for g in ns.geo.split(",") if g.strip())
-    for g in geo:
-        if g not in GEO_STRATEGIES:
-            raise ConfigError("--geo", g, f"choose from: {', '.join(GEO_STRATEGIES)}")
+    sync = GEO_SYNCS if ns.sync is None else tuple(g.strip() for g in ns.sync.split(",") if g.strip())
+    for g in sync:
+        if g not in GEO_SYNCS:
+            raise ConfigError("--geo.sync", g, f"choose from: {', '.join(GEO_SYNCS)}")
     return SearchSpace(
-        global_batch=ns.global_batch, seq_len=ns.seq_len, micro_batch=ns.micro_batch, recompute=ns.recompute,
-        tp=ns.tp, pp=ns.pp, cp=ns.cp, dp_shard=ns.dp_shard, zero_stage=ns.zero_stage, schedule=ns.schedule,
-        virtual_stages=ns.virtual_stages, dc_axis=ns.dc_axis, geo=geo, diloco_h=ns.diloco_h,
-        fragments=ns.fragments, overlap_steps=ns.overlap_steps,
-        max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
+        batch_size=ns.batch_size, seq_len=ns.seq_len, micro_batch=ns.micro_batch,
+        activation_checkpoint=ns.activation_checkpoint, tp=ns.tp, pp=ns.pp, cp=ns.cp, dp_shard=ns.dp_shard,
+        zero_stage=ns.zero_stage, pp_schedule=ns.pp_schedule, pp_virtual_stages=ns.pp_virtual_stages,
+        dc_axis=ns.dc_axis, sync=sync, inner_steps=ns.inner_steps, fragments=ns.fragments,
+        overlap_steps=ns.overlap_steps, max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
     )
 
 
@@ -135,7 +147,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         return 0
     best = result.best.work
     sys.stdout.write(
-        f"isthmus plan: {ns.model} on {topo.name} ({topo.n_devices:,} devices), global batch {best.global_batch} x "
+        f"isthmus plan: {ns.model} on {topo.name} ({topo.n_devices:,} devices), global batch {best.batch_size} x "
         f"{best.seq_len} tokens; {result.considered:,} layouts considered, {result.pruned_memory:,} over memory\n\n"
     )
     sys.stdout.write(format_table(result, ns.top) + "\n\n")

@@ -1,7 +1,7 @@
 """`isthmus simulate`: run one layout through the discrete-event simulator.
 
     isthmus simulate --model gpt3-145.6b --model.n_layers 80 --topology selene-a100 --gpus 1536 \\
-        --global-batch 2304 --seq-len 2048 --micro-batch 1 --recompute full --runtime megatron-2021 \\
+        --train.batch_size 2304 --train.seq_len 2048 --micro-batch 1 --parallel.activation_checkpoint full --runtime megatron-2021 \\
         --plan 'tp=8,pp=8,pp_schedule=interleaved_1f1b,pp_virtual_stages=2' --trace t.json --png t.png
 
 Takes ``isthmus plan``'s arguments plus a layout: ``--plan`` names ``[parallel]`` keys, and the
@@ -109,7 +109,7 @@ def format_result(r: SimResult, topo_name: str) -> str:
     w1 = max(len(b) for _, b, _ in rows + [("", "simulated", "")])
     lines = [
         f"isthmus simulate: {lay.label()} on {topo_name} ({lay.world:,} devices; {sim['devices_simulated']} simulated: "
-        f"one data-parallel replica, one device per pipeline rank), {work.global_batch} x {work.seq_len} tokens, "
+        f"one data-parallel replica, one device per pipeline rank), {work.batch_size} x {work.seq_len} tokens, "
         f"{sim['iterations']} step(s), {sim['events']:,} events in {sim['wall_s']:.2f} s",
         "",
         f"{'':{w0}}  {'simulated':>{w1}}  cost model",

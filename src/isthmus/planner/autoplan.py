@@ -24,7 +24,8 @@ from typing import Any
 from isthmus.errors import ConfigError
 from isthmus.models.args import ModelArgs
 from isthmus.planner.cost import Estimate, estimate
-from isthmus.planner.layout import Layout, Runtime
+from isthmus.planner.layout import LayoutSpec, Runtime
+from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, CP_IMPLS, PP_SCHEDULES
 from isthmus.planner.pipeline import check_pipeline
 from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import DeviceKind, Topology, load_topology, parse_topology, shipped_topologies_dir
@@ -34,8 +35,8 @@ PLAN_KEYS: dict[str, type] = {
     "cp": int, "cp_impl": str, "pp": int, "pp_schedule": str, "microbatches": int, "pp_virtual_stages": int,
     "activation_checkpoint": str,
 }
-_CHOICES = {"cp_impl": ("ring", "ulysses"), "pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"),
-            "activation_checkpoint": ("none", "selective", "full"), "zero_stage": (1, 2, 3)}
+_CHOICES = {"cp_impl": CP_IMPLS, "pp_schedule": PP_SCHEDULES, "activation_checkpoint": ACTIVATION_CHECKPOINTS,
+            "zero_stage": (1, 2, 3)}
 
 
 def parse_plan(text: str, flag: str = "--plan") -> dict[str, Any]:
@@ -71,14 +72,12 @@ def parse_plan(text: str, flag: str = "--plan") -> dict[str, Any]:
 def _space_with(space: SearchSpace, fixed: dict[str, Any], world: int, global_batch: int | None) -> SearchSpace:
     """The search space with what ``fixed`` names pinned (the rest is checked on the results)."""
     pins: dict[str, Any] = {}
-    for key, field in (("tp", "tp"), ("pp", "pp"), ("cp", "cp"), ("dp_shard", "dp_shard"), ("zero_stage", "zero_stage"),
-                       ("pp_schedule", "schedule"), ("pp_virtual_stages", "virtual_stages"),
-                       ("activation_checkpoint", "recompute")):
+    for key in ("tp", "pp", "cp", "dp_shard", "zero_stage", "pp_schedule", "pp_virtual_stages", "activation_checkpoint"):
         if key in fixed:
-            pins[field] = fixed[key]
+            pins[key] = fixed[key]  # the search space's fields are the config's keys
     if fixed.get("pp") == 1:
-        pins.pop("schedule", None)
-        pins.pop("virtual_stages", None)
+        pins.pop("pp_schedule", None)
+        pins.pop("pp_virtual_stages", None)
     # Microbatch count -> microbatch size, when the data-parallel degree is known.
     if "microbatches" in fixed and global_batch and all(k in fixed for k in ("tp", "pp")):
         dp = world // (fixed["tp"] * fixed.get("cp", 1) * fixed["pp"])
@@ -87,7 +86,7 @@ def _space_with(space: SearchSpace, fixed: dict[str, Any], world: int, global_ba
     return replace(space, **pins)
 
 
-def _matches(lay: Layout, fixed: dict[str, Any]) -> bool:
+def _matches(lay: LayoutSpec, fixed: dict[str, Any]) -> bool:
     want = {"dp_replicate": lay.dp_replicate, "microbatches": lay.microbatches if lay.pp > 1 else None,
             "cp_impl": lay.cp_impl}
     if "microbatches" in fixed and lay.pp == 1:
@@ -108,7 +107,7 @@ def choose_layout(args: ModelArgs, topo: Topology, space: SearchSpace, fixed: di
     """
     if "nproc" in fixed and fixed["nproc"] != topo.n_devices:
         topo = topo.subset(fixed["nproc"])
-    pinned = _space_with(space, fixed, topo.n_devices, space.global_batch)
+    pinned = _space_with(space, fixed, topo.n_devices, space.batch_size)
     names = ",".join(f"{k}={v}" for k, v in fixed.items())
     try:
         result = search(args, topo, pinned, runtime, top=max(top, 50) if set(fixed) - {"nproc"} else top, dtype=dtype)
@@ -125,20 +124,20 @@ def choose_layout(args: ModelArgs, topo: Topology, space: SearchSpace, fixed: di
     if band > 0:
         near = [e for e in pool if e.effective_tokens_per_s >= (1 - band) * best.effective_tokens_per_s]
         best = min(near, key=lambda e: (mechanisms(e.layout), -e.effective_tokens_per_s))
-    if "sequence_parallel" in fixed and fixed["sequence_parallel"] != best.layout.sp:
+    if "sequence_parallel" in fixed and fixed["sequence_parallel"] != best.layout.sequence_parallel:
         if fixed["sequence_parallel"] and best.layout.tp == 1:
             raise ConfigError("--plan sequence_parallel", True, "needs tp > 1")
-        best = estimate(best.work, topo, replace(best.layout, sp=fixed["sequence_parallel"]), runtime)
+        best = estimate(best.work, topo, replace(best.layout, sequence_parallel=fixed["sequence_parallel"]), runtime)
     lay = best.layout
-    why = check_pipeline(lay.schedule, lay.pp, lay.microbatches, lay.virtual_stages, args.n_layers, runtime.name)
+    why = check_pipeline(lay.pp_schedule, lay.pp, lay.microbatches, lay.pp_virtual_stages, args.n_layers, runtime.name)
     assert why is None, why
     return best
 
 
-def mechanisms(lay: Layout) -> int:
+def mechanisms(lay: LayoutSpec) -> int:
     """How many parallel mechanisms a layout runs: tp, sp, cp, pp (and its interleaving), sharding
     (and its stage), gradient accumulation. Each brings runtime work the cost model does not see."""
-    return (sum([lay.tp > 1, lay.sp, lay.cp > 1, lay.pp > 1, lay.virtual_stages > 1, lay.shard_degree > 1,
+    return (sum([lay.tp > 1, lay.sequence_parallel, lay.cp > 1, lay.pp > 1, lay.pp_virtual_stages > 1, lay.shard_degree > 1,
                  lay.pp == 1 and lay.microbatches > 1]) + (lay.zero_stage - 1 if lay.shard_degree > 1 else 0))
 
 
@@ -261,7 +260,7 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
         topo = local_topology(p.nproc, topology, t.threads)
     except ConfigError as e:
         raise ConfigError("parallel.plan_topology", topology, e.rule) from None
-    space = SearchSpace(global_batch=t.batch_size, seq_len=t.seq_len, recompute=p.activation_checkpoint, dc_axis="none")
+    space = SearchSpace(batch_size=t.batch_size, seq_len=t.seq_len, activation_checkpoint=p.activation_checkpoint, dc_axis="none")
     if args.tie_embeddings:
         space = replace(space, pp=1)  # a tied head cannot be pipelined; the config's model is kept as given
     pins = {k: v for k, v in (fixed or {}).items() if k in PLAN_KEYS and k != "activation_checkpoint"}

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from isthmus.models.args import ModelArgs
-from isthmus.planner.layout import Layout, Runtime
+from isthmus.planner.layout import LayoutSpec, Runtime
 from isthmus.planner.topology import DeviceKind
 
 ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -192,7 +192,7 @@ def shard_collectives(zero_stage: int, shard: int, pp: int, microbatches: int) -
     return gathers + 1
 
 
-def shard_overhead(kind: DeviceKind, layout: Layout, layers: int) -> float:
+def shard_overhead(kind: DeviceKind, layout: LayoutSpec, layers: int) -> float:
     """Seconds of FSDP2's runtime work per step on a device holding ``layers`` blocks (``kind.shard_block_s``
     per block and collective; 0 unless a profile measured it)."""
     if not kind.shard_block_s:

@@ -16,7 +16,7 @@ from isthmus.models.flops import flops_per_token
 from isthmus.planner import comm
 from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_times, optimizer_time, shard_overhead
 from isthmus.planner.geo import dp_sync, streaming_exposed
-from isthmus.planner.layout import Layout, Runtime, Workload
+from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory, stage_params
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
 from isthmus.planner.placement import Placement, SiteSpans, place
@@ -91,16 +91,16 @@ def recompute_share(recompute: str) -> float:
     return {"full": 1.0, "selective": 0.5}.get(recompute, 0.0)
 
 
-def _ends(kind: DeviceKind, work: Workload, layout: Layout, r: int) -> tuple[PhaseTimes, PhaseTimes]:
-    emb, head = ends_times(kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sp)
+def _ends(kind: DeviceKind, work: Workload, layout: LayoutSpec, r: int) -> tuple[PhaseTimes, PhaseTimes]:
+    emb, head = ends_times(kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel)
     zero = PhaseTimes(0.0, 0.0, 0.0, 0.0)
     return (emb if r == 0 else zero), (head if r == layout.pp - 1 else zero)
 
 
-def stage_costs(work: Workload, layout: Layout, runtime: Runtime, pl: Placement) -> list[StageCost]:
+def stage_costs(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement) -> list[StageCost]:
     """Per pipeline rank: layers (Megatron: even split; isthmus: balanced by speed) and microbatch cost."""
-    p, v, rc, e = layout.pp, layout.virtual_stages, recompute_share(layout.recompute), ELEM_BYTES[work.dtype]
-    per_site = [(site, block_cost(site.dc.kind, site, work, layout.tp, layout.cp, layout.sp, layout.cp_impl,
+    p, v, rc, e = layout.pp, layout.pp_virtual_stages, recompute_share(layout.activation_checkpoint), ELEM_BYTES[work.dtype]
+    per_site = [(site, block_cost(site.dc.kind, site, work, layout.tp, layout.cp, layout.sequence_parallel, layout.cp_impl,
                                   layout.micro_batch, runtime)) for site in pl.sites]
     blocks = [[per_site[i] for i in pl.stage_sites[r]] for r in range(p)]
     if runtime.name == "megatron-2021" or p == 1:
@@ -114,7 +114,7 @@ def stage_costs(work: Workload, layout: Layout, runtime: Runtime, pl: Placement)
             extra[r] = max(sum(x.fwd + x.backward for x in _ends(site.dc.kind, work, layout, r)) for site, _ in blocks[r])
         layers = partition_layers(work.args.n_layers, per_layer, extra, min_layers=v)
     act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * e
-    msg = act / (layout.tp if runtime.scatter_gather or layout.sp else 1)
+    msg = act / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
     memo: dict[tuple[object, ...], StageCost] = {}
     out = []
     for r in range(p):
@@ -126,9 +126,9 @@ def stage_costs(work: Workload, layout: Layout, runtime: Runtime, pl: Placement)
     return out
 
 
-def _stage_cost(work: Workload, layout: Layout, runtime: Runtime, row: list[tuple[SiteSpans, BlockCost]], n: int, r: int,
+def _stage_cost(work: Workload, layout: LayoutSpec, runtime: Runtime, row: list[tuple[SiteSpans, BlockCost]], n: int, r: int,
                 near: tuple[tuple[object, int, bool], ...], act: float, msg: float) -> StageCost:
-    rc, v = recompute_share(layout.recompute), layout.virtual_stages
+    rc, v = recompute_share(layout.activation_checkpoint), layout.pp_virtual_stages
     worst: StageCost | None = None
     for site, bc in row:
         emb, head = _ends(site.dc.kind, work, layout, r)
@@ -167,15 +167,15 @@ class RankSync:
     """streaming_diloco: WAN seconds of one fragment's exchange, overlapped with the next steps."""
 
 
-def rank_sync(work: Workload, layout: Layout, runtime: Runtime, pl: Placement, r: int, st: StageCost) -> RankSync:
+def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement, r: int, st: StageCost) -> RankSync:
     params = stage_params(work.args, st.layers, r == 0, r == layout.pp - 1, layout.pp) / layout.tp
     worst: RankSync | None = None
     for i in pl.stage_sites[r]:
         site = pl.sites[i]
         sc = dp_sync(params, site, layout, runtime, layout.microbatches)
         # Gradients of rank r are final r backward-chunks before rank 0's; the sync overlaps that.
-        window = (st.bwd + r * st.bwd / layout.virtual_stages) if runtime.dp_overlap else 0.0
-        outer = sc.wan if layout.geo == "diloco" else 0.0  # DiLoCo's outer sync blocks, every H steps
+        window = (st.bwd + r * st.bwd / layout.pp_virtual_stages) if runtime.dp_overlap else 0.0
+        outer = sc.wan if layout.sync == "diloco" else 0.0  # DiLoCo's outer sync blocks, every H steps
         grad = max(0.0, sc.grad - outer - window) + outer
         params_exposed = max(0.0, sc.params - st.fwd) if runtime.dp_overlap else sc.params
         opt = optimizer_time(site.dc.kind, params / max(1, layout.shard_degree)) + shard_overhead(site.dc.kind, layout, st.layers)
@@ -188,36 +188,36 @@ def rank_sync(work: Workload, layout: Layout, runtime: Runtime, pl: Placement, r
     return worst
 
 
-def rank_memory(work: Workload, layout: Layout, runtime: Runtime, r: int, layers: int) -> MemoryBreakdown:
+def rank_memory(work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, layers: int) -> MemoryBreakdown:
     return device_memory(
         work.args, runtime, layers=layers, first=r == 0, last=r == layout.pp - 1, pp=layout.pp, tp=layout.tp,
-        cp=layout.cp, sp=layout.sp, micro_batch=layout.micro_batch, seq_len=work.seq_len, recompute=layout.recompute,
-        in_flight=in_flight(layout.schedule, layout.pp, layout.virtual_stages, layout.microbatches, r),
+        cp=layout.cp, sp=layout.sequence_parallel, micro_batch=layout.micro_batch, seq_len=work.seq_len, recompute=layout.activation_checkpoint,
+        in_flight=in_flight(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, layout.microbatches, r),
         zero_stage=layout.zero_stage, shard=layout.shard_degree, accumulate=layout.microbatches > 1, dtype=work.dtype,
     )
 
 
-def pipeline_links(work: Workload, layout: Layout, runtime: Runtime, pl: Placement, busy: list[float]) -> list[LinkStage]:
+def pipeline_links(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement, busy: list[float]) -> list[LinkStage]:
     """Pipeline boundaries as stages of their own, when sends overlap compute (``busy``: seconds per
     microbatch of each rank)."""
-    p, v, m = layout.pp, layout.virtual_stages, layout.microbatches
+    p, v, m = layout.pp, layout.pp_virtual_stages, layout.microbatches
     if p == 1 or not runtime.p2p_async:
         return []
     msg = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * ELEM_BYTES[work.dtype] / (
-        layout.tp if runtime.scatter_gather or layout.sp else 1)
+        layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
     links = []
     for r, (link, share, _) in enumerate(pl.boundary_links):
         one = comm.p2p(msg, link, share)
         # A boundary paces the pipeline by its busy time, or by the round trip its latency adds
         # to rank r, spread over the microbatches rank r keeps in flight to hide it.
-        rtt = busy[r] + 2 * one / max(1.0, in_flight(layout.schedule, p, v, m, r))
+        rtt = busy[r] + 2 * one / max(1.0, in_flight(layout.pp_schedule, p, v, m, r))
         links.append(LinkStage(max(v * (one - link.latency), rtt), 2 * one))
     return links
 
 
 @dataclass(frozen=True)
 class Estimate:
-    layout: Layout
+    layout: LayoutSpec
     work: Workload
     runtime: str
     step_time_s: float
@@ -249,9 +249,9 @@ class Estimate:
 
     def as_json(self) -> dict[str, object]:
         return {
-            "layout": self.layout.as_dict(), "label": self.layout.label(), "parallel": self.layout.parallel_config(),
-            "train": self.layout.train_config(self.work), "model": self.layout.model_overrides(self.work.args),
-            "global_batch": self.work.global_batch, "seq_len": self.work.seq_len, "runtime": self.runtime, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
+            "layout": self.layout.as_dict(), "label": self.layout.label(), 
+            **self.layout.config_sections(self.work.seq_len, self.work.args.tie_embeddings),
+            "batch_size": self.work.batch_size, "seq_len": self.work.seq_len, "runtime": self.runtime, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "effective_tokens_per_s": self.effective_tokens_per_s, "tflops_per_device": self.tflops_per_device,
             "mfu": self.mfu, "mem_per_device_gb": self.mem_per_device_gb, "fits": self.fits,
             "bubble_fraction": self.bubble_fraction, "wan_bytes_per_step": self.wan_bytes_per_step,
@@ -260,7 +260,7 @@ class Estimate:
 
 
 def estimate(
-    work: Workload, topo: Topology, layout: Layout, runtime: Runtime,
+    work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtime,
     placement: Placement | None = None, stages: list[StageCost] | None = None,
 ) -> Estimate:
     """Everything the planner ranks by, for one layout (memory may exceed the device: see ``fits``).
@@ -269,7 +269,7 @@ def estimate(
     layout only through tp, cp, pp, schedule, microbatching and recomputation, not on how data
     parallelism is split, so the search computes them once for all its dp_shard / zero / geo variants.
     """
-    a, m, p, v = work.args, layout.microbatches, layout.pp, layout.virtual_stages
+    a, m, p, v = work.args, layout.microbatches, layout.pp, layout.pp_virtual_stages
     pl = placement or place(topo, layout)
     stages = stages or stage_costs(work, layout, runtime, pl)
     # Ranks with the same stage cost and sites differ only in r, and both the exposed sync and the
@@ -285,7 +285,7 @@ def estimate(
             for st, sy in zip(stages, syncs)]
     e = ELEM_BYTES[work.dtype]
     links = pipeline_links(work, layout, runtime, pl, busy)
-    t_pipe, idle = pipeline_time(busy, [st.wgrad for st in stages], m, v, layout.schedule, links)
+    t_pipe, idle = pipeline_time(busy, [st.wgrad for st in stages], m, v, layout.pp_schedule, links)
     slow = max(range(p), key=lambda r: syncs[r].tail)
     step = t_pipe + syncs[slow].tail
     # Streaming DiLoCo: the slowest fragment transfer against the steps it overlaps.
@@ -294,7 +294,7 @@ def estimate(
     # Activations and their gradients cross each WAN boundary once per sequence.
     wan_cuts = sum(1 for _, _, wan in pl.boundary_links if wan)
     wan_bytes = sum(sy.wan_bytes for sy in syncs) + wan_cuts * 2 * work.tokens_per_step * a.dim * e * (
-        1 if runtime.scatter_gather or layout.sp else layout.tp)
+        1 if runtime.scatter_gather or layout.sequence_parallel else layout.tp)
     heavy = max(range(p), key=lambda r: busy[r])
     breakdown = {k: m * val for k, val in stages[heavy].parts}
     wan_wait = max([m * l.occupancy - m * busy[heavy] for l, (_, _, w) in zip(links, pl.boundary_links) if w] + [0.0])
@@ -304,13 +304,13 @@ def estimate(
     })
     tokens_per_s = work.tokens_per_step / step
     model_flops = flops_per_token(a, work.seq_len, False)
-    hw_flops = model_flops + recompute_share(layout.recompute) * (flops_per_token(a, work.seq_len, True) - model_flops)
+    hw_flops = model_flops + recompute_share(layout.activation_checkpoint) * (flops_per_token(a, work.seq_len, True) - model_flops)
     kinds = [s.dc.kind for s in pl.sites]
     peak = sum(k.peak(work.dtype) for k in kinds) / len(kinds) * layout.world
     usable = min(k.memory_bytes for k in kinds) * USABLE_FRACTION
     return Estimate(
         layout=layout, work=work, runtime=runtime.name, step_time_s=step, tokens_per_s=tokens_per_s,
-        effective_tokens_per_s=tokens_per_s * runtime.quality_of(layout.geo),
+        effective_tokens_per_s=tokens_per_s * runtime.quality_of(layout.sync),
         tflops_per_device=hw_flops * tokens_per_s / layout.world / 1e12, mfu=model_flops * tokens_per_s / peak,
         mem_per_device_gb=memory.total / 1e9, memory=memory, fits=memory.total <= usable,
         bubble_fraction=idle / step, wan_bytes_per_step=wan_bytes, breakdown=breakdown, stages=tuple(stages),

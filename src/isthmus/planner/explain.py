@@ -55,7 +55,7 @@ def explain(result: SearchResult, topo: Topology) -> str:
     n = count_params(work.args)
     params = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     out = [
-        f"{params} parameters at {work.global_batch} x {work.seq_len} tokens per step on {topo.name} "
+        f"{params} parameters at {work.batch_size} x {work.seq_len} tokens per step on {topo.name} "
         f"({lay.world:,} x {dc.kind.name}) runs best as {lay.label()}: {best.tokens_per_s:,.0f} tokens/s, "
         f"MFU {100 * best.mfu:.1f}%, {best.mem_per_device_gb:.1f} of {dc.kind.memory_bytes / 1e9:.0f} GB per device."
     ]
@@ -63,9 +63,9 @@ def explain(result: SearchResult, topo: Topology) -> str:
         out.append(f"Tensor parallelism of {lay.tp} stays inside a node of {dc.devices_per_node} devices, so its four "
                    f"collectives per block run at {dc.intra_node.bandwidth / 1e9:.0f} GB/s ({_share(best, 'tp comm')} of the step).")
     if lay.pp > 1:
-        out.append(f"{lay.pp} pipeline stages under {lay.schedule} with {lay.microbatches} microbatches idle "
+        out.append(f"{lay.pp} pipeline stages under {lay.pp_schedule} with {lay.microbatches} microbatches idle "
                    f"{100 * best.bubble_fraction:.0f}% of the step.")
-    state = "no recomputation" if lay.recompute == "none" else f"{lay.recompute} recomputation"
+    state = "no recomputation" if lay.activation_checkpoint == "none" else f"{lay.activation_checkpoint} recomputation"
     shard = f"ZeRO-{lay.zero_stage} over {lay.shard_degree} ranks" if lay.shard_degree > 1 else "no sharding"
     out.append(f"It fits with {state} and {shard}.")
     out.extend(_wan_sentences(result, topo))
@@ -83,7 +83,7 @@ def explain(result: SearchResult, topo: Topology) -> str:
 
 def _core(est: Estimate) -> tuple[object, ...]:
     lay = est.layout
-    return (lay.tp, lay.cp, lay.pp, lay.schedule, lay.virtual_stages, lay.micro_batch, lay.recompute, lay.dc_axis, lay.geo)
+    return (lay.tp, lay.cp, lay.pp, lay.pp_schedule, lay.pp_virtual_stages, lay.micro_batch, lay.activation_checkpoint, lay.dc_axis, lay.sync)
 
 
 def _runner_up(result: SearchResult) -> Estimate | None:
@@ -102,26 +102,26 @@ def _wan_sentences(result: SearchResult, topo: Topology) -> list[str]:
     links = (f"{speeds[0]:.3g} GB/s links" if len(speeds) == 1 else
              f"links of {', '.join(f'{b:.3g}' for b in speeds)} GB/s")
     others = {k: v for k, v in alt.items()
-              if k.startswith(("dc_axis=", "geo=")) and (v.layout.dc_axis, v.layout.geo) != (lay.dc_axis, lay.geo)}
+              if k.startswith(("dc_axis=", "sync=")) and (v.layout.dc_axis, v.layout.sync) != (lay.dc_axis, lay.sync)}
     rival = max(others.values(), key=lambda e: e.effective_tokens_per_s, default=None)
     if lay.dc_axis == "pp":
         s = (f"Only pipeline activations cross the WAN ({links}): {best.wan_bytes_per_step / 1e9:.3g} GB per step, "
              "with per-layer traffic (tp, cp, sp, ZeRO gathers) kept inside each datacenter.")
     elif lay.dc_axis == "dp":
         how = {"flat": "one flat ring", "hierarchical": "hierarchical all-reduce of gradient shards",
-               "compressed": "compressed gradient shards", "diloco": f"DiLoCo outer steps every {lay.diloco_h} steps",
-               "streaming_diloco": f"Streaming DiLoCo ({lay.fragments} fragments in turn over {lay.diloco_h} steps, "
-                                   f"each transfer overlapping {lay.overlap_steps} step(s), int4)"}[lay.geo]
+               "compressed": "compressed gradient shards", "diloco": f"DiLoCo outer steps every {lay.inner_steps} steps",
+               "streaming_diloco": f"Streaming DiLoCo ({lay.fragments} fragments in turn over {lay.inner_steps} steps, "
+                                   f"each transfer overlapping {lay.overlap_steps} step(s), int4)"}[lay.sync]
         s = (f"Data-parallel replicas span the datacenters and synchronise over the WAN ({links}) by {how}: "
              f"{best.wan_bytes_per_step / 1e9:.3g} GB per step; per-layer traffic stays inside each datacenter.")
-        if lay.geo in ("compressed", "diloco", "streaming_diloco"):
+        if lay.sync in ("compressed", "diloco", "streaming_diloco"):
             s += f" Its ranking assumes {100 * (1 - best.effective_tokens_per_s / best.tokens_per_s):.0f}% more tokens for the same loss."
     else:
         s = f"It uses one datacenter: the WAN ({links}) would cost more than the other datacenters add."
     if rival is not None:
         r = rival.layout
         what = ("pipeline stages across datacenters" if r.dc_axis == "pp" else
-                f"data parallelism across datacenters ({r.geo})" if r.dc_axis == "dp" else "one datacenter")
+                f"data parallelism across datacenters ({r.sync})" if r.dc_axis == "dp" else "one datacenter")
         s += (f" The best with {what} ({r.label()}) reaches {rival.tokens_per_s:,.0f} tokens/s, "
               f"{_pct(best.effective_tokens_per_s, rival.effective_tokens_per_s)} behind.")
     return [s]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from isthmus.planner import comm
 from isthmus.planner.comm import Span
-from isthmus.planner.layout import Layout, Runtime
+from isthmus.planner.layout import LayoutSpec, Runtime
 from isthmus.planner.placement import SiteSpans
 
 DILOCO_DELTA_BYTES = 4
@@ -66,22 +66,22 @@ def _wan_phase(nbytes: float, span: Span) -> float:
     return 2 * ((k - 1) * lat + (k - 1) / k * chunk / bw)
 
 
-def cross_dc_all_reduce(nbytes: float, span: Span, layout: Layout, runtime: Runtime) -> tuple[float, float, float]:
+def cross_dc_all_reduce(nbytes: float, span: Span, layout: LayoutSpec, runtime: Runtime) -> tuple[float, float, float]:
     """(seconds, of which WAN, WAN bytes of this group) of an all-reduce whose group may span datacenters."""
     if span.dcs <= 1:
         return comm.all_reduce(nbytes, span), 0.0, 0.0
     inside = comm.all_reduce(nbytes, _inside(span))
-    if layout.geo == "flat":
+    if layout.sync == "flat":
         total = comm.all_reduce(nbytes, span, "ring")
         return total, max(0.0, total - inside), comm.wan_bytes_all_reduce(nbytes, span, "ring")
-    if layout.geo == "diloco":
+    if layout.sync == "diloco":
         delta = nbytes / runtime.grad_bytes * DILOCO_DELTA_BYTES
-        h = max(1, layout.diloco_h)
+        h = max(1, layout.inner_steps)
         wan = _wan_phase(delta, span) / h
         return inside + wan, wan, comm.wan_bytes_all_reduce(delta, span) / h
-    if layout.geo == "streaming_diloco":  # nothing blocking every step: see streaming_fragment
-        return inside, 0.0, comm.wan_bytes_all_reduce(streaming_equivalent(nbytes, span, runtime), span) / max(1, layout.diloco_h)
-    ratio = runtime.compress_ratio if layout.geo == "compressed" else 1.0
+    if layout.sync == "streaming_diloco":  # nothing blocking every step: see streaming_fragment
+        return inside, 0.0, comm.wan_bytes_all_reduce(streaming_equivalent(nbytes, span, runtime), span) / max(1, layout.inner_steps)
+    ratio = runtime.compress_ratio if layout.sync == "compressed" else 1.0
     wan = _wan_phase(nbytes * ratio, span)
     return inside + wan, wan, comm.wan_bytes_all_reduce(nbytes * ratio, span)
 
@@ -96,21 +96,21 @@ def streaming_equivalent(nbytes: float, span: Span, runtime: Runtime) -> float:
     return payload * span.dcs / 2
 
 
-def streaming_fragment(nbytes: float, span: Span, layout: Layout, runtime: Runtime) -> float:
+def streaming_fragment(nbytes: float, span: Span, layout: LayoutSpec, runtime: Runtime) -> float:
     """WAN seconds of one fragment's exchange (1 / fragments of the parameters); 0 for other strategies."""
-    if layout.geo != "streaming_diloco":
+    if layout.sync != "streaming_diloco":
         return 0.0
     return _wan_phase(streaming_equivalent(nbytes, span, runtime) / max(1, layout.fragments), span)
 
 
-def streaming_exposed(fragment_s: float, step_s: float, layout: Layout) -> float:
+def streaming_exposed(fragment_s: float, step_s: float, layout: LayoutSpec) -> float:
     """Seconds per step Streaming DiLoCo adds: a fragment's transfer runs behind ``overlap_steps``
     inner steps and blocks for the rest; one fragment syncs every diloco_h / fragments steps."""
-    h = max(1, layout.diloco_h)
+    h = max(1, layout.inner_steps)
     return max(0.0, fragment_s - layout.overlap_steps * step_s) * max(1, layout.fragments) / h
 
 
-def dp_sync(params: float, site: SiteSpans, layout: Layout, runtime: Runtime, microbatches: int) -> SyncCost:
+def dp_sync(params: float, site: SiteSpans, layout: LayoutSpec, runtime: Runtime, microbatches: int) -> SyncCost:
     """Communication for one device holding ``params`` parameters (after tp and pp) per step."""
     grads = params * runtime.grad_bytes
     weights = params * runtime.weight_bytes

@@ -19,6 +19,7 @@ import heapq
 from dataclasses import dataclass
 
 from isthmus.errors import ConfigError
+from isthmus.layout import rules
 
 
 @dataclass(frozen=True)
@@ -68,21 +69,13 @@ def in_flight(schedule: str, pp: int, virtual_stages: int, microbatches: int, ra
 
 
 def check_pipeline(schedule: str, pp: int, microbatches: int, virtual_stages: int, n_layers: int, runtime: str) -> str | None:
-    """Why (schedule, pp, microbatches, v) cannot run, or None. Mirrors the runtime's own checks."""
-    if pp == 1:
-        return None if virtual_stages == 1 else "virtual stages need pp > 1"
-    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
-        return f"{schedule} runs one stage per rank"
-    if schedule in ("interleaved_1f1b", "zero_bubble") and virtual_stages < 2:
-        return f"{schedule} needs >= 2 stages per rank"
-    if pp * virtual_stages > n_layers:
-        return f"pp * virtual stages = {pp * virtual_stages} is more than n_layers = {n_layers}"
-    if schedule == "1f1b" and microbatches < pp:
-        return f"1f1b needs >= pp = {pp} microbatches"
-    rounds = max(1, microbatches // pp)
-    interleaved = schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and virtual_stages > 2)
-    if interleaved and microbatches % rounds:
-        return f"{schedule} needs a multiple of max(1, microbatches // pp) = {rounds} microbatches"
+    """Why (schedule, pp, microbatches, v) cannot run, or None: the runtime's own rules
+    (:mod:`isthmus.layout.rules`), plus Megatron-LM's for ``runtime == 'megatron-2021'``."""
+    why = rules.pipeline_schedule(schedule, pp, microbatches, virtual_stages)
+    if why is None and pp > 1:
+        why = rules.pipeline_stages(pp, virtual_stages, n_layers)
+    if why is not None or pp == 1:
+        return why
     if runtime == "megatron-2021":
         if n_layers % (pp * virtual_stages):
             return "Megatron needs n_layers divisible by pp * virtual stages"

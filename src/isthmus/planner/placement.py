@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from isthmus.errors import ConfigError
 from isthmus.planner.comm import Span
-from isthmus.planner.layout import Layout
+from isthmus.planner.layout import LayoutSpec
 from isthmus.planner.topology import Datacenter, DeviceKind, Link, Topology
 
 
@@ -77,31 +77,31 @@ def _ring_order(topo: Topology, idx: list[int], closed: bool) -> tuple[list[int]
     return best_order, best_link
 
 
-def choose_dcs(topo: Topology, layout: Layout) -> list[int]:
+def choose_dcs(topo: Topology, layout: LayoutSpec) -> list[int]:
     """The datacenters a layout uses: all of them, or for dc == 1 the one with the most peak FLOP/s."""
     n = len(topo.datacenters)
-    if layout.dc == n:
+    if layout.datacenters == n:
         return list(range(n))
-    if layout.dc == 1:
+    if layout.datacenters == 1:
         return [max(range(n), key=lambda i: topo.datacenters[i].devices * topo.datacenters[i].kind.peak("bf16"))]
-    raise ConfigError("plan.dc", layout.dc, f"a layout spans 1 or all {n} datacenters")
+    raise ConfigError("plan.dc", layout.datacenters, f"a layout spans 1 or all {n} datacenters")
 
 
-def place(topo: Topology, layout: Layout) -> Placement:
+def place(topo: Topology, layout: LayoutSpec) -> Placement:
     """Map ``layout`` onto ``topo``; ConfigError when the datacenters cannot hold it."""
     used = choose_dcs(topo, layout)
-    per_dc = layout.world // layout.dc
+    per_dc = layout.world // layout.datacenters
     for i in used:
         dc = topo.datacenters[i]
         if dc.devices < per_dc:
             raise ConfigError("plan.layout", layout.label(), f"needs {per_dc} devices in {dc.name!r}, which has {dc.devices}")
     order, ring_link = _ring_order(topo, used, closed=layout.dc_axis == "dp")
     t, c, s = layout.tp, layout.cp, layout.dp_shard
-    rep_inner = layout.dp_replicate // (layout.dc if layout.dc_axis == "dp" else 1)
+    rep_inner = layout.dp_replicate // (layout.datacenters if layout.dc_axis == "dp" else 1)
     sites = []
     for i in order:
         dc = topo.datacenters[i]
-        over = layout.dc if layout.dc_axis == "dp" else 1
+        over = layout.datacenters if layout.dc_axis == "dp" else 1
         # Groups of one shape in one datacenter all cross the WAN at once and share it.
         rep_conc = per_dc // max(1, rep_inner) if over > 1 else 1
         sync_conc = per_dc // max(1, rep_inner * s * c) if over > 1 else 1
@@ -117,9 +117,9 @@ def place(topo: Topology, layout: Layout) -> Placement:
         ))
     pp = layout.pp
     if layout.dc_axis == "pp":
-        if pp % layout.dc:
-            raise ConfigError("parallel.pp", pp, f"must be a multiple of the {layout.dc} datacenters it spans")
-        per = pp // layout.dc
+        if pp % layout.datacenters:
+            raise ConfigError("parallel.pp", pp, f"must be a multiple of the {layout.datacenters} datacenters it spans")
+        per = pp // layout.datacenters
         stage_sites = tuple((r // per,) for r in range(pp))
     else:
         # Every datacenter runs every stage; alike datacenters cost alike, so keep one of each shape.
@@ -132,7 +132,7 @@ def place(topo: Topology, layout: Layout) -> Placement:
         stage_sites = tuple(distinct for _ in range(pp))
     # Each tp rank sends its 1/tp share of an activation (scatter/gather) or the whole of it;
     # either way dp x cp x tp ranks of one stage talk to the next stage at once.
-    flows = layout.dp * layout.cp * layout.tp // (layout.dc if layout.dc_axis == "dp" else 1)
+    flows = layout.dp * layout.cp * layout.tp // (layout.datacenters if layout.dc_axis == "dp" else 1)
     links = []
     for r in range(pp - 1):
         a, b = stage_sites[r][0], stage_sites[r + 1][0]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from isthmus.models.flavors import gpt3
 from isthmus.planner.cost import Estimate, estimate
-from isthmus.planner.layout import RUNTIMES, Layout, Workload
+from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.topology import Topology, load_topology
 
 SEQ_LEN = 2048
@@ -50,7 +50,7 @@ VIRTUAL_STAGES = 2
 """Model chunks per rank of the interleaved schedule (the smallest that divides layers / pp)."""
 
 
-def megatron_layout(row: MegatronRow) -> Layout:
+def megatron_layout(row: MegatronRow) -> LayoutSpec:
     """The paper's layout for a row: its tp and pp, the rest data-parallel, b = 1."""
     dp = row.gpus // (row.tp * row.pp)
     m = row.global_batch // (dp * MICRO_BATCH)
@@ -60,8 +60,8 @@ def megatron_layout(row: MegatronRow) -> Layout:
         per_rank = row.layers // row.pp
         v = next(k for k in range(VIRTUAL_STAGES, per_rank + 1) if per_rank % k == 0)
         schedule = "interleaved_1f1b"
-    return Layout(tp=row.tp, pp=row.pp, schedule=schedule, virtual_stages=v, dp_replicate=dp,
-                  micro_batch=MICRO_BATCH, microbatches=m, recompute="full")
+    return LayoutSpec(tp=row.tp, pp=row.pp, pp_schedule=schedule, pp_virtual_stages=v, dp_replicate=dp,
+                  micro_batch=MICRO_BATCH, microbatches=m, activation_checkpoint="full")
 
 
 def megatron_row_estimate(row: MegatronRow, topo: Topology | None = None) -> Estimate:

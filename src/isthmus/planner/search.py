@@ -23,7 +23,9 @@ from isthmus.models.flops import count_params
 from isthmus.planner import comm
 from isthmus.planner.compute import ELEM_BYTES, layer_times
 from isthmus.planner.cost import Estimate, StageCost, estimate, pipeline_links, rank_memory, recompute_share, stage_costs
-from isthmus.planner.layout import DILOCO_KINDS, GEO_STRATEGIES, Layout, Runtime, Workload
+from isthmus.layout.rules import zero_stages
+from isthmus.layout.spec import GEO_SYNCS, LayoutSpec
+from isthmus.planner.layout import Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, model_state_bytes, stage_params
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
 from isthmus.planner.placement import Placement, choose_dcs, place
@@ -40,27 +42,29 @@ MIN_CP_TOKENS = 2048
 class SearchSpace:
     """What the search may choose; a non-None field fixes that choice."""
 
-    global_batch: int | None = None
+    batch_size: int | None = None
     seq_len: int | None = None
     micro_batch: int | None = None
-    recompute: str | None = None
+    activation_checkpoint: str | None = None
     tp: int | None = None
     pp: int | None = None
     cp: int | None = None
     dp_shard: int | None = None
     zero_stage: int | None = None
-    schedule: str | None = None
-    virtual_stages: int | None = None
+    pp_schedule: str | None = None
+    pp_virtual_stages: int | None = None
     dc_axis: str | None = None
     """'none' (one datacenter), 'dp' or 'pp'."""
-    geo: tuple[str, ...] = GEO_STRATEGIES
-    diloco_h: int = 100
+    sync: tuple[str, ...] = GEO_SYNCS
+    """The cross-datacenter sync kinds to consider (geo.sync)."""
+    inner_steps: int = 100
+    """diloco / streaming_diloco: inner steps between syncs (geo.inner_steps)."""
     fragments: int = 4
     """streaming_diloco: fragments (the trainer's geo.fragments default)."""
     overlap_steps: int = 1
     """streaming_diloco: steps a fragment's transfer overlaps (geo.overlap_steps)."""
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS
-    """Tokens per step when global_batch is left to the search."""
+    """Tokens per step when batch_size is left to the search."""
 
 
 @dataclass
@@ -70,7 +74,7 @@ class SearchResult:
     considered: int = 0
     pruned_memory: int = 0
     alternatives: dict[str, Estimate] = field(default_factory=dict)
-    """Best layout per family ('dc_axis=pp', 'geo=diloco', 'tp=4', ...) for explanations."""
+    """Best layout per family ('dc_axis=pp', 'sync=diloco', 'tp=4', ...) for explanations."""
 
     @property
     def best(self) -> Estimate:
@@ -92,13 +96,13 @@ def _schedules(space: SearchSpace, pp: int, m: int, layers: int, runtime: Runtim
         return [("1f1b", 1)]
     out: list[tuple[str, int]] = []
     for sched in ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe"):
-        if space.schedule not in (None, sched):
+        if space.pp_schedule not in (None, sched):
             continue
         vs = [1] if sched in ("1f1b", "gpipe") else ([2] if sched == "zero_bubble" else [2, 3, 4, 8])
         for v in vs:
-            if space.virtual_stages not in (None, v) or check_pipeline(sched, pp, m, v, layers, runtime.name):
+            if space.pp_virtual_stages not in (None, v) or check_pipeline(sched, pp, m, v, layers, runtime.name):
                 continue
-            if sched == "gpipe" and space.schedule is None and any(s == "1f1b" for s, _ in out):
+            if sched == "gpipe" and space.pp_schedule is None and any(s == "1f1b" for s, _ in out):
                 continue  # same time as 1F1B, more memory
             out.append((sched, v))
     return out
@@ -111,7 +115,7 @@ def _fix(choices: list[int], fixed: int | None) -> list[int]:
 def search(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, top: int = 10, dtype: str = "bf16") -> SearchResult:
     """The ``top`` best layouts that fit in memory; ConfigError when none does."""
     if not _placements(topo, space):
-        raise ConfigError("--dc-axis", space.dc_axis, f"topology {topo.name!r} has one datacenter; use none")
+        raise ConfigError("--geo.dc_axis", space.dc_axis, f"topology {topo.name!r} has one datacenter; use none")
     seqs = [space.seq_len] if space.seq_len else list(DEFAULT_SEQ_LENS)
     heap: list[tuple[float, int, Estimate]] = []
     result = SearchResult([])
@@ -139,11 +143,11 @@ def search(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime
                                 continue
                             work = Workload(args, dp * mb * m, seq, dtype)
                             for sched, v in _schedules(space, pp, m, args.n_layers, runtime):
-                                for rc in [space.recompute] if space.recompute else ["none", "selective", "full"]:
+                                for rc in [space.activation_checkpoint] if space.activation_checkpoint else ["none", "selective", "full"]:
                                     for impl in _cp_impls(args, tp, cp):
-                                        core = Layout(tp=tp, sp=tp > 1 and seq % (tp * cp) == 0, cp=cp, cp_impl=impl, pp=pp, schedule=sched,  # type: ignore[arg-type]
-                                                      virtual_stages=v, dp_replicate=dp, micro_batch=mb, microbatches=m,
-                                                      recompute=rc, dc=dc, dc_axis=axis)  # type: ignore[arg-type]
+                                        core = LayoutSpec(tp=tp, sequence_parallel=tp > 1 and seq % (tp * cp) == 0, cp=cp, cp_impl=impl, pp=pp, pp_schedule=sched,  # type: ignore[arg-type]
+                                                      pp_virtual_stages=v, dp_replicate=dp, micro_batch=mb, microbatches=m,
+                                                      activation_checkpoint=rc, datacenters=dc, dc_axis=axis)  # type: ignore[arg-type]
                                         cand = _prepare(work, topo, core, runtime, space, usable, result)
                                         if cand is not None:
                                             cores.append(cand)
@@ -175,14 +179,14 @@ def _cp_impls(args: ModelArgs, tp: int, cp: int) -> list[str]:
 
 
 def _used(topo: Topology, dc: int) -> list[int]:
-    return choose_dcs(topo, Layout(dc=dc))
+    return choose_dcs(topo, LayoutSpec(datacenters=dc))
 
 
 def _microbatches(space: SearchSpace, seq: int, dp: int, mb: int, pp: int) -> int | None:
-    if space.global_batch is not None:
-        if space.global_batch % (dp * mb):
+    if space.batch_size is not None:
+        if space.batch_size % (dp * mb):
             return None
-        return space.global_batch // (dp * mb)
+        return space.batch_size // (dp * mb)
     m = space.max_batch_tokens // (seq * dp * mb)
     if m < 1:
         return None
@@ -194,7 +198,7 @@ class _Core:
     """A layout without its dp split, ZeRO stage and geo strategy, with what those do not change."""
 
     work: Workload
-    core: Layout
+    core: LayoutSpec
     bound: float
     """Effective tokens/s no variant can beat: from compute alone, then from the pipeline phase."""
     shards: list[int]
@@ -205,14 +209,14 @@ class _Core:
     placement: Placement | None = None
 
 
-def _prepare(work: Workload, topo: Topology, core: Layout, runtime: Runtime, space: SearchSpace, usable: float,
+def _prepare(work: Workload, topo: Topology, core: LayoutSpec, runtime: Runtime, space: SearchSpace, usable: float,
              result: SearchResult) -> _Core | None:
     """Memory floor and a compute-only bound of a core layout; None when no variant of it can fit."""
     p, dp = core.pp, core.dp_replicate
-    cut = core.dc if core.dc_axis == "dp" else 1
+    cut = core.datacenters if core.dc_axis == "dp" else 1
     # Memory floor: the first rank (most microbatches in flight) with at least its share of layers
     # less one; activations do not depend on the dp split, model state does, cheaply.
-    layers = max(core.virtual_stages, work.args.n_layers // p - (1 if p > 1 else 0))
+    layers = max(core.pp_virtual_stages, work.args.n_layers // p - (1 if p > 1 else 0))
     first_params = stage_params(work.args, layers, True, p == 1, p) / core.tp
     first_mem = rank_memory(work, core, runtime, 0, layers)
     first_act = first_mem.activations + first_mem.transient
@@ -225,12 +229,12 @@ def _prepare(work: Workload, topo: Topology, core: Layout, runtime: Runtime, spa
     # A lower bound of the pipeline phase without placing anything: every block's compute and
     # tensor-parallel all-reduces on the fastest datacenter, and the bubble that even stages leave
     # ((m + (p-1)/v) of a mean stage; zero-bubble schedules may fill it).
-    rc = recompute_share(core.recompute)
+    rc = recompute_share(core.activation_checkpoint)
     act = core.micro_batch * work.seq_len / core.cp * work.args.dim * ELEM_BYTES[work.dtype]
     block = min(t.fwd * (1 + rc) + t.backward + (2 + rc) * 2 * comm.all_reduce(act, comm.local_span(core.tp, d.intra_node))
                 for d, t in ((d, layer_times(d.kind, work.dtype, work.args, core.micro_batch, work.seq_len, core.tp,
-                                             core.cp, core.sp, runtime)) for d in (topo.datacenters[i] for i in _used(topo, core.dc))))
-    fill = 0.0 if core.schedule == "zero_bubble" else (p - 1) / core.virtual_stages
+                                             core.cp, core.sequence_parallel, runtime)) for d in (topo.datacenters[i] for i in _used(topo, core.datacenters))))
+    fill = 0.0 if core.pp_schedule == "zero_bubble" else (p - 1) / core.pp_virtual_stages
     floor = (core.microbatches + fill) * work.args.n_layers / p * block
     best_q = max(runtime.quality_of(g) for g in _geos(core, space))
     return _Core(work, core, work.tokens_per_step / floor * best_q, shards, first_params, first_act, usable)
@@ -243,7 +247,7 @@ def _tighten(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace) 
     cand.placement = place(topo, core)
     cand.stages = stage_costs(work, core, runtime, cand.placement)
     busy = [s.total for s in cand.stages]
-    t_floor, _ = pipeline_time(busy, [s.wgrad for s in cand.stages], core.microbatches, core.virtual_stages, core.schedule,
+    t_floor, _ = pipeline_time(busy, [s.wgrad for s in cand.stages], core.microbatches, core.pp_virtual_stages, core.pp_schedule,
                                pipeline_links(work, core, runtime, cand.placement, busy))
     cand.bound = min(cand.bound, work.tokens_per_step / t_floor * max(runtime.quality_of(g) for g in _geos(core, space)))
 
@@ -254,8 +258,8 @@ def _hopeless(cand: _Core, heap: list[tuple[float, int, Estimate]], top: int, re
             and cand.bound < rival.effective_tokens_per_s)
 
 
-def _geos(core: Layout, space: SearchSpace) -> list[str]:
-    return [g for g in space.geo if g in GEO_STRATEGIES] if core.dc_axis == "dp" else ["none"]
+def _geos(core: LayoutSpec, space: SearchSpace) -> list[str]:
+    return [g for g in space.sync if g in GEO_SYNCS] if core.dc_axis == "dp" else ["none"]
 
 
 def _variants(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace,
@@ -267,7 +271,7 @@ def _variants(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace,
     for shard in cand.shards:
         pl = None
         for zero in _zero_choices(core, shard, space):
-            probe = Layout(**fields, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero)
+            probe = LayoutSpec(**fields, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero)
             result.considered += 1
             floor = sum(model_state_bytes(cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p))
             if floor + cand.first_act > cand.usable:
@@ -277,8 +281,8 @@ def _variants(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace,
             for geo in _geos(core, space):
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
-                lay = Layout(**fields, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero, geo=geo,  # type: ignore[arg-type]
-                             diloco_h=space.diloco_h if geo in DILOCO_KINDS else 0,
+                lay = LayoutSpec(**fields, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero, sync=geo,  # type: ignore[arg-type]
+                             inner_steps=space.inner_steps,
                              fragments=space.fragments, overlap_steps=space.overlap_steps)
                 est = estimate(work, topo, lay, runtime, pl, cand.stages)
                 if not est.fits:
@@ -294,23 +298,20 @@ def _variants(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace,
     return counter
 
 
-_CORE_FIELDS = ("tp", "sp", "cp", "cp_impl", "pp", "schedule", "virtual_stages", "micro_batch", "microbatches",
-                "recompute", "dc", "dc_axis")
+_CORE_FIELDS = ("tp", "sequence_parallel", "cp", "cp_impl", "pp", "pp_schedule", "pp_virtual_stages", "micro_batch",
+                "microbatches", "activation_checkpoint", "datacenters", "dc_axis")
 
 
-def _zero_choices(core: Layout, shard: int, space: SearchSpace) -> list[int]:
-    if shard == 1 and not (core.cp > 1 and (core.tp > 1 or core.pp > 1)):  # nothing is sharded
-        return [1] if space.zero_stage in (None, 1) else []
-    # ZeRO-1 (DDP + a sharded optimizer) composes with dp_shard alone in isthmus.
-    alone = core.tp == 1 and core.pp == 1 and core.cp == 1 and core.dp_replicate == shard
-    zs = [1, 2, 3] if alone else [2, 3]
-    return [z for z in zs if space.zero_stage in (None, z)]
+def _zero_choices(core: LayoutSpec, shard: int, space: SearchSpace) -> list[int]:
+    """The ZeRO stages of ``isthmus.layout.rules.zero_stages`` (the runtime's rule) that the space allows."""
+    stages = zero_stages(shard, core.tp, core.pp, core.cp, core.dp_replicate // shard)
+    return [z for z in stages if space.zero_stage in (None, z)]
 
 
 def _remember(result: SearchResult, est: Estimate) -> None:
     lay = est.layout
-    keys = [f"dc_axis={lay.dc_axis}", f"geo={lay.geo}", f"tp={lay.tp}", f"pp={'1' if lay.pp == 1 else '>1'}",
-            f"recompute={lay.recompute}", f"schedule={lay.schedule}", f"cp={lay.cp}", f"zero={lay.zero_stage if lay.shard_degree > 1 else 0}"]
+    keys = [f"dc_axis={lay.dc_axis}", f"sync={lay.sync}", f"tp={lay.tp}", f"pp={'1' if lay.pp == 1 else '>1'}",
+            f"activation_checkpoint={lay.activation_checkpoint}", f"pp_schedule={lay.pp_schedule}", f"cp={lay.cp}", f"zero={lay.zero_stage if lay.shard_degree > 1 else 0}"]
     for key in keys:
         old = result.alternatives.get(key)
         if old is None or est.effective_tokens_per_s > old.effective_tokens_per_s:

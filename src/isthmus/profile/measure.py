@@ -1,7 +1,7 @@
 """What `isthmus profile` measures on this machine, and the fits that turn it into a topology file.
 
     isthmus profile --out local-profile.toml --seconds 20
-    isthmus plan --model small --topology local-profile.toml --global-batch 16 --seq-len 128
+    isthmus plan --model small --topology local-profile.toml --train.batch_size 16 --train.seq_len 128
 
 What it measures, as one rank sees it (torch on CPU, fp32), at the shapes of one model (``--model``,
 ``--batch``, ``--seq-len``; default the ``small`` flavor at 16 x 128, what ``isthmus train`` runs):
@@ -289,7 +289,7 @@ def fit_mechanisms(topology_text: str, flavor: str, batch: int, seq: int, measur
 
     from isthmus.models.flavors import get_flavor
     from isthmus.planner.cost import estimate
-    from isthmus.planner.layout import Layout, Workload
+    from isthmus.planner.layout import LayoutSpec, Workload
     from isthmus.planner.autoplan import local_runtime
     from isthmus.planner.topology import parse_topology
     import tomllib
@@ -301,7 +301,7 @@ def fit_mechanisms(topology_text: str, flavor: str, batch: int, seq: int, measur
     def per_block(name: str) -> float:
         v = MECHANISMS[name]
         shard = v.get("dp_shard", 1)
-        lay = Layout(tp=v.get("tp", 1), sp=v.get("sequence_parallel", False), dp_shard=shard,
+        lay = LayoutSpec(tp=v.get("tp", 1), sequence_parallel=v.get("sequence_parallel", False), dp_shard=shard,
                      zero_stage=v.get("zero_stage", 1), micro_batch=batch // shard, microbatches=1)
         pred = [estimate(Workload(replace(args, n_layers=n), batch, seq, "fp32"), topo.subset(2), lay, runtime).step_time_s
                 for n in (1, 3)]

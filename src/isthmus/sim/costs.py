@@ -17,7 +17,7 @@ from isthmus.planner.comm import Span
 from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_ops
 from isthmus.planner.cost import BlockCost, block_cost
 from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside, streaming_equivalent
-from isthmus.planner.layout import Layout, Runtime, Workload
+from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.placement import SiteSpans
 from isthmus.models.flops import layer_matmul_params
 from isthmus.planner.topology import DeviceKind
@@ -68,13 +68,13 @@ class StageOps:
     """Parameters of this stage on one device (after tensor parallelism)."""
 
 
-def _split(kind: DeviceKind, work: Workload, layout: Layout, runtime: Runtime) -> dict[str, tuple[float, float]]:
+def _split(kind: DeviceKind, work: Workload, layout: LayoutSpec, runtime: Runtime) -> dict[str, tuple[float, float]]:
     """Per phase, the block's compute before and after its first tensor-parallel collective.
 
     The attention half (norm, QKV, attention, output projection) ends in one all-reduce
     (all-gather + reduce-scatter with sp), the MLP half (residual, norm, MLP, residual) in the other.
     """
-    ops = layer_ops(kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sp, runtime)
+    ops = layer_ops(kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel, runtime)
     out = {"fwd": [0.0, 0.0], "bwd": [0.0, 0.0], "wgrad": [0.0, 0.0]}
     half = 0
     for op in ops:
@@ -84,19 +84,19 @@ def _split(kind: DeviceKind, work: Workload, layout: Layout, runtime: Runtime) -
     return {k: (a, b) for k, (a, b) in out.items()}
 
 
-def stage_ops(kind: DeviceKind, site: SiteSpans, work: Workload, layout: Layout, runtime: Runtime, stage: int,
+def stage_ops(kind: DeviceKind, site: SiteSpans, work: Workload, layout: LayoutSpec, runtime: Runtime, stage: int,
               layers: int, first: bool, last: bool) -> StageOps:
     """The forward / backward / weight ops of one stage holding ``layers`` blocks."""
-    bc: BlockCost = block_cost(kind, site, work, layout.tp, layout.cp, layout.sp, layout.cp_impl, layout.micro_batch,
+    bc: BlockCost = block_cost(kind, site, work, layout.tp, layout.cp, layout.sequence_parallel, layout.cp_impl, layout.micro_batch,
                                runtime)
     split = _split(kind, work, layout, runtime)
-    emb, head = ends_times(kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sp)
+    emb, head = ends_times(kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel)
     zero = PhaseTimes(0.0, 0.0, 0.0, 0.0)
     emb, head = (emb if first else zero), (head if last else zero)
     ar = bc.tp / 2
     # Recomputation as the runtime applies it: every block (full) or every other block of a stage
     # module, counting from its first (selective).
-    recomputed = [layout.recompute == "full" or (layout.recompute == "selective" and i % 2 == 0) for i in range(layers)]
+    recomputed = [layout.activation_checkpoint == "full" or (layout.activation_checkpoint == "selective" and i % 2 == 0) for i in range(layers)]
     a = work.args
     per_layer = (layer_matmul_params(a) + 2 * a.dim) / layout.tp
     embed_params = a.vocab_size * a.dim / layout.tp
@@ -108,10 +108,10 @@ def stage_ops(kind: DeviceKind, site: SiteSpans, work: Workload, layout: Layout,
         if bc.cp_fwd:
             seq.append((bc.cp_fwd, "cp attn", "cp"))
         if ar:
-            seq.append((ar, "tp " + ("ag/rs" if layout.sp else "all-reduce"), "tp"))
+            seq.append((ar, "tp " + ("ag/rs" if layout.sequence_parallel else "all-reduce"), "tp"))
         seq.append((b, "mlp", cat))
         if ar:
-            seq.append((ar, "tp " + ("ag/rs" if layout.sp else "all-reduce"), "tp"))
+            seq.append((ar, "tp " + ("ag/rs" if layout.sequence_parallel else "all-reduce"), "tp"))
         return seq
 
     def block_bwd(with_input: bool, with_weight: bool) -> list[tuple[float, str, str]]:
@@ -219,29 +219,29 @@ def _ring(nbytes: float, span: Span, steps: int) -> list[PhaseSpec]:
     return [PhaseSpec(name, steps * lat, steps * nbytes / span.size / bw, bw)]
 
 
-def cross_dc_all_reduce(nbytes: float, span: Span, layout: Layout, runtime: Runtime
+def cross_dc_all_reduce(nbytes: float, span: Span, layout: LayoutSpec, runtime: Runtime
                         ) -> tuple[list[PhaseSpec], list[PhaseSpec]]:
     """(phases every step, phases of DiLoCo's outer sync amortised over H) for ``geo.cross_dc_all_reduce``."""
     if span.dcs <= 1:
         return all_reduce(nbytes, span), []
     inside = _inside(span)
-    if layout.geo == "flat":
+    if layout.sync == "flat":
         return _ring(nbytes, span, 2 * (span.size - 1)), []
     k, bw, lat = span.tiers()[-1]
     local = span.per_node * span.nodes
-    if layout.geo == "diloco":
+    if layout.sync == "diloco":
         delta = nbytes / runtime.grad_bytes * DILOCO_DELTA_BYTES
-        h = max(1, layout.diloco_h)
+        h = max(1, layout.inner_steps)
         wan = PhaseSpec("wan", 2 * (k - 1) * lat / h, 2 * (k - 1) / k * delta / local / bw / h, bw)
         return all_reduce(nbytes, inside), [wan]
-    if layout.geo == "streaming_diloco":  # gradients stay inside; the fragments: streaming_phases
+    if layout.sync == "streaming_diloco":  # gradients stay inside; the fragments: streaming_phases
         return all_reduce(nbytes, inside), []
-    ratio = runtime.compress_ratio if layout.geo == "compressed" else 1.0
+    ratio = runtime.compress_ratio if layout.sync == "compressed" else 1.0
     wan = PhaseSpec("wan", 2 * (k - 1) * lat, 2 * (k - 1) / k * nbytes * ratio / local / bw, bw)
     return reduce_scatter(nbytes, inside) + [wan] + all_gather(nbytes, inside), []
 
 
-def streaming_phases(nbytes: float, span: Span, layout: Layout, runtime: Runtime) -> list[PhaseSpec]:
+def streaming_phases(nbytes: float, span: Span, layout: LayoutSpec, runtime: Runtime) -> list[PhaseSpec]:
     """Streaming DiLoCo: one fragment's exchange across the WAN, per parameter of the whole model,
     spread over the ``overlap_steps`` (tau) steps it overlaps: 1 / tau of it runs behind each.
 
@@ -249,7 +249,7 @@ def streaming_phases(nbytes: float, span: Span, layout: Layout, runtime: Runtime
     (tau x its wait, every diloco_h / fragments steps), as ``geo.streaming_exposed`` does. None
     for other strategies.
     """
-    if layout.geo != "streaming_diloco" or span.dcs <= 1:
+    if layout.sync != "streaming_diloco" or span.dcs <= 1:
         return []
     k, bw, lat = span.tiers()[-1]
     local = span.per_node * span.nodes
@@ -277,7 +277,7 @@ class DpPlan:
     """Streaming DiLoCo's fragment exchange, per parameter (behind the step's compute)."""
 
 
-def dp_plan(site: SiteSpans, layout: Layout, runtime: Runtime) -> DpPlan:
+def dp_plan(site: SiteSpans, layout: LayoutSpec, runtime: Runtime) -> DpPlan:
     """Mirror of ``geo.dp_sync``: which collectives run, on which span, per parameter."""
     g, w = float(runtime.grad_bytes), float(runtime.weight_bytes)
     if layout.grad_sync_degree <= 1:
@@ -302,13 +302,13 @@ def scale(phases: list[PhaseSpec], params: float) -> list[PhaseSpec]:
     return [PhaseSpec(p.tier, p.latency, p.seconds * params, p.bandwidth) for p in phases]
 
 
-def p2p_message(work: Workload, layout: Layout, runtime: Runtime) -> float:
+def p2p_message(work: Workload, layout: LayoutSpec, runtime: Runtime) -> float:
     """Bytes one device sends to the next stage per microbatch (activation or its gradient)."""
     act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * ELEM_BYTES[work.dtype]
-    return act / (layout.tp if runtime.scatter_gather or layout.sp else 1)
+    return act / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
 
 
-def tp_gather(work: Workload, layout: Layout, site: SiteSpans) -> float:
+def tp_gather(work: Workload, layout: LayoutSpec, site: SiteSpans) -> float:
     """Megatron's scatter/gather: the all-gather over tp after each received activation."""
     act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * ELEM_BYTES[work.dtype]
     return comm.all_gather(act, site.tp)

@@ -28,7 +28,7 @@ from isthmus.planner.compute import ends_times, optimizer_time, shard_overhead
 from isthmus.planner.cost import block_cost, recompute_share, stage_costs
 from isthmus.planner.pipeline import partition_layers
 from isthmus.planner.geo import dp_sync
-from isthmus.planner.layout import Layout, Runtime, Workload
+from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.placement import Placement, SiteSpans, place
 from isthmus.sim import costs
 from isthmus.sim.costs import DpPlan, PhaseSpec, StageOps
@@ -77,16 +77,16 @@ class RankPlan:
 class Simulation:
     """One replica of ``layout`` on ``topo``, built and run for ``iterations`` steps."""
 
-    def __init__(self, work: Workload, topo: Topology, layout: Layout, runtime: Runtime, iterations: int = 1,
+    def __init__(self, work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtime, iterations: int = 1,
                  record: bool = False) -> None:
         self.work, self.topo, self.layout, self.runtime = work, topo, layout, runtime
         self.iterations = iterations
         self.engine = Engine(record)
         self.placement: Placement = place(topo, layout)
         self.stage_layers = [s.layers for s in stage_costs(work, layout, runtime, self.placement)]
-        p, v = layout.pp, layout.virtual_stages
+        p, v = layout.pp, layout.pp_virtual_stages
         self.n_stages = p * v if p > 1 else 1
-        self.stage_rank = stage_ranks(layout.schedule, p, v) if p > 1 else [0]
+        self.stage_rank = stage_ranks(layout.pp_schedule, p, v) if p > 1 else [0]
         self.stage_blocks = self._stage_blocks()
         self.ranks = [self._plan_rank(r) for r in range(p)]
         self.stage_layers = [sum(o.layers for o in plan.stages.values()) for plan in self.ranks]
@@ -116,14 +116,14 @@ class Simulation:
         lay, work = self.layout, self.work
         if self.n_stages == lay.pp:
             return list(self.stage_layers)
-        rc = recompute_share(lay.recompute)
+        rc = recompute_share(lay.activation_checkpoint)
         per_rank = []
         for r in range(lay.pp):
             site = self.placement.sites[self.placement.stage_sites[r][0]]
-            bc = block_cost(site.dc.kind, site, work, lay.tp, lay.cp, lay.sp, lay.cp_impl, lay.micro_batch, self.runtime)
+            bc = block_cost(site.dc.kind, site, work, lay.tp, lay.cp, lay.sequence_parallel, lay.cp_impl, lay.micro_batch, self.runtime)
             per_rank.append(bc.fwd * (1 + rc) + bc.bwd)
         site = self.placement.sites[0]
-        emb, head = ends_times(site.dc.kind, work.dtype, work.args, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sp)
+        emb, head = ends_times(site.dc.kind, work.dtype, work.args, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sequence_parallel)
         extra = [0.0] * self.n_stages
         extra[0] += emb.fwd + emb.backward
         extra[-1] += head.fwd + head.backward
@@ -141,7 +141,7 @@ class Simulation:
                    for s in mine}
             total = sum(o.fwd.seconds + o.full_bwd.seconds for o in ops.values())
             params = sum(o.params for o in ops.values())
-            plan = RankPlan(r, site, kind, ops, rank_actions(lay.schedule, lay.pp, lay.virtual_stages, lay.microbatches, r),
+            plan = RankPlan(r, site, kind, ops, rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual_stages, lay.microbatches, r),
                             params, costs.dp_plan(site, lay, self.runtime),
                             dp_sync(params, site, lay, self.runtime, lay.microbatches).wan_bytes)
             if best is None or total > sum(o.fwd.seconds + o.full_bwd.seconds for o in best.stages.values()):

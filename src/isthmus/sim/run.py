@@ -14,7 +14,7 @@ from statistics import mean
 
 from isthmus.models.flops import flops_per_token
 from isthmus.planner.cost import Estimate, estimate, recompute_share
-from isthmus.planner.layout import Layout, Runtime, Workload
+from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory
 from isthmus.sim.engine import Event
 from isthmus.sim.program import Simulation
@@ -23,7 +23,7 @@ from isthmus.planner.topology import Topology
 
 @dataclass
 class SimResult:
-    layout: Layout
+    layout: LayoutSpec
     work: Workload
     runtime: str
     step_time_s: float
@@ -57,9 +57,9 @@ class SimResult:
         """The planner's JSON fields for this layout, simulated; plus ``simulated`` (what was run)."""
         lay = self.layout
         return {
-            "layout": lay.as_dict(), "label": lay.label(), "parallel": lay.parallel_config(),
-            "train": lay.train_config(self.work), "model": lay.model_overrides(self.work.args),
-            "global_batch": self.work.global_batch, "seq_len": self.work.seq_len, "runtime": self.runtime,
+            "layout": lay.as_dict(), "label": lay.label(), 
+            **lay.config_sections(self.work.seq_len, self.work.args.tie_embeddings),
+            "batch_size": self.work.batch_size, "seq_len": self.work.seq_len, "runtime": self.runtime,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "effective_tokens_per_s": self.effective_tokens_per_s, "tflops_per_device": self.tflops_per_device,
             "mfu": self.mfu, "mem_per_device_gb": self.mem_per_device_gb, "fits": self.fits,
@@ -76,7 +76,7 @@ class SimResult:
         }
 
 
-def simulate(work: Workload, topo: Topology, layout: Layout, runtime: Runtime, iterations: int = 1,
+def simulate(work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtime, iterations: int = 1,
              record: bool = False) -> SimResult:
     """Simulate ``iterations`` optimizer steps of ``layout`` (one data-parallel replica; see program.py).
 
@@ -88,10 +88,10 @@ def simulate(work: Workload, topo: Topology, layout: Layout, runtime: Runtime, i
     wall = time.perf_counter() - t0
     step = mean(sim.iter_time)
     stream_wait = 0.0
-    if layout.geo == "streaming_diloco":
+    if layout.sync == "streaming_diloco":
         # Each simulated step has a fragment in flight; a real one has one every diloco_h / fragments
         # steps, for 1 / tau of it per step: amortise the wait it caused (geo.streaming_exposed).
-        share = min(1.0, max(1, layout.fragments) * max(1, layout.overlap_steps) / max(1, layout.diloco_h))
+        share = min(1.0, max(1, layout.fragments) * max(1, layout.overlap_steps) / max(1, layout.inner_steps))
         waited = mean(max(plan.stats[i].stream_wait for plan in sim.ranks) for i in range(iterations))
         stream_wait = waited * share
         step -= waited - stream_wait
@@ -122,11 +122,11 @@ def simulate(work: Workload, topo: Topology, layout: Layout, runtime: Runtime, i
     tokens_per_s = work.tokens_per_step / step
     a = work.args
     model_flops = flops_per_token(a, work.seq_len, False)
-    hw_flops = model_flops + recompute_share(layout.recompute) * (flops_per_token(a, work.seq_len, True) - model_flops)
+    hw_flops = model_flops + recompute_share(layout.activation_checkpoint) * (flops_per_token(a, work.seq_len, True) - model_flops)
     peak = sum(k.peak(work.dtype) for k in kinds) / len(kinds) * layout.world
     return SimResult(
         layout=layout, work=work, runtime=runtime.name, step_time_s=step, step_times_s=list(sim.iter_time),
-        tokens_per_s=tokens_per_s, effective_tokens_per_s=tokens_per_s * runtime.quality_of(layout.geo),
+        tokens_per_s=tokens_per_s, effective_tokens_per_s=tokens_per_s * runtime.quality_of(layout.sync),
         tflops_per_device=hw_flops * tokens_per_s / layout.world / 1e12, mfu=model_flops * tokens_per_s / peak,
         mem_per_device_gb=memory.total / 1e9, memory=memory, fits=memory.total <= usable,
         bubble_fraction=max(0.0, idle) / step if p > 1 else 0.0, wan_bytes_per_step=wan_bytes, breakdown=breakdown,
@@ -142,8 +142,8 @@ def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
     first = any(o.first for o in plan.stages.values())
     last = any(o.last for o in plan.stages.values())
     return device_memory(
-        work.args, sim.runtime, layers=layers, first=first, last=last, pp=lay.pp, tp=lay.tp, cp=lay.cp, sp=lay.sp,
-        micro_batch=lay.micro_batch, seq_len=work.seq_len, recompute=lay.recompute,
+        work.args, sim.runtime, layers=layers, first=first, last=last, pp=lay.pp, tp=lay.tp, cp=lay.cp, sp=lay.sequence_parallel,
+        micro_batch=lay.micro_batch, seq_len=work.seq_len, recompute=lay.activation_checkpoint,
         in_flight=min(float(lay.microbatches), sim.peak_in_flight(r)) if lay.pp > 1 else 1.0,
         zero_stage=lay.zero_stage, shard=lay.shard_degree, accumulate=lay.microbatches > 1, dtype=work.dtype,
     )

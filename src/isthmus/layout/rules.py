@@ -1,0 +1,95 @@
+"""Every layout rule, written once: each returns why a layout cannot run (a :class:`Reason`), or None.
+
+The runtime raises a reason as ``ConfigError(reason.key, reason.value, reason)`` (see
+:func:`raise_for`), naming the config key that breaks it; the planner's search skips a candidate
+whose rule returns a reason. Pure Python: no torch.
+"""
+
+from __future__ import annotations
+
+from isthmus.errors import ConfigError
+from isthmus.layout.spec import PP_SCHEDULES
+
+
+class Reason(str):
+    """Why a layout cannot run, in words, with the config key (and its value) that breaks the rule."""
+
+    key: str
+    value: object
+
+    def __new__(cls, key: str, value: object, rule: str) -> Reason:
+        self = super().__new__(cls, rule)
+        self.key, self.value = key, value
+        return self
+
+
+def raise_for(reason: Reason | None) -> None:
+    """The runtime's form of a rule: ConfigError naming the key, the value and the rule."""
+    if reason is not None:
+        raise ConfigError(reason.key, reason.value, str(reason))
+
+
+def pipeline_schedule(schedule: str, pp: int, microbatches: int, virtual_stages: int) -> Reason | None:
+    """(schedule, pp, microbatches, virtual stages) that torch 2.13's schedules reject, or would hang on.
+
+    With ``pp == 1`` there is no schedule: only more than one virtual stage is wrong.
+    """
+    if pp == 1:
+        if virtual_stages > 1:
+            return Reason("parallel.pp_virtual_stages", virtual_stages, "needs parallel.pp > 1")
+        return None
+    if schedule not in PP_SCHEDULES:
+        return Reason("parallel.pp_schedule", schedule, f"choose one of: {', '.join(PP_SCHEDULES)}")
+    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
+        return Reason("parallel.pp_virtual_stages", virtual_stages, f"{schedule} runs one stage per rank; use 1")
+    if schedule in ("interleaved_1f1b", "zero_bubble") and virtual_stages < 2:
+        return Reason("parallel.pp_virtual_stages", virtual_stages, f"{schedule} needs >= 2 stages per rank")
+    if microbatches < 1:
+        return Reason("parallel.microbatches", microbatches, "must be >= 1")
+    if schedule == "1f1b" and microbatches < pp:
+        return Reason("parallel.microbatches", microbatches, f"1f1b needs >= pp = {pp} micro-batches")
+    rounds = max(1, microbatches // pp)
+    interleaved = schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and virtual_stages > 2)
+    if interleaved and microbatches % rounds:
+        # torch's flexible interleaving runs rounds of microbatches // pp micro-batches.
+        return Reason("parallel.microbatches", microbatches, f"{schedule} needs a multiple of max(1, mb // pp) = {rounds}")
+    return None
+
+
+def pipeline_stages(pp: int, virtual_stages: int, n_layers: int) -> Reason | None:
+    """Every pipeline stage holds at least one block."""
+    if pp * virtual_stages > n_layers:
+        return Reason("parallel.pp", pp, f"pp * pp_virtual_stages = {pp * virtual_stages} stages is more than "
+                      f"model.n_layers = {n_layers}")
+    return None
+
+
+def shard_degree(dp_shard: int, cp: int, tp: int, pp: int) -> int:
+    """Ranks one FSDP/ZeRO shard group spans: dp_shard x cp (isthmus shards over dp_shard_cp).
+
+    FSDP2 runs (and shards over dp_shard x cp) when dp_shard > 1, or when context-parallel ranks
+    must average gradients under tp or pp (DDP holds neither DTensors nor pipeline stages); with
+    cp alone DDP replicates. This is ``parallel.data_parallel.data_parallel_kind``'s choice.
+    """
+    return dp_shard * cp if dp_shard > 1 or (cp > 1 and (tp > 1 or pp > 1)) else 1
+
+
+def zero_stage(stage: int, dp_shard: int, tp: int, pp: int, cp: int, replicas: int) -> Reason | None:
+    """ZeRO-1 (DDP with a sharded optimizer) composes with dp_shard alone.
+
+    ``replicas``: every replica, datacenters included (dp_replicate x datacenters on dc_axis dp).
+    """
+    if stage == 1 and dp_shard > 1 and (tp > 1 or pp > 1 or cp > 1 or replicas > 1):
+        return Reason("parallel.zero_stage", 1,
+                      "ZeRO-1 composes with dp_shard alone; use zero_stage 2 or 3 with tp, pp, cp or dp_replicate")
+    return None
+
+
+def zero_stages(dp_shard: int, tp: int, pp: int, cp: int, replicas: int) -> tuple[int, ...]:
+    """The ZeRO stages that make different runs: 1 alone when nothing is sharded; all three for
+    dp_shard alone; else 2 and 3 (:func:`zero_stage` refuses 1, or FSDP2 runs it as stage 2)."""
+    if shard_degree(dp_shard, cp, tp, pp) == 1:
+        return (1,)
+    if tp == 1 and pp == 1 and cp == 1 and replicas == 1:
+        return (1, 2, 3)
+    return (2, 3)
