@@ -49,7 +49,7 @@ def test_model_overrides_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> N
 
 @pytest.mark.parametrize("argv, needle", [
     (["--model", "small", "--train.batch_size", "0"], "--train.batch_size = 0: must be at least 1"),
-    (["--model", "small", "--geo.sync", "flat,warp"], "--geo = 'warp'"),
+    (["--model", "small", "--geo.sync", "flat,warp"], "--geo.sync = 'warp'"),
     (["--model", "small", "--topology", "nowhere.toml"], "--topology = 'nowhere.toml': no such file or preset"),
     (["--model", "small", "--model.n_heads", "5"], "model.n_heads = 5"),
     (["--model", "nope"], "model.flavor = 'nope'"),

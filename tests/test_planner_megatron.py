@@ -61,5 +61,5 @@ def test_per_gpu_tflops_within_ten_percent(ref: tuple) -> None:
 
 def test_the_paper_schedule() -> None:
     # Interleaved wherever Megatron allows it (pp > 2, microbatches divisible by pp).
-    kinds = [megatron_layout(MegatronRow(*r)).schedule for r in TABLE1]
+    kinds = [megatron_layout(MegatronRow(*r)).pp_schedule for r in TABLE1]
     assert kinds == ["1f1b"] * 5 + ["interleaved_1f1b"] * 5

@@ -96,7 +96,7 @@ def test_plan_auto_chooses_a_valid_local_layout(nproc: int) -> None:
     assert "\n" not in choice.summary and math.isfinite(choice.estimate.step_time_s)
     # The values apply to the config as they are, and the result passes the trainer's own checks.
     from isthmus.config import set_value
-    from isthmus.parallel.dims import check_layout
+    from isthmus.layout.dims import check_layout
 
     for key, value in {**par, **{f"train.{k}": v for k, v in choice.train.items()}}.items():
         set_value(cfg, key if key.startswith("train.") else f"parallel.{key}", value, from_cli=False)

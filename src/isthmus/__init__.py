@@ -18,7 +18,7 @@ _LAZY = {
     "train": "isthmus.train.trainer",
     "IsthmusError": "isthmus.errors",
     "parallelize": "isthmus.api",
-    "ParallelDims": "isthmus.parallel.dims",
+    "ParallelDims": "isthmus.layout.dims",
 }
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from isthmus.errors import ConfigError
+from isthmus.layout.spec import ActivationCheckpoint, CpImpl, PpSchedule, SyncKind
 
 
 RUN_DIR_PLACEHOLDERS = ("{config}", "{time}")
@@ -123,17 +124,17 @@ class ParallelConfig:
     """Shard norms and dropout regions along the sequence inside the tensor-parallel group."""
     cp: int = 1
     """Context-parallel degree."""
-    cp_impl: Literal["ring", "ulysses"] = "ring"
+    cp_impl: CpImpl = "ring"
     """Context-parallel attention: ring (online softmax) or ulysses (all-to-all)."""
     pp: int = 1
     """Pipeline-parallel degree."""
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = "1f1b"
+    pp_schedule: PpSchedule = "1f1b"
     """Pipeline schedule."""
     microbatches: int = 1
     """Pipeline microbatches per step."""
     pp_virtual_stages: int = 1
     """Pipeline stages per rank (interleaved schedules need 2 or more)."""
-    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    activation_checkpoint: ActivationCheckpoint = "none"
     """Activation recomputation: none, full (every block) or selective (every other block)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend: auto picks nccl on CUDA, gloo on CPU."""
@@ -175,7 +176,6 @@ class MetricsConfig:
     """Show a progress bar on an interactive console."""
 
 
-SyncKind = Literal["none", "flat", "hierarchical", "compressed", "diloco", "streaming_diloco"]
 WireDtype = Literal["fp32", "bf16", "int8", "int4"]
 
 

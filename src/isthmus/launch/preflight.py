@@ -13,7 +13,7 @@ from isthmus.models.args import ModelArgs
 from isthmus.models.resolve import resolve_model_args
 
 if TYPE_CHECKING:
-    from isthmus.parallel.dims import ParallelDims
+    from isthmus.layout.dims import ParallelDims
     from isthmus.planner.memory import MemoryBreakdown
 
 
@@ -37,7 +37,7 @@ def preflight(cfg: JobConfig) -> ModelArgs:
             f"check data.bin_dtype ({cfg.data.bin_dtype}) or raise model.vocab_size"
         )
     args = resolve_model_args(cfg.model, vocab)
-    from isthmus.parallel.dims import check_layout
+    from isthmus.layout.dims import check_layout
 
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
     if cfg.geo.fault_tolerant:

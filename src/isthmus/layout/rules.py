@@ -7,6 +7,8 @@ whose rule returns a reason. Pure Python: no torch.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from isthmus.errors import ConfigError
 from isthmus.layout.spec import PP_SCHEDULES
 
@@ -64,14 +66,33 @@ def pipeline_stages(pp: int, virtual_stages: int, n_layers: int) -> Reason | Non
     return None
 
 
-def shard_degree(dp_shard: int, cp: int, tp: int, pp: int) -> int:
-    """Ranks one FSDP/ZeRO shard group spans: dp_shard x cp (isthmus shards over dp_shard_cp).
+DataParallelKind = Literal["none", "ddp", "zero1", "fsdp"]
 
-    FSDP2 runs (and shards over dp_shard x cp) when dp_shard > 1, or when context-parallel ranks
-    must average gradients under tp or pp (DDP holds neither DTensors nor pipeline stages); with
-    cp alone DDP replicates. This is ``parallel.data_parallel.data_parallel_kind``'s choice.
+
+def data_parallel_kind(dp_shard: int, cp: int, tp: int, pp: int, replicas: int, zero_stage: int,
+                       geo_sync: bool = False) -> DataParallelKind:
+    """How the runtime keeps data-parallel (and context-parallel) replicas in step.
+
+    ``replicas``: every replica, datacenters included. Under a geo sync the strategy averages
+    over replicas itself (isthmus.geo) and FSDP2 shards inside each datacenter only. DDP holds
+    neither DTensor parameters (tp) nor pipeline stages run microbatch by microbatch (pp): FSDP2
+    with a shard size of 1 is pure replication and composes with both.
     """
-    return dp_shard * cp if dp_shard > 1 or (cp > 1 and (tp > 1 or pp > 1)) else 1
+    if geo_sync:
+        return "fsdp" if dp_shard > 1 else "none"
+    if dp_shard > 1 and zero_stage == 1:
+        return "zero1"
+    grad_sync = replicas * dp_shard * cp
+    if dp_shard > 1 or ((tp > 1 or pp > 1) and grad_sync > 1):
+        return "fsdp"
+    return "ddp" if grad_sync > 1 else "none"
+
+
+def shard_degree(dp_shard: int, cp: int, tp: int, pp: int) -> int:
+    """Ranks one FSDP/ZeRO shard group spans: dp_shard x cp (isthmus shards over dp_shard_cp) when
+    :func:`data_parallel_kind` shards, else 1 (DDP over context-parallel ranks replicates)."""
+    kind = data_parallel_kind(dp_shard, cp, tp, pp, replicas=1, zero_stage=2)
+    return dp_shard * cp if kind == "fsdp" else 1
 
 
 def zero_stage(stage: int, dp_shard: int, tp: int, pp: int, cp: int, replicas: int) -> Reason | None:

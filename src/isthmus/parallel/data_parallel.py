@@ -12,31 +12,16 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from isthmus.layout import rules
+from isthmus.layout.rules import DataParallelKind
 from isthmus.parallel.dims import Meshes, ParallelDims
 
-DataParallelKind = Literal["none", "ddp", "zero1", "fsdp"]
-
-
 def data_parallel_kind(dims: ParallelDims, zero_stage: int, geo_sync: bool = False) -> DataParallelKind:
-    if geo_sync:
-        # The geo strategy averages over replicas itself (isthmus.geo); FSDP2 still shards inside
-        # each datacenter, over dp_shard x cp only (`fsdp_mesh`), and the strategy then works on
-        # the shards.
-        return "fsdp" if dims.dp_shard_enabled else "none"
-    if dims.dp_shard_enabled and zero_stage == 1:
-        return "zero1"
-    # DDP holds neither DTensor parameters (tp) nor pipeline stages run micro-batch by micro-batch
-    # (pp): FSDP2 with a shard size of 1 is pure replication and composes with both.
-    if dims.dp_shard_enabled or ((dims.tp_enabled or dims.pp_enabled) and dims.grad_sync_degree > 1):
-        return "fsdp"
-    if dims.grad_sync_degree > 1:
-        return "ddp"
-    return "none"
+    """The rule :func:`isthmus.layout.rules.data_parallel_kind` (the planner's ``shard_degree`` too) for ``dims``."""
+    return rules.data_parallel_kind(dims.dp_shard, dims.cp, dims.tp, dims.pp, dims.replicate, zero_stage, geo_sync)
 
 
 def fsdp_mesh(mesh: "Meshes", dims: ParallelDims, geo_sync: bool = False) -> DeviceMesh:

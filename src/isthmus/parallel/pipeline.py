@@ -34,13 +34,15 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from isthmus.errors import ConfigError
+from isthmus.layout import rules
+from isthmus.layout.spec import PP_SCHEDULES
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import attention_flops_per_token, layer_matmul_params
 from isthmus.models.llama import Transformer, init_weights
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 PrepareStage = Callable[[Transformer], Transformer]
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+SCHEDULES = PP_SCHEDULES
 # Eval hand-off header: [dtype index, ndim, sizes...] as int64.
 HEADER_LEN = 8
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -122,24 +124,9 @@ def stage_ids_for_rank(pp_rank: int, pp_size: int, virtual_stages: int, schedule
 
 
 def check_schedule(schedule: str, pp_size: int, microbatches: int, virtual_stages: int) -> None:
-    """ConfigError for combinations torch 2.13's schedules reject (or would hang on)."""
-    if schedule not in SCHEDULES:
-        raise ConfigError("parallel.pp_schedule", schedule, f"choose one of: {', '.join(SCHEDULES)}")
-    if schedule in ("gpipe", "1f1b") and virtual_stages != 1:
-        raise ConfigError("parallel.pp_virtual_stages", virtual_stages, f"{schedule} runs one stage per rank; use 1")
-    if schedule in ("interleaved_1f1b", "zero_bubble") and virtual_stages < 2:
-        raise ConfigError("parallel.pp_virtual_stages", virtual_stages, f"{schedule} needs >= 2 stages per rank")
-    if microbatches < 1:
-        raise ConfigError("parallel.microbatches", microbatches, "must be >= 1")
-    if schedule == "1f1b" and microbatches < pp_size:
-        raise ConfigError("parallel.microbatches", microbatches, f"1f1b needs >= pp = {pp_size} micro-batches")
-    rounds = max(1, microbatches // pp_size)
-    interleaved = schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and virtual_stages > 2)
-    if interleaved and microbatches % rounds:
-        # torch's flexible interleaving runs rounds of microbatches // pp micro-batches.
-        raise ConfigError(
-            "parallel.microbatches", microbatches, f"{schedule} needs a multiple of max(1, mb // pp) = {rounds}"
-        )
+    """ConfigError for combinations torch 2.13's schedules reject (or would hang on): the rule
+    :func:`isthmus.layout.rules.pipeline_schedule`, which the planner's search also applies."""
+    rules.raise_for(rules.pipeline_schedule(schedule, pp_size, microbatches, virtual_stages))
 
 
 def build_pipeline(

@@ -105,7 +105,7 @@ def streaming_fragment(nbytes: float, span: Span, layout: LayoutSpec, runtime: R
 
 def streaming_exposed(fragment_s: float, step_s: float, layout: LayoutSpec) -> float:
     """Seconds per step Streaming DiLoCo adds: a fragment's transfer runs behind ``overlap_steps``
-    inner steps and blocks for the rest; one fragment syncs every diloco_h / fragments steps."""
+    inner steps and blocks for the rest; one fragment syncs every inner_steps / fragments steps."""
     h = max(1, layout.inner_steps)
     return max(0.0, fragment_s - layout.overlap_steps * step_s) * max(1, layout.fragments) / h
 

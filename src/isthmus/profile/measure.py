@@ -191,7 +191,7 @@ def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, s
     from isthmus.config import ParallelConfig
     from isthmus.models.flavors import get_flavor
     from isthmus.models.llama import build_model
-    from isthmus.parallel.dims import ParallelDims
+    from isthmus.layout.dims import ParallelDims
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -246,7 +246,7 @@ def streaming_phases(nbytes: float, span: Span, layout: LayoutSpec, runtime: Run
     spread over the ``overlap_steps`` (tau) steps it overlaps: 1 / tau of it runs behind each.
 
     The simulated step is one in which a fragment is in flight; `sim.run` amortises what it blocks
-    (tau x its wait, every diloco_h / fragments steps), as ``geo.streaming_exposed`` does. None
+    (tau x its wait, every inner_steps / fragments steps), as ``geo.streaming_exposed`` does. None
     for other strategies.
     """
     if layout.sync != "streaming_diloco" or span.dcs <= 1:

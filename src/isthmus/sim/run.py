@@ -89,7 +89,7 @@ def simulate(work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtim
     step = mean(sim.iter_time)
     stream_wait = 0.0
     if layout.sync == "streaming_diloco":
-        # Each simulated step has a fragment in flight; a real one has one every diloco_h / fragments
+        # Each simulated step has a fragment in flight; a real one has one every inner_steps / fragments
         # steps, for 1 / tau of it per step: amortise the wait it caused (geo.streaming_exposed).
         share = min(1.0, max(1, layout.fragments) * max(1, layout.overlap_steps) / max(1, layout.inner_steps))
         waited = mean(max(plan.stats[i].stream_wait for plan in sim.ranks) for i in range(iterations))
