@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from isthmus.errors import ConfigError
+from isthmus.layout.plan import is_plan_file, plan_overrides
 from isthmus.layout.spec import ActivationCheckpoint, CpImpl, PpSchedule, SyncKind
 
 
@@ -142,8 +143,8 @@ class ParallelConfig:
     """Restart all ranks up to N times when one dies; they resume from the newest good checkpoint."""
     timeout_s: int = 300
     """Seconds a rank may stop answering (or, once training runs, wait in a collective) before the run is stopped."""
-    plan: Literal["manual", "auto"] = "manual"
-    """manual: the degrees above; auto: the planner chooses them for parallel.nproc local ranks (keys given on the command line stay fixed)."""
+    plan: str = "manual"
+    """manual: the degrees above; auto: the planner chooses them for parallel.nproc local ranks (keys given on the command line stay fixed); a file written by isthmus plan --json: its best layout's keys replace the config file's (keys given on the command line win)."""
     plan_topology: str = "local"
     """What parallel.plan auto plans for: the local preset or a file written by isthmus profile."""
 
@@ -441,6 +442,14 @@ def build_config(config_file: str | Path | None, overrides: list[tuple[str, str]
         apply_toml(cfg, load_toml(config_file))
     for dotted, value in overrides:
         set_value(cfg, dotted, value, from_cli=True)
+    if is_plan_file(cfg.parallel.plan):
+        # A planned layout: its keys over the config file's, the command line's over both.
+        named = {_ALIASES.get(k, k) for k, _ in overrides}
+        for dotted, value in plan_overrides(cfg.parallel.plan).items():
+            if dotted not in named:
+                set_value(cfg, dotted, value, from_cli=False)
+        # The resolved config (the run's config.toml) states the layout itself: run again, it is manual.
+        cfg.parallel.plan = "manual"
     validate(cfg)
     return cfg
 

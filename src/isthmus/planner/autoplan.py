@@ -231,7 +231,7 @@ def apply_local_choice(cfg: Any, fixed: dict[str, Any] | None = None, world_size
     g = cfg.geo
     if g.datacenters > 1 or g.sync != "none" or g.fault_tolerant:
         raise ConfigError("parallel.plan", "auto", "plans the local ranks of one datacenter; set the layout by hand "
-                          "with geo.* (or plan it with isthmus plan --topology)")
+                          "with geo.*, or plan it with isthmus plan --topology ... --json > plan.json and run --parallel.plan plan.json")
     if world_size is not None:
         set_value(cfg, "parallel.nproc", world_size, from_cli=False)
     choice = choose_local_layout(cfg, cfg.parallel.plan_topology, fixed or {})
