@@ -44,12 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isthmus.layout.spec import DILOCO_SYNCS, GEO_SYNCS
+
 TOPOLOGY = "emulated-2dc"
 FLAVOR = "small"
 BATCH, SEQ = 16, 128
 SWEEP_MBIT = (5.0, 20.0, 100.0, 500.0)
-DEFAULT_STRATEGIES = ("flat", "hierarchical", "compressed", "diloco", "streaming_diloco")
-DILOCO_KINDS = ("diloco", "streaming_diloco")
+DEFAULT_STRATEGIES = GEO_SYNCS
+DILOCO_KINDS = DILOCO_SYNCS
 REACH_RTOL = 1e-6
 """A val loss this close above the target counts as reaching it: hierarchical sums the same fp32
 gradients as flat in another order, and its val loss differs from flat's in the 8th digit."""

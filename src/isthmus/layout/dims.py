@@ -185,10 +185,7 @@ def check_layout(
     dc = cfg.geo.datacenters if cfg.geo.dc_axis == "dp" else 1
     fill_data_parallel(p, p.nproc if world_size is None else world_size, dc)
     dims = ParallelDims.from_config(p, world_size, dc)
-    if n_heads % p.tp:
-        raise ConfigError("parallel.tp", p.tp, f"must divide model.n_heads = {n_heads}")
-    if n_kv_heads % p.tp:
-        raise ConfigError("parallel.tp", p.tp, f"must divide model.n_kv_heads = {n_kv_heads}")
+    rules.raise_for(rules.tensor_parallel_heads(p.tp, n_heads, n_kv_heads))
     rules.raise_for(rules.pipeline_stages(p.pp, p.pp_virtual_stages, n_layers))
     if t.seq_len % (2 * p.cp):
         raise ConfigError("parallel.cp", p.cp, f"2*cp = {2 * p.cp} must divide train.seq_len = {t.seq_len} (load-balanced chunks)")

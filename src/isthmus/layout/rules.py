@@ -114,3 +114,18 @@ def zero_stages(dp_shard: int, tp: int, pp: int, cp: int, replicas: int) -> tupl
     if tp == 1 and pp == 1 and cp == 1 and replicas == 1:
         return (1, 2, 3)
     return (2, 3)
+
+
+def divides_world(key: str, degree: int, world: int) -> Reason | None:
+    """A parallel degree divides the ranks (``key``: dp_replicate, dp_shard, tp, cp or pp)."""
+    if world % degree:
+        return Reason(f"parallel.{key}", degree, f"must divide parallel.nproc = {world}")
+    return None
+
+
+def tensor_parallel_heads(tp: int, n_heads: int, n_kv_heads: int) -> Reason | None:
+    """Tensor parallelism splits whole attention heads, query and key/value alike."""
+    for heads, name in ((n_heads, "n_heads"), (n_kv_heads, "n_kv_heads")):
+        if heads % tp:
+            return Reason("parallel.tp", tp, f"must divide model.{name} = {heads}")
+    return None

@@ -35,10 +35,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from isthmus.errors import ConfigError
+from isthmus.layout.spec import CP_IMPLS as _CP_IMPLS
 from isthmus.models.llama import Attention
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
-CP_IMPLS = ("ring", "ulysses")
+CP_IMPLS = _CP_IMPLS
 
 
 def cp_chunk_ids(cp_rank: int, cp_size: int) -> tuple[int, int]:

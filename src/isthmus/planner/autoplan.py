@@ -24,17 +24,15 @@ from typing import Any
 from isthmus.errors import ConfigError
 from isthmus.models.args import ModelArgs
 from isthmus.planner.cost import Estimate, estimate
-from isthmus.planner.layout import LayoutSpec, Runtime
-from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, CP_IMPLS, PP_SCHEDULES
+from isthmus.planner.layout import Runtime
+from isthmus.layout import rules
+from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, CP_IMPLS, PARALLEL_KEYS, PP_SCHEDULES, LayoutSpec
 from isthmus.planner.pipeline import check_pipeline
 from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import DeviceKind, Topology, load_topology, parse_topology, shipped_topologies_dir
 
-PLAN_KEYS: dict[str, type] = {
-    "nproc": int, "dp_replicate": int, "dp_shard": int, "zero_stage": int, "tp": int, "sequence_parallel": bool,
-    "cp": int, "cp_impl": str, "pp": int, "pp_schedule": str, "microbatches": int, "pp_virtual_stages": int,
-    "activation_checkpoint": str,
-}
+PLAN_KEYS: dict[str, type] = {"nproc": int, **{k: type(getattr(LayoutSpec(), k)) for k in PARALLEL_KEYS}}
+"""The ``[parallel]`` keys a plan may name, with their types (LayoutSpec's fields)."""
 _CHOICES = {"cp_impl": CP_IMPLS, "pp_schedule": PP_SCHEDULES, "activation_checkpoint": ACTIVATION_CHECKPOINTS,
             "zero_stage": (1, 2, 3)}
 
@@ -288,13 +286,6 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
 def _check_pins(pins: dict[str, Any], args: ModelArgs, nproc: int) -> None:
     """The layout rules a fixed value can break on its own, in the trainer's words, before the search."""
     for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp"):
-        if nproc % pins.get(key, 1):
-            raise ConfigError(f"parallel.{key}", pins[key], f"must divide parallel.nproc = {nproc}")
-    tp = pins.get("tp", 1)
-    for heads, name in ((args.n_heads, "n_heads"), (args.n_kv_heads, "n_kv_heads")):
-        if heads % tp:
-            raise ConfigError("parallel.tp", tp, f"must divide model.{name} = {heads}")
-    stages = pins.get("pp", 1) * pins.get("pp_virtual_stages", 1)
-    if stages > args.n_layers:
-        raise ConfigError("parallel.pp", pins.get("pp", 1), f"pp * pp_virtual_stages = {stages} stages is more than "
-                          f"model.n_layers = {args.n_layers}")
+        rules.raise_for(rules.divides_world(key, pins.get(key, 1), nproc))
+    rules.raise_for(rules.tensor_parallel_heads(pins.get("tp", 1), args.n_heads, args.n_kv_heads))
+    rules.raise_for(rules.pipeline_stages(pins.get("pp", 1), pins.get("pp_virtual_stages", 1), args.n_layers))

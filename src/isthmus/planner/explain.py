@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from isthmus.layout.spec import DILOCO_SYNCS
 from isthmus.models.flops import count_params
 from isthmus.planner.cost import Estimate
 from isthmus.planner.placement import place
@@ -114,7 +115,7 @@ def _wan_sentences(result: SearchResult, topo: Topology) -> list[str]:
                                    f"each transfer overlapping {lay.overlap_steps} step(s), int4)"}[lay.sync]
         s = (f"Data-parallel replicas span the datacenters and synchronise over the WAN ({links}) by {how}: "
              f"{best.wan_bytes_per_step / 1e9:.3g} GB per step; per-layer traffic stays inside each datacenter.")
-        if lay.sync in ("compressed", "diloco", "streaming_diloco"):
+        if lay.sync in ("compressed", *DILOCO_SYNCS):
             s += f" Its ranking assumes {100 * (1 - best.effective_tokens_per_s / best.tokens_per_s):.0f}% more tokens for the same loss."
     else:
         s = f"It uses one datacenter: the WAN ({links}) would cost more than the other datacenters add."
