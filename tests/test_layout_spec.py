@@ -108,3 +108,14 @@ def test_one_rule_for_the_runtime_and_the_search() -> None:
     assert why is not None and why.key == "parallel.microbatches" and why == "1f1b needs >= pp = 4 micro-batches"
     assert rules.shard_degree(1, 2, 2, 1) == 2 and rules.shard_degree(1, 2, 1, 1) == 1
     assert rules.data_parallel_kind(1, 2, 1, 1, 1, 3) == "ddp" and rules.data_parallel_kind(2, 1, 1, 1, 1, 1) == "zero1"
+
+
+@pytest.mark.parametrize(("topology", "devices", "values"), CASES)
+def test_the_manifest_form_is_what_a_checkpoint_records(topology: str, devices: int, values: dict[str, Any]) -> None:
+    from isthmus.layout.dims import check_layout
+    from isthmus.train import trainer
+
+    cfg = _config(values)
+    dims = check_layout(cfg, ARGS.n_heads, ARGS.n_kv_heads, ARGS.n_layers)
+    summary = trainer._layout_str(dims, cfg)
+    assert LayoutSpec.from_config(cfg).manifest(dims.world_size, summary) == trainer._layout(dims, cfg)
