@@ -10,19 +10,11 @@ from typing import TYPE_CHECKING
 from isthmus.config import JobConfig
 from isthmus.errors import ConfigError, DataError
 from isthmus.models.args import ModelArgs
-from isthmus.models.resolve import resolve_model_args
+from isthmus.models.resolve import expected_vocab, resolve_model_args
 
 if TYPE_CHECKING:
     from isthmus.parallel.dims import ParallelDims
     from isthmus.planner.memory import MemoryBreakdown
-
-
-def expected_vocab(cfg: JobConfig) -> int | None:
-    """The tokenizer vocabulary known before reading data (None for pre-tokenised files)."""
-    d = cfg.data
-    if d.format == "bin" or (d.format == "auto" and d.path.endswith(".bin")):
-        return None
-    return 256 if d.tokenizer == "byte" else d.bpe_vocab_size
 
 
 def preflight(cfg: JobConfig) -> ModelArgs:
@@ -30,7 +22,7 @@ def preflight(cfg: JobConfig) -> ModelArgs:
     _check_paths(cfg)
     bin_ids = _bin_max_id(cfg)
     # As the trainer's tokenizer for such a file (`data.corpus.bin_tokenizer`): bytes, or ids up to the largest.
-    vocab = expected_vocab(cfg) if bin_ids is None else max(256, bin_ids[1] + 1)
+    vocab = expected_vocab(cfg.data) if bin_ids is None else max(256, bin_ids[1] + 1)
     if bin_ids is not None and cfg.model.vocab_size is not None and bin_ids[1] >= cfg.model.vocab_size:
         raise DataError(
             f"data.path {bin_ids[0]!r}: largest id {bin_ids[1]:,} is not below model.vocab_size = {cfg.model.vocab_size:,}; "
