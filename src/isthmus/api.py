@@ -105,9 +105,12 @@ def shard_batch(
     Pass this rank's data-parallel slice (``mesh["dp"].get_local_rank()`` of ``dims.dp``); every
     rank of a tensor-, context- or pipeline-parallel group passes the same one.
     """
-    if pm.dims.cp_enabled and mesh is None:
-        raise ConfigError("mesh", None, "context parallelism needs the mesh that parallelize used (dims.build_mesh)")
-    return _step.shard_batch(pm, inputs, targets, mesh["cp"].get_local_rank() if pm.dims.cp_enabled else 0)
+    cp_rank = 0
+    if pm.dims.cp_enabled:
+        if mesh is None:
+            raise ConfigError("mesh", None, "context parallelism needs the mesh that parallelize used (dims.build_mesh)")
+        cp_rank = mesh["cp"].get_local_rank()
+    return _step.shard_batch(pm, inputs, targets, cp_rank)
 
 
 loss_context = _step.loss_context

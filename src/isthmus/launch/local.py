@@ -318,7 +318,7 @@ def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | Non
 
     device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     world = init_distributed(cfg.parallel.backend, device)
-    claim, answer = None, [cfg.train.run_dir, None]
+    claim, answer = None, [cfg.train.run_dir, None]  # [directory, refusal]
     if int(os.environ["RANK"]) == 0:
         try:
             claim = claim_run_dir(cfg, config_name)
@@ -329,7 +329,7 @@ def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | Non
         dist.broadcast_object_list(answer, src=0)
     if answer[1] is not None:
         raise IsthmusError(answer[1])
-    cfg.train.run_dir = answer[0]
+    cfg.train.run_dir = str(answer[0])
     return claim
 
 

@@ -120,7 +120,7 @@ def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
 
     p, t = cfg.parallel, cfg.train
     sequences = t.batch_size / dims.dp / t.grad_accum
-    micro = sequences / p.microbatches if dims.pp > 1 else sequences
+    micro = math.ceil(sequences / p.microbatches if dims.pp > 1 else sequences)
     layers = math.ceil(args.n_layers / dims.pp)
     shard = dims.dp_shard * dims.cp if dims.dp_shard > 1 else 1
     worst: MemoryBreakdown | None = None

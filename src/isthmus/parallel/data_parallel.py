@@ -17,6 +17,7 @@ from typing import Literal
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from isthmus.models.llama import Transformer
 from isthmus.parallel.dims import Meshes, ParallelDims
 
 DataParallelKind = Literal["none", "ddp", "zero1", "fsdp"]
@@ -47,7 +48,7 @@ def fsdp_mesh(mesh: "Meshes", dims: ParallelDims, geo_sync: bool = False) -> Dev
     return mesh["dp_shard_cp"]
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, reshard_root: bool = True) -> nn.Module:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, reshard_root: bool = True) -> nn.Module:
     """Shard each transformer block, then the root (embedding, final norm, head) as one group.
 
     Per-block groups let FSDP2 gather one block's parameters while the previous block computes.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import torch
 from torch import nn
@@ -67,7 +67,7 @@ def save_final_model(state: dict[str, torch.Tensor], args: ModelArgs, directory:
     try:
         with tmp.open("wb") as f:
             out = _WriteErrors(f)
-            torch.save(state, out)
+            torch.save(state, cast(BinaryIO, out))  # torch.save needs only write() and flush()
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         # torch's zip writer reports a failed write as "unexpected pos", without the OSError under it.

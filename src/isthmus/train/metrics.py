@@ -151,7 +151,7 @@ class MetricsLogger:
             **(extra or {}),
         }
         self._write(record)
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=step, loss=loss, tps=tokens_per_s)
         if step % self.cfg.log_every == 0 or step == self.total_steps:
             get_logger().info(

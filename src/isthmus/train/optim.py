@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -45,7 +45,7 @@ def build_optimizer(
     broadcasts the updated parameters.
     """
     groups = param_groups(modules if isinstance(modules, list) else [modules], cfg.weight_decay)
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False)
+    kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False)
     if zero1_group is not None:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
