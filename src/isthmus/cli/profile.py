@@ -60,7 +60,11 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
 
     prof = measure(budget, threads, ns.model, ns.batch, ns.seq_len)
     # What MFU divides by: measured again here, where the machine is known to be in use for nothing else.
-    from isthmus.train.device import PEAK_CACHE_FILE, default_cache_dir, remeasure_cpu_peaks  # torch: not for plan/simulate
+    from isthmus.train.device import (  # torch: not for plan/simulate
+        PEAK_CACHE_FILE,
+        default_cache_dir,
+        remeasure_cpu_peaks,
+    )
 
     peaks = remeasure_cpu_peaks(sorted({1, threads}))
     text = topology_toml(prof, ns.name, cores)

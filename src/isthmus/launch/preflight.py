@@ -5,16 +5,17 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from isthmus.config import JobConfig
+from isthmus.data.corpus import default_cache_dir, is_bin, load_bin
 from isthmus.errors import ConfigError, DataError
 from isthmus.models.args import ModelArgs
 from isthmus.models.resolve import expected_vocab, resolve_model_args
-
-if TYPE_CHECKING:
-    from isthmus.parallel.dims import ParallelDims
-    from isthmus.planner.memory import MemoryBreakdown
+from isthmus.parallel.dims import ParallelDims, check_layout
+from isthmus.planner.layout import RUNTIMES
+from isthmus.planner.memory import MemoryBreakdown, device_memory
+from isthmus.planner.pipeline import in_flight
+from isthmus.train.checkpoint_manifest import checkpoint_key
 
 
 def preflight(cfg: JobConfig) -> ModelArgs:
@@ -29,7 +30,6 @@ def preflight(cfg: JobConfig) -> ModelArgs:
             f"check data.bin_dtype ({cfg.data.bin_dtype}) or raise model.vocab_size"
         )
     args = resolve_model_args(cfg.model, vocab)
-    from isthmus.parallel.dims import check_layout
 
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
     if cfg.geo.fault_tolerant:
@@ -43,7 +43,6 @@ def preflight(cfg: JobConfig) -> ModelArgs:
         raise ConfigError("model.tie_embeddings", True, "cannot be combined with parallel.pp > 1 (embedding and head live on different stages)")
     if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
         _check_fits_in_memory(cfg, args, dims, bin_ids)
-    from isthmus.train.checkpoint_manifest import checkpoint_key
 
     # The key signs checkpoints and the final model: an unreadable or short one stops here, before any process starts.
     checkpoint_key(cfg.checkpoint.key_file)
@@ -57,7 +56,6 @@ def _cuda_visible() -> bool:
 # --- paths ---------------------------------------------------------------------------------------
 def _check_paths(cfg: JobConfig) -> None:
     """Every folder the run writes to can take new files; checked on the nearest folder that exists."""
-    from isthmus.data.corpus import default_cache_dir
 
     t, c, m = cfg.train, cfg.checkpoint, cfg.metrics
     _check_writable("train.run_dir", t.run_dir, Path(t.run_dir))
@@ -97,7 +95,6 @@ def _bin_max_id(cfg: JobConfig) -> tuple[str, int] | None:
     The model's vocabulary follows the largest id when model.vocab_size is unset, so one wrong id (or
     the wrong data.bin_dtype) would otherwise ask for an embedding of billions of rows.
     """
-    from isthmus.data.corpus import is_bin, load_bin
 
     if not is_bin(cfg.data):
         return None
@@ -114,9 +111,6 @@ def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
     flight), plus the fp32 logits over the vocabulary. It counts what must exist, not allocator slack,
     so it is a lower bound: a run it refuses cannot fit.
     """
-    from isthmus.planner.layout import RUNTIMES
-    from isthmus.planner.memory import device_memory
-    from isthmus.planner.pipeline import in_flight
 
     p, t = cfg.parallel, cfg.train
     sequences = t.batch_size / dims.dp / t.grad_accum

@@ -16,6 +16,8 @@ from typing import Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from isthmus.models.llama import Transformer
 from isthmus.parallel.dims import Meshes, ParallelDims
@@ -53,7 +55,6 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, reshard
 
     Per-block groups let FSDP2 gather one block's parameters while the previous block computes.
     """
-    from torch.distributed.fsdp import fully_shard
 
     reshard = zero_stage == 3
     for block in model.layers.values():
@@ -63,7 +64,6 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, reshard
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
 
     # Each rank's loss is the mean over its own tokens; DDP averages gradients over the group,
     # which makes the gradient of the mean loss over the whole batch.

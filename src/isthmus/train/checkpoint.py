@@ -50,9 +50,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from isthmus.config import CheckpointConfig, settings_that_differ
 from isthmus.data.loader import BatchSampler
@@ -110,14 +112,12 @@ class ResumePoint:
 # --- model and optimizer state, keyed by canonical names -------------------------------------------
 def model_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     """This rank's parameters by full-model name (DCP's helper strips DDP and checkpoint-wrapper prefixes)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     return {k: cast(torch.Tensor, v) for m in modules for k, v in get_model_state_dict(m).items()}
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state: ZeRO-1's local partition, or the optimizer itself."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
@@ -355,7 +355,6 @@ class Checkpointer:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise CheckpointError(f"{path}: cannot be loaded into this model ({type(e).__name__}: {first})") from None
 
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         for m, part in zip(state.modules, parts, strict=True):
             set_model_state_dict(m, {k: model[k] for k in part})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None) -> float:
@@ -14,7 +15,6 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
     pipeline stages hold disjoint parameters, so their squared norms are summed over ``pp_group``
     (torch's ``clip_grad_norm_`` knows nothing of stages, hence this wrapper).
     """
-    from torch.distributed.tensor import DTensor
 
     # Gradients may live on different meshes (with FSDP + TP, norm weights that TP leaves alone are
     # on the data-parallel mesh only), and DTensor ops refuse to mix meshes: one norm per mesh.
