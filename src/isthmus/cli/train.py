@@ -119,8 +119,7 @@ def _plan_auto(cfg: JobConfig, overrides: list[tuple[str, str]], as_comment: boo
 
 
 def _print_summary(r: TrainResult) -> None:
-
-    from isthmus.geo.accounting import format_bytes
+    from isthmus.geo.accounting import format_bytes  # loads torch; the run has loaded it already
 
     table = Table(title="isthmus train: done", show_header=False)
     table.add_row("steps", f"{len(r.losses)} on {r.world_size} rank(s)")

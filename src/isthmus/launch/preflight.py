@@ -33,6 +33,7 @@ def preflight(cfg: JobConfig) -> ModelArgs:
 
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
     if cfg.geo.fault_tolerant:
+        # torchft (optional, and it loads torch): only for a fault-tolerant run, which needs it anyway.
         from isthmus.geo.fault import check_config, layout_world
 
         check_config(cfg.geo)
