@@ -20,7 +20,6 @@ from isthmus.errors import ConfigError
 from isthmus.layout.plan import is_plan_file, plan_overrides
 from isthmus.layout.spec import ActivationCheckpoint, CpImpl, PpSchedule, SyncKind
 
-
 RUN_DIR_PLACEHOLDERS = ("{config}", "{time}")
 """What train.run_dir may hold: the config's name and the run's start time (see isthmus.launch.rundir)."""
 

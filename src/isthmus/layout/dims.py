@@ -8,15 +8,16 @@ next because it only sends activations between neighbours. ``dc`` replicates lik
 
 Pure Python (the planner and the launcher use it without torch); :meth:`ParallelDims.build_mesh`
 imports torch when called. ``isthmus.parallel.dims`` re-exports everything for the runtime.
+The config arrives duck-typed (``p``: a ``ParallelConfig``, ``cfg``: a ``JobConfig``): isthmus.config
+imports this package, not the other way round.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from isthmus.config import JobConfig, ParallelConfig
 from isthmus.errors import ConfigError
 from isthmus.layout import rules
 
@@ -52,7 +53,7 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_config(cls, p: ParallelConfig, world_size: int | None = None, dc: int = 1) -> "ParallelDims":
+    def from_config(cls, p: Any, world_size: int | None = None, dc: int = 1) -> "ParallelDims":
         return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.nproc if world_size is None else world_size, dc)
 
     @property
@@ -140,7 +141,7 @@ FILL = -1
 """A data-parallel degree of -1 takes whatever the other degrees leave of the world size."""
 
 
-def fill_data_parallel(p: ParallelConfig, world_size: int, dc: int = 1) -> None:
+def fill_data_parallel(p: Any, world_size: int, dc: int = 1) -> None:
     """Replace a data-parallel degree of -1 by what the named degrees leave of ``world_size``, in place.
 
     As torchtitan's ``-1``: ``--parallel.nproc 4 --parallel.tp 2`` alone runs dp 2 x tp 2, and
@@ -171,7 +172,7 @@ def fill_data_parallel(p: ParallelConfig, world_size: int, dc: int = 1) -> None:
 
 
 def check_layout(
-    cfg: JobConfig, n_heads: int, n_kv_heads: int, n_layers: int, world_size: int | None = None
+    cfg: Any, n_heads: int, n_kv_heads: int, n_layers: int, world_size: int | None = None
 ) -> ParallelDims:
     """Every layout rule that needs no process, with the numbers in the message.
 

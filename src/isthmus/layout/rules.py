@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from isthmus.errors import ConfigError
-from isthmus.layout.spec import PP_SCHEDULES
+from isthmus.layout.choices import PP_SCHEDULES
 
 
 class Reason(str):

@@ -23,25 +23,29 @@ Pure Python: no torch.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any
 
-if TYPE_CHECKING:
-    from isthmus.config import JobConfig
+from isthmus.layout.choices import (
+    ACTIVATION_CHECKPOINTS,
+    CP_IMPLS,
+    DC_AXES,
+    DILOCO_SYNCS,
+    GEO_SYNCS,
+    PP_SCHEDULES,
+    SYNC_KINDS,
+    ActivationCheckpoint,
+    CpImpl,
+    DcAxis,
+    PpSchedule,
+    SyncKind,
+)
+from isthmus.layout.rules import shard_degree
 
-PpSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
-PP_SCHEDULES: tuple[PpSchedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
-CpImpl = Literal["ring", "ulysses"]
-CP_IMPLS: tuple[CpImpl, ...] = ("ring", "ulysses")
-ActivationCheckpoint = Literal["none", "full", "selective"]
-ACTIVATION_CHECKPOINTS: tuple[ActivationCheckpoint, ...] = ("none", "full", "selective")
-SyncKind = Literal["none", "flat", "hierarchical", "compressed", "diloco", "streaming_diloco"]
-SYNC_KINDS: tuple[SyncKind, ...] = ("none", "flat", "hierarchical", "compressed", "diloco", "streaming_diloco")
-GEO_SYNCS: tuple[SyncKind, ...] = SYNC_KINDS[1:]
-"""The sync kinds that cross datacenters (all but none)."""
-DILOCO_SYNCS: tuple[SyncKind, ...] = ("diloco", "streaming_diloco")
-DcAxis = Literal["none", "dp", "pp"]
-DC_AXES: tuple[DcAxis, ...] = ("none", "dp", "pp")
-"""What a datacenter boundary cuts; 'none' is one datacenter (the config's geo.dc_axis is dp or pp)."""
+__all__ = [
+    "ACTIVATION_CHECKPOINTS", "CP_IMPLS", "DC_AXES", "DERIVED", "DILOCO_SYNCS", "GEO_KEYS", "GEO_SYNCS",
+    "PARALLEL_KEYS", "PP_SCHEDULES", "SYNC_KINDS", "ActivationCheckpoint", "CpImpl", "DcAxis", "LayoutSpec",
+    "PpSchedule", "SyncKind",
+]
 
 PARALLEL_KEYS = ("dp_replicate", "dp_shard", "zero_stage", "tp", "sequence_parallel", "cp", "cp_impl", "pp",
                  "pp_schedule", "pp_virtual_stages", "microbatches", "activation_checkpoint")
@@ -101,8 +105,6 @@ class LayoutSpec:
     @property
     def shard_degree(self) -> int:
         """Ranks one FSDP/ZeRO shard group spans (see :func:`isthmus.layout.rules.shard_degree`)."""
-        from isthmus.layout.rules import shard_degree
-
         return shard_degree(self.dp_shard, self.cp, self.tp, self.pp)
 
     @property
@@ -118,8 +120,8 @@ class LayoutSpec:
     # --- conversions ---------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, cfg: JobConfig) -> LayoutSpec:
-        """The layout a resolved config runs (data-parallel degrees of -1 must be filled first).
+    def from_config(cls, cfg: Any) -> LayoutSpec:
+        """The layout a resolved ``JobConfig`` runs (data-parallel degrees of -1 must be filled first).
 
         Raises ValueError for what one spec cannot say: pipeline microbatches and gradient
         accumulation together (``parallel.pp > 1`` with ``train.grad_accum > 1``).

@@ -1,0 +1,24 @@
+"""The words layout keys take, defined once: pipeline schedules, context-parallel kinds, recomputation
+modes, cross-datacenter sync kinds and axes (a ``Literal`` for the types, a tuple for the checks).
+
+``isthmus.config``, the planner and the runtime import them from here (or from :mod:`isthmus.layout.spec`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+PpSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+PP_SCHEDULES: tuple[PpSchedule, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+CpImpl = Literal["ring", "ulysses"]
+CP_IMPLS: tuple[CpImpl, ...] = ("ring", "ulysses")
+ActivationCheckpoint = Literal["none", "full", "selective"]
+ACTIVATION_CHECKPOINTS: tuple[ActivationCheckpoint, ...] = ("none", "full", "selective")
+SyncKind = Literal["none", "flat", "hierarchical", "compressed", "diloco", "streaming_diloco"]
+SYNC_KINDS: tuple[SyncKind, ...] = ("none", "flat", "hierarchical", "compressed", "diloco", "streaming_diloco")
+GEO_SYNCS: tuple[SyncKind, ...] = SYNC_KINDS[1:]
+"""The sync kinds that cross datacenters (all but none)."""
+DILOCO_SYNCS: tuple[SyncKind, ...] = ("diloco", "streaming_diloco")
+DcAxis = Literal["none", "dp", "pp"]
+DC_AXES: tuple[DcAxis, ...] = ("none", "dp", "pp")
+"""What a datacenter boundary cuts; 'none' is one datacenter (the config's geo.dc_axis is dp or pp)."""
