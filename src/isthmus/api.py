@@ -23,8 +23,8 @@ from torch.distributed.tensor import DTensor
 
 from isthmus.config import GeoConfig, JobConfig, ParallelConfig, TrainConfig
 from isthmus.errors import ConfigError
-from isthmus.models.llama import Transformer, build_model
 from isthmus.layout.dims import MESH_DIMS, Meshes, ParallelDims, check_layout
+from isthmus.models.llama import Transformer, build_model
 from isthmus.parallel.parallelize import ParallelModel
 from isthmus.parallel.parallelize import parallelize as _parallelize
 from isthmus.train import step as _step

@@ -53,7 +53,7 @@ class ParallelDims:
             )
 
     @classmethod
-    def from_config(cls, p: Any, world_size: int | None = None, dc: int = 1) -> "ParallelDims":
+    def from_config(cls, p: Any, world_size: int | None = None, dc: int = 1) -> ParallelDims:
         return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.nproc if world_size is None else world_size, dc)
 
     @property
@@ -100,7 +100,7 @@ class ParallelDims:
         """Ranks that hold replicas of the same parameters and must average gradients (dp x cp)."""
         return self.dp * self.cp
 
-    def build_mesh(self, device_type: str) -> "Meshes":
+    def build_mesh(self, device_type: str) -> Meshes:
         """One named mesh over all ranks, plus flattened views used by data parallelism and the loss.
 
         - ``replicate``: (dc, dp_replicate), the replicas;
@@ -128,10 +128,10 @@ class Meshes:
     A 2-D view over (dp_replicate, dp_shard_cp) for HSDP is sliced from the root mesh.
     """
 
-    def __init__(self, root: "DeviceMesh", flat: dict[str, "DeviceMesh"]) -> None:
+    def __init__(self, root: DeviceMesh, flat: dict[str, DeviceMesh]) -> None:
         self.root, self.flat = root, flat
 
-    def __getitem__(self, names: str | tuple[str, ...]) -> "DeviceMesh":
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(names, str) and names in self.flat:
             return self.flat[names]
         return self.root[names]

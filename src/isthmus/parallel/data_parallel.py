@@ -22,12 +22,13 @@ from isthmus.layout.rules import DataParallelKind
 from isthmus.models.llama import Transformer
 from isthmus.parallel.dims import Meshes, ParallelDims
 
+
 def data_parallel_kind(dims: ParallelDims, zero_stage: int, geo_sync: bool = False) -> DataParallelKind:
     """The rule :func:`isthmus.layout.rules.data_parallel_kind` (the planner's ``shard_degree`` too) for ``dims``."""
     return rules.data_parallel_kind(dims.dp_shard, dims.cp, dims.tp, dims.pp, dims.replicate, zero_stage, geo_sync)
 
 
-def fsdp_mesh(mesh: "Meshes", dims: ParallelDims, geo_sync: bool = False) -> DeviceMesh:
+def fsdp_mesh(mesh: Meshes, dims: ParallelDims, geo_sync: bool = False) -> DeviceMesh:
     """HSDP when replicas exist (replicate over dp_replicate, shard over dp_shard x cp), else 1-D.
     Under a geo strategy always 1-D: the strategy reduces over the replicas."""
     if dims.dp_replicate_enabled and not geo_sync:

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.errors import ConfigError
+from isthmus.layout import rules
+from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, CP_IMPLS, PARALLEL_KEYS, PP_SCHEDULES, LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.planner.cost import Estimate, estimate
 from isthmus.planner.layout import Runtime
-from isthmus.layout import rules
-from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, CP_IMPLS, PARALLEL_KEYS, PP_SCHEDULES, LayoutSpec
 from isthmus.planner.pipeline import check_pipeline
 from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import DeviceKind, Topology, load_topology, parse_topology, shipped_topologies_dir

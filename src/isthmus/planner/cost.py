@@ -249,7 +249,7 @@ class Estimate:
 
     def as_json(self) -> dict[str, object]:
         return {
-            "layout": self.layout.as_dict(), "label": self.layout.label(), 
+            "layout": self.layout.as_dict(), "label": self.layout.label(),
             **self.layout.config_sections(self.work.seq_len, self.work.args.tie_embeddings),
             "batch_size": self.work.batch_size, "seq_len": self.work.seq_len, "runtime": self.runtime, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
             "effective_tokens_per_s": self.effective_tokens_per_s, "tflops_per_device": self.tflops_per_device,

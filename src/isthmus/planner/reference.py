@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from isthmus.layout.spec import PpSchedule
 from isthmus.models.flavors import gpt3
 from isthmus.planner.cost import Estimate, estimate
 from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
@@ -54,6 +55,7 @@ def megatron_layout(row: MegatronRow) -> LayoutSpec:
     """The paper's layout for a row: its tp and pp, the rest data-parallel, b = 1."""
     dp = row.gpus // (row.tp * row.pp)
     m = row.global_batch // (dp * MICRO_BATCH)
+    schedule: PpSchedule
     if row.pp <= 2:
         schedule, v = "1f1b", 1
     else:
@@ -61,7 +63,7 @@ def megatron_layout(row: MegatronRow) -> LayoutSpec:
         v = next(k for k in range(VIRTUAL_STAGES, per_rank + 1) if per_rank % k == 0)
         schedule = "interleaved_1f1b"
     return LayoutSpec(tp=row.tp, pp=row.pp, pp_schedule=schedule, pp_virtual_stages=v, dp_replicate=dp,
-                  micro_batch=MICRO_BATCH, microbatches=m, activation_checkpoint="full")
+                      micro_batch=MICRO_BATCH, microbatches=m, activation_checkpoint="full")
 
 
 def megatron_row_estimate(row: MegatronRow, topo: Topology | None = None) -> Estimate:

@@ -16,9 +16,9 @@ from isthmus.models.flops import flops_per_token
 from isthmus.planner.cost import Estimate, estimate, recompute_share
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory
+from isthmus.planner.topology import Topology
 from isthmus.sim.engine import Event
 from isthmus.sim.program import Simulation
-from isthmus.planner.topology import Topology
 
 
 @dataclass
@@ -57,7 +57,7 @@ class SimResult:
         """The planner's JSON fields for this layout, simulated; plus ``simulated`` (what was run)."""
         lay = self.layout
         return {
-            "layout": lay.as_dict(), "label": lay.label(), 
+            "layout": lay.as_dict(), "label": lay.label(),
             **lay.config_sections(self.work.seq_len, self.work.args.tie_embeddings),
             "batch_size": self.work.batch_size, "seq_len": self.work.seq_len, "runtime": self.runtime,
             "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
