@@ -30,6 +30,7 @@ from isthmus.geo.strategy import GeoSync
 from isthmus.geo.sync import build_geo_sync
 from isthmus.log import get_logger
 from isthmus.parallel.dims import ParallelDims
+from isthmus.parallel.pipeline import count_cross_dc_sends
 
 
 def build_geo_run(cfg: GeoConfig) -> GeoRun:
@@ -69,7 +70,7 @@ class GeoRun:
         return mesh_dp_rank
 
     def replica_key(self, n_dc: int, rank: int, world: int) -> str:
-        """"dc<d>" for datacenter d > 0 under DiLoCo, whose datacenters hold models of their own
+        """ "dc<d>" for datacenter d > 0 under DiLoCo, whose datacenters hold models of their own
         between outer steps (see `TrainState.replica`); "" where every replica agrees."""
         if self.cfg.sync not in ("diloco", "streaming_diloco") or n_dc == 1:
             return ""
@@ -96,8 +97,13 @@ class GeoRun:
         grids = geo_grids(dims.dc, dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
         replicas = len(grids[0][0])
         groups = build_geo_groups(dims.dc, replicas, ranks_per_node=_local_world(world), grids=grids)
-        get_logger().info("geo: %s across %d datacenters of %d ranks (%d replica(s) of each model part)",
-                          self.cfg.sync, dims.dc, world // dims.dc, replicas)
+        get_logger().info(
+            "geo: %s across %d datacenters of %d ranks (%d replica(s) of each model part)",
+            self.cfg.sync,
+            dims.dc,
+            world // dims.dc,
+            replicas,
+        )
         self.sync = build_geo_sync(self.cfg.sync, groups, params, self.cfg)
         return self.sync
 
@@ -106,8 +112,6 @@ class GeoRun:
         pipeline stages send to a stage in another datacenter."""
         if self.cfg.dc_axis != "pp" or self.cfg.datacenters == 1 or schedule is None:
             return
-        from isthmus.parallel.pipeline import count_cross_dc_sends
-
         self.pipeline_wan = new_counter()  # only its wan tier is counted
         count_cross_dc_sends(schedule, pp, self.cfg.datacenters, self.pipeline_wan)
 
@@ -137,12 +141,16 @@ class GeoRun:
         if self.sync is not None:
             self.sync.finish(params)
             by_tier = total_over_ranks(self.sync.bytes_sent)
-            get_logger().info("geo %s sent %s", self.cfg.sync,
-                              ", ".join(f"{format_bytes(n)} {tier}" for tier, n in by_tier.items()))
+            get_logger().info(
+                "geo %s sent %s", self.cfg.sync, ", ".join(f"{format_bytes(n)} {tier}" for tier, n in by_tier.items())
+            )
         if self.pipeline_wan is not None:
             by_tier = {"wan": total_over_ranks(self.pipeline_wan)["wan"]}
-            get_logger().info("pipeline across %d datacenters sent %s over the WAN (activations and their gradients)",
-                              self.cfg.datacenters, format_bytes(by_tier["wan"]))
+            get_logger().info(
+                "pipeline across %d datacenters sent %s over the WAN (activations and their gradients)",
+                self.cfg.datacenters,
+                format_bytes(by_tier["wan"]),
+            )
         return by_tier
 
 
@@ -180,8 +188,9 @@ class DatacenterJob(GeoRun):
         return batch_tokens // self.job.n_dc  # this datacenter's share of each batch
 
     def build_sync(self, params: list[nn.Parameter], dims: ParallelDims, world: int) -> GeoSync | None:
-        self.ft_sync = build_fault_tolerant_sync(self.cfg.sync, self.job, params, self.cfg,
-                                                 ranks_per_node=_local_world(world))
+        self.ft_sync = build_fault_tolerant_sync(
+            self.cfg.sync, self.job, params, self.cfg, ranks_per_node=_local_world(world)
+        )
         self.sync = self.ft_sync
         return self.sync
 
