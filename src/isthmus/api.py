@@ -19,6 +19,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from isthmus.config import GeoConfig, JobConfig, ParallelConfig, TrainConfig
 from isthmus.errors import ConfigError
@@ -27,8 +28,9 @@ from isthmus.parallel.dims import MESH_DIMS, Meshes, ParallelDims, check_layout
 from isthmus.parallel.parallelize import ParallelModel
 from isthmus.parallel.parallelize import parallelize as _parallelize
 from isthmus.train import step as _step
+from isthmus.train.device import resolve_device
+from isthmus.train.grad import clip_grad_norm as _clip
 from isthmus.train.step import LossFn
-
 
 __all__ = ["ParallelModel", "clip_grad_norm", "loss_context", "parallelize", "shard_batch", "step"]
 
@@ -105,9 +107,12 @@ def shard_batch(
     Pass this rank's data-parallel slice (``mesh["dp"].get_local_rank()`` of ``dims.dp``); every
     rank of a tensor-, context- or pipeline-parallel group passes the same one.
     """
-    if pm.dims.cp_enabled and mesh is None:
-        raise ConfigError("mesh", None, "context parallelism needs the mesh that parallelize used (dims.build_mesh)")
-    return _step.shard_batch(pm, inputs, targets, mesh["cp"].get_local_rank() if pm.dims.cp_enabled else 0)
+    cp_rank = 0
+    if pm.dims.cp_enabled:
+        if mesh is None:
+            raise ConfigError("mesh", None, "context parallelism needs the mesh that parallelize used (dims.build_mesh)")
+        cp_rank = mesh["cp"].get_local_rank()
+    return _step.shard_batch(pm, inputs, targets, cp_rank)
 
 
 loss_context = _step.loss_context
@@ -135,7 +140,6 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float, mesh: Meshes | None) -> f
 
     torch's ``clip_grad_norm_`` sees only this rank's stages and refuses gradients on several meshes.
     """
-    from isthmus.train.grad import clip_grad_norm as _clip
 
     pp_group = None
     if pm.dims.pp_enabled:
@@ -147,7 +151,6 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float, mesh: Meshes | None) -> f
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:
     """A loss-parallel loss is a replicated DTensor (so ``full_tensor`` communicates nothing); hand back a plain one."""
-    from torch.distributed.tensor import DTensor
 
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
@@ -169,7 +172,6 @@ def _with_degrees(parallel: ParallelConfig, dims: ParallelDims) -> ParallelConfi
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:
-    from isthmus.train.device import resolve_device
 
     if device is None or (isinstance(device, str) and device in ("auto", "cpu", "cuda")):
         return resolve_device(device or "auto", int(os.environ.get("LOCAL_RANK", "0")))

@@ -18,7 +18,6 @@ from typing import Any, Literal, get_args, get_origin
 
 from isthmus.errors import ConfigError
 
-
 RUN_DIR_PLACEHOLDERS = ("{config}", "{time}")
 """What train.run_dir may hold: the config's name and the run's start time (see isthmus.launch.rundir)."""
 

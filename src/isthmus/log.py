@@ -14,6 +14,9 @@ import warnings
 from pathlib import Path
 from typing import TextIO
 
+from rich.console import Console
+from rich.logging import RichHandler
+
 LOGGER_NAME = "isthmus"
 
 
@@ -52,8 +55,6 @@ def setup_logging(
         stream = console_stream or sys.stderr
         handler: logging.Handler
         if stream.isatty():
-            from rich.console import Console
-            from rich.logging import RichHandler
 
             handler = RichHandler(console=Console(file=stream), show_path=False, show_time=False, markup=False)
         else:  # logs and CI: plain lines, no wrapping at 80 columns

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
 from isthmus.cli.train import config_name, find_config, parse_train_command, train_config
 from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError, Interrupted, IsthmusError, RunFailed

@@ -16,7 +16,6 @@ from pathlib import Path
 from isthmus.errors import ConfigError
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.topology import load_topology
-from isthmus.profile.measure import measure, topology_toml
 from isthmus.train.short_run import capped, max_steps_override
 
 
@@ -56,9 +55,16 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     # ISTHMUS_MAX_STEPS=N (a smoke run, as the docs' commands run in the tests): at most N seconds.
     budget = float(capped(int(ns.seconds))) if max_steps_override() is not None else ns.seconds
     load = os.getloadavg()[0]
+    # Startup time: the measurements load torch, which `isthmus plan` and the rest of the CLI never need.
+    from isthmus.profile.measure import measure, topology_toml
+
     prof = measure(budget, threads, ns.model, ns.batch, ns.seq_len)
     # What MFU divides by: measured again here, where the machine is known to be in use for nothing else.
-    from isthmus.train.device import PEAK_CACHE_FILE, default_cache_dir, remeasure_cpu_peaks  # torch: not for plan/simulate
+    from isthmus.train.device import (  # torch: not for plan/simulate
+        PEAK_CACHE_FILE,
+        default_cache_dir,
+        remeasure_cpu_peaks,
+    )
 
     peaks = remeasure_cpu_peaks(sorted({1, threads}))
     text = topology_toml(prof, ns.name, cores)

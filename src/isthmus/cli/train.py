@@ -8,10 +8,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rich.console import Console
+from rich.table import Table
+
 from isthmus.cli.common import subcommand_parser
 from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError
 from isthmus.launch.preflight import preflight
+from isthmus.log import setup_logging
+from isthmus.planner.autoplan import PLAN_KEYS, apply_local_choice
 
 if TYPE_CHECKING:
     from isthmus.train.trainer import TrainResult
@@ -90,7 +95,6 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
         return 0
     # Startup time: torch loads (seconds) only once a run really starts, not for --print-config or an error.
     from isthmus.launch.local import launch, launched_externally
-    from isthmus.log import setup_logging
 
     setup_logging()
     result = launch(cfg, config_name(ns.config))
@@ -103,7 +107,6 @@ def _plan_auto(cfg: JobConfig, overrides: list[tuple[str, str]], as_comment: boo
     """``--parallel.plan auto``: the planner sets the layout; what the command line names stays fixed.
 
     The choice is printed first (as a TOML comment above ``--print-config``'s output)."""
-    from isthmus.planner.autoplan import PLAN_KEYS, apply_local_choice
 
     named = {key.split(".", 1)[1] for key, _ in overrides if key.startswith("parallel.")}
     fixed = {k: getattr(cfg.parallel, k) for k in named if k in PLAN_KEYS and k != "nproc"}
@@ -116,10 +119,7 @@ def _plan_auto(cfg: JobConfig, overrides: list[tuple[str, str]], as_comment: boo
 
 
 def _print_summary(r: TrainResult) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from isthmus.geo.accounting import format_bytes
+    from isthmus.geo.accounting import format_bytes  # loads torch; the run has loaded it already
 
     table = Table(title="isthmus train: done", show_header=False)
     table.add_row("steps", f"{len(r.losses)} on {r.world_size} rank(s)")

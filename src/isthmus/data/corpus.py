@@ -86,7 +86,7 @@ def text_files(path: str) -> list[Path]:
             return [p]
         if not p.is_dir():
             raise DataError(f"{_describe(path)}: no such file or folder")
-        files: list[Path] = []
+        files = []
         for dirpath, dirnames, filenames in os.walk(p):
             # Hidden folders are version control and tool state, not corpus.
             dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))

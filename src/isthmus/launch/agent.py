@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 import sys
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import parse_args, run
+
 
 def main(argv: list[str]) -> int:
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
 
     # The agent logs each failed worker and each survivor it stops; the workers' own output and the
     # emulator's line say it better. Each elastic module's logger has a level of its own (torch sets

@@ -280,10 +280,10 @@ def _shape(net: EmulatedNetwork, dc: DatacenterNamespace, dcs: list[DatacenterNa
     netns.sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
     classes = [(1, net.wan_mbit, None)] + [(10 + d.index, rates[d.index], d.address) for d in others]
     for minor, mbit, dst in classes:
-        burst = str(_burst_bytes(mbit))
+        bucket = str(_burst_bytes(mbit))
         quantum = str(min(200_000, max(1514, int(mbit * 1e6 / 8 / 10))))
         netns.sh("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{minor:x}", "htb",
-                 "rate", _rate(mbit), "ceil", _rate(mbit), "burst", burst, "cburst", burst, "quantum", quantum)
+                 "rate", _rate(mbit), "ceil", _rate(mbit), "burst", bucket, "cburst", bucket, "quantum", quantum)
         if dst is not None:
             netns.sh("tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
                      "u32", "match", "ip", "dst", f"{dst}/32", "flowid", f"1:{minor:x}")

@@ -41,22 +41,28 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from isthmus.config import JobConfig
 from isthmus.errors import EXIT_USAGE, Interrupted, IsthmusError, RunFailed, full_disk_as
 from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
-from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
 from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
+from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
 from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
-from isthmus.train.trainer import Progress, TrainResult, train
+from isthmus.train.device import resolve_device
+from isthmus.train.trainer import Progress, TrainResult, init_distributed, train
 
 LAUNCH_DIR_ENV = "ISTHMUS_LAUNCH_DIR"
 """The launcher's temporary directory (rank errors, heartbeats), set for the ranks it starts."""
 
-if TYPE_CHECKING:
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 
 def launched_externally() -> bool:
@@ -79,7 +85,6 @@ def loopback_store_server(port: int = 0) -> Iterator[int]:
     store), each with ``multi_tenant=True``: a multi-tenant TCPStore on a port this process already
     serves shares that server instead of starting one of its own, so torch's code runs unchanged.
     """
-    from torch.distributed import TCPStore
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -130,7 +135,6 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None, loopback: bool = 
         note = prepare_restart(cfg, restart, launched_at)
         if rank == 0:
             get_logger().warning("%s", note)
-    import torch
 
     torch.set_num_threads(_threads_per_rank(cfg, local_world))
     if rank != 0:
@@ -311,14 +315,11 @@ def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | Non
     """
     if os.environ.get(CLAIMED_ENV) == cfg.train.run_dir:
         return None
-    import torch.distributed as dist
 
-    from isthmus.train.device import resolve_device
-    from isthmus.train.trainer import init_distributed
 
     device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     world = init_distributed(cfg.parallel.backend, device)
-    claim, answer = None, [cfg.train.run_dir, None]
+    claim, answer = None, [cfg.train.run_dir, None]  # [directory, refusal]
     if int(os.environ["RANK"]) == 0:
         try:
             claim = claim_run_dir(cfg, config_name)
@@ -329,7 +330,7 @@ def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | Non
         dist.broadcast_object_list(answer, src=0)
     if answer[1] is not None:
         raise IsthmusError(answer[1])
-    cfg.train.run_dir = answer[0]
+    cfg.train.run_dir = str(answer[0])
     return claim
 
 
@@ -367,9 +368,6 @@ def _interrupted(cfg: JobConfig, signum: int, launch_dir: Path) -> str:
 
 def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
     """nproc local ranks under torch's elastic agent, watched for stalls; every failure as one line."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     run_dir = Path(cfg.train.run_dir)
     with full_disk_as("logs folder", run_dir / "logs", "train.run_dir"):

@@ -5,24 +5,17 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from isthmus.config import JobConfig
+from isthmus.data.corpus import default_cache_dir, is_bin, load_bin
 from isthmus.errors import ConfigError, DataError
 from isthmus.models.args import ModelArgs
-from isthmus.models.resolve import resolve_model_args
-
-if TYPE_CHECKING:
-    from isthmus.parallel.dims import ParallelDims
-    from isthmus.planner.memory import MemoryBreakdown
-
-
-def expected_vocab(cfg: JobConfig) -> int | None:
-    """The tokenizer vocabulary known before reading data (None for pre-tokenised files)."""
-    d = cfg.data
-    if d.format == "bin" or (d.format == "auto" and d.path.endswith(".bin")):
-        return None
-    return 256 if d.tokenizer == "byte" else d.bpe_vocab_size
+from isthmus.models.resolve import expected_vocab, resolve_model_args
+from isthmus.parallel.dims import ParallelDims, check_layout
+from isthmus.planner.layout import RUNTIMES
+from isthmus.planner.memory import MemoryBreakdown, device_memory
+from isthmus.planner.pipeline import in_flight
+from isthmus.train.checkpoint_manifest import checkpoint_key
 
 
 def preflight(cfg: JobConfig) -> ModelArgs:
@@ -30,17 +23,17 @@ def preflight(cfg: JobConfig) -> ModelArgs:
     _check_paths(cfg)
     bin_ids = _bin_max_id(cfg)
     # As the trainer's tokenizer for such a file (`data.corpus.bin_tokenizer`): bytes, or ids up to the largest.
-    vocab = expected_vocab(cfg) if bin_ids is None else max(256, bin_ids[1] + 1)
+    vocab = expected_vocab(cfg.data) if bin_ids is None else max(256, bin_ids[1] + 1)
     if bin_ids is not None and cfg.model.vocab_size is not None and bin_ids[1] >= cfg.model.vocab_size:
         raise DataError(
             f"data.path {bin_ids[0]!r}: largest id {bin_ids[1]:,} is not below model.vocab_size = {cfg.model.vocab_size:,}; "
             f"check data.bin_dtype ({cfg.data.bin_dtype}) or raise model.vocab_size"
         )
     args = resolve_model_args(cfg.model, vocab)
-    from isthmus.parallel.dims import check_layout
 
     world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
     if cfg.geo.fault_tolerant:
+        # torchft (optional, and it loads torch): only for a fault-tolerant run, which needs it anyway.
         from isthmus.geo.fault import check_config, layout_world
 
         check_config(cfg.geo)
@@ -51,7 +44,6 @@ def preflight(cfg: JobConfig) -> ModelArgs:
         raise ConfigError("model.tie_embeddings", True, "cannot be combined with parallel.pp > 1 (embedding and head live on different stages)")
     if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
         _check_fits_in_memory(cfg, args, dims, bin_ids)
-    from isthmus.train.checkpoint_manifest import checkpoint_key
 
     # The key signs checkpoints and the final model: an unreadable or short one stops here, before any process starts.
     checkpoint_key(cfg.checkpoint.key_file)
@@ -65,7 +57,6 @@ def _cuda_visible() -> bool:
 # --- paths ---------------------------------------------------------------------------------------
 def _check_paths(cfg: JobConfig) -> None:
     """Every folder the run writes to can take new files; checked on the nearest folder that exists."""
-    from isthmus.data.corpus import default_cache_dir
 
     t, c, m = cfg.train, cfg.checkpoint, cfg.metrics
     _check_writable("train.run_dir", t.run_dir, Path(t.run_dir))
@@ -105,7 +96,6 @@ def _bin_max_id(cfg: JobConfig) -> tuple[str, int] | None:
     The model's vocabulary follows the largest id when model.vocab_size is unset, so one wrong id (or
     the wrong data.bin_dtype) would otherwise ask for an embedding of billions of rows.
     """
-    from isthmus.data.corpus import is_bin, load_bin
 
     if not is_bin(cfg.data):
         return None
@@ -122,13 +112,10 @@ def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
     flight), plus the fp32 logits over the vocabulary. It counts what must exist, not allocator slack,
     so it is a lower bound: a run it refuses cannot fit.
     """
-    from isthmus.planner.layout import RUNTIMES
-    from isthmus.planner.memory import device_memory
-    from isthmus.planner.pipeline import in_flight
 
     p, t = cfg.parallel, cfg.train
     sequences = t.batch_size / dims.dp / t.grad_accum
-    micro = sequences / p.microbatches if dims.pp > 1 else sequences
+    micro = math.ceil(sequences / p.microbatches if dims.pp > 1 else sequences)
     layers = math.ceil(args.n_layers / dims.pp)
     shard = dims.dp_shard * dims.cp if dims.dp_shard > 1 else 1
     worst: MemoryBreakdown | None = None

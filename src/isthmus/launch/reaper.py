@@ -22,6 +22,8 @@ import signal
 import subprocess
 import sys
 
+from isthmus.launch import netns
+
 DONE = b"done\n"
 
 
@@ -50,7 +52,6 @@ def dismiss_reaper(reaper: subprocess.Popen[bytes]) -> None:
 
 def reap(run_id: str) -> list[str]:
     """Stop every process in run ``run_id``'s namespaces and remove them; returns the names removed."""
-    from isthmus.launch import netns
 
     removed = netns.delete_prefix(netns.run_prefix(run_id))
     netns.unregister_run(run_id)

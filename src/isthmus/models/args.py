@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 from isthmus.errors import ConfigError
 
@@ -39,7 +39,7 @@ class ModelArgs:
     def head_dim(self) -> int:
         return self.dim // self.n_heads
 
-    def with_overrides(self, **kw: object) -> "ModelArgs":
+    def with_overrides(self, **kw: Any) -> ModelArgs:
         """A copy with the given fields replaced (None values are ignored)."""
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from isthmus.models.args import ModelArgs, check_args
 
@@ -223,7 +224,6 @@ def init_weights(model: nn.Module, seed: int, args: ModelArgs) -> None:
     values do not depend on how the model was wrapped, sharded or split. The cost is
     one full-size temporary per parameter, freed before the next.
     """
-    from torch.distributed.tensor import DTensor, distribute_tensor
 
     for raw_name, p in model.named_parameters():
         name = canonical_name(raw_name)

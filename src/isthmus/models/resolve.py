@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from isthmus.config import ModelConfig
+from isthmus.config import DataConfig, ModelConfig
 from isthmus.errors import ConfigError
 from isthmus.models.args import ModelArgs, check_args
 from isthmus.models.flavors import get_flavor
@@ -26,3 +26,10 @@ def resolve_model_args(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> 
     if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab:
         raise ConfigError("model.vocab_size", args.vocab_size, f"must be at least the tokenizer's vocabulary ({tokenizer_vocab})")
     return args
+
+
+def expected_vocab(data: DataConfig) -> int | None:
+    """The tokenizer vocabulary known before reading the data (None for a pre-tokenised file, whose ids decide it)."""
+    if data.format == "bin" or (data.format == "auto" and data.path.endswith(".bin")):
+        return None
+    return 256 if data.tokenizer == "byte" else data.bpe_vocab_size

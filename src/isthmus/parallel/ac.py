@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
+from isthmus.models.llama import Transformer
 
-def apply_ac(model: nn.Module, mode: str) -> None:
+
+def apply_ac(model: Transformer, mode: str) -> None:
     """``full``: every block; ``selective``: every other block (half the saved activations, half the recompute).
 
     Wrapped blocks keep their parameter names up to the ``_checkpoint_wrapped_module`` prefix, which

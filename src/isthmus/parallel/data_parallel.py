@@ -16,7 +16,10 @@ from typing import Literal
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
+from isthmus.models.llama import Transformer
 from isthmus.parallel.dims import Meshes, ParallelDims
 
 DataParallelKind = Literal["none", "ddp", "zero1", "fsdp"]
@@ -47,12 +50,11 @@ def fsdp_mesh(mesh: "Meshes", dims: ParallelDims, geo_sync: bool = False) -> Dev
     return mesh["dp_shard_cp"]
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, reshard_root: bool = True) -> nn.Module:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, reshard_root: bool = True) -> nn.Module:
     """Shard each transformer block, then the root (embedding, final norm, head) as one group.
 
     Per-block groups let FSDP2 gather one block's parameters while the previous block computes.
     """
-    from torch.distributed.fsdp import fully_shard
 
     reshard = zero_stage == 3
     for block in model.layers.values():
@@ -62,7 +64,6 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, zero_stage: int, reshard_r
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
 
     # Each rank's loss is the mean over its own tokens; DDP averages gradients over the group,
     # which makes the gradient of the mean loss over the whole batch.

@@ -24,8 +24,10 @@ from isthmus.config import ParallelConfig
 from isthmus.models.args import ModelArgs
 from isthmus.models.llama import Transformer, init_weights
 from isthmus.parallel.ac import apply_ac
+from isthmus.parallel.context import apply_cp, cp_positions
 from isthmus.parallel.data_parallel import DataParallelKind, apply_ddp, apply_fsdp, data_parallel_kind, fsdp_mesh
 from isthmus.parallel.dims import Meshes, ParallelDims
+from isthmus.parallel.pipeline import build_pipeline
 from isthmus.parallel.tp import apply_tp
 
 
@@ -64,7 +66,6 @@ def _inject_cp_positions(module: Transformer, cp_rank: int, cp_size: int) -> Non
     A forward pre-hook rather than an argument: pipeline stages are called by torch's schedule
     with the activation alone, and this keeps the trainer and the stage calls layout-agnostic.
     """
-    from isthmus.parallel.context import cp_positions
 
     def hook(_: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:  # noqa: ANN001
         if kwargs.get("positions") is None:
@@ -84,7 +85,6 @@ def _shard_stage(
         assert mesh is not None
         apply_tp(module, mesh["tp"], p.sequence_parallel)
     if dims.cp_enabled:
-        from isthmus.parallel.context import apply_cp
 
         assert mesh is not None
         apply_cp(module, mesh["cp"].get_group(), p.cp_impl)
@@ -124,7 +124,6 @@ def parallelize(
         return module
 
     if dims.pp_enabled:
-        from isthmus.parallel.pipeline import build_pipeline
 
         assert mesh is not None and loss_fn is not None
         pp_mesh = mesh["pp"]

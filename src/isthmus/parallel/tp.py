@@ -9,23 +9,25 @@ exist on one rank.
 
 from __future__ import annotations
 
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
+from isthmus.models.llama import Transformer
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Shard ``model`` (a Transformer or a pipeline stage of one) over ``tp_mesh`` in place."""
     # Between blocks activations are sequence-sharded with SP, replicated without.
     between = Shard(1) if sequence_parallel else Replicate()
-    top: dict[str, object] = {}
+    top: dict[str, ParallelStyle] = {}
     if getattr(model, "tok_embeddings", None) is not None:
         top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
     if getattr(model, "norm", None) is not None and sequence_parallel:
@@ -38,7 +40,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
         model.hidden_seq_shards = tp_mesh.size()
 
     for block in model.layers.values():
-        plan: dict[str, object] = {
+        plan: dict[str, ParallelStyle] = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -46,7 +48,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=between),
         }
-        if block.feed_forward.w3 is not None:
+        if getattr(block.get_submodule("feed_forward"), "w3", None) is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
         if sequence_parallel:
             plan.update(

@@ -23,6 +23,7 @@ from typing import Any
 
 from isthmus.errors import ConfigError
 from isthmus.models.args import ModelArgs
+from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.planner.cost import Estimate, estimate
 from isthmus.planner.layout import Layout, Runtime
 from isthmus.planner.pipeline import check_pipeline
@@ -252,11 +253,9 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
     pp_virtual_stages (and ``train.grad_accum`` when there is no pipeline), keeping what ``fixed``
     names. ``topology``: the ``local`` preset or a file from ``isthmus profile``.
     """
-    from isthmus.models.resolve import resolve_model_args
-    from isthmus.launch.preflight import expected_vocab
 
     p, t = cfg.parallel, cfg.train
-    args = resolve_model_args(cfg.model, expected_vocab(cfg))
+    args = resolve_model_args(cfg.model, expected_vocab(cfg.data))
     try:
         topo = local_topology(p.nproc, topology, t.threads)
     except ConfigError as e:

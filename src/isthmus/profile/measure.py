@@ -33,14 +33,34 @@ It writes a topology in the format of ``topologies/local.toml``: a ``[devices.cp
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import socket
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import tomllib
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from isthmus.api import clip_grad_norm, parallelize, shard_batch, step
+from isthmus.config import ParallelConfig
+from isthmus.models.flavors import get_flavor
+from isthmus.models.llama import build_model, init_weights
+from isthmus.parallel.dims import ParallelDims
+from isthmus.planner.autoplan import local_runtime
+from isthmus.planner.compute import layer_times
+from isthmus.planner.cost import estimate
+from isthmus.planner.layout import RUNTIMES, Layout, Workload
+from isthmus.planner.topology import device_kinds, parse_topology
 
 ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))
 """4 KB, 16 KB, ... 64 MB."""
@@ -64,7 +84,6 @@ def _best_time(fn: Any, budget: float, min_reps: int = 2) -> float:
 
 def measure_op_overhead(budget: float) -> float:
     """Seconds per kernel of a tiny op's forward and backward through autograd (dispatch, not data)."""
-    import torch
 
     x = torch.ones(8, requires_grad=True)
 
@@ -98,10 +117,7 @@ def fit_gemm_curve(samples: list[tuple[int, int, int, float]], peak: float) -> t
 def _gloo_worker(rank: int, port: int, sizes: list[int], budget: float, out: str, block: list[Any] | None = None) -> None:
     """One of the two ranks of :func:`measure_gloo` (run in its own interpreter). ``block``:
     [flavor, batch, seq, seconds] to time a block while the other rank does the same."""
-    import json
 
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -125,7 +141,6 @@ def _gloo_worker(rank: int, port: int, sizes: list[int], budget: float, out: str
         times.append(samples[len(samples) // 2])
     together = alone = 0.0
     if block:
-        from isthmus.models.flavors import get_flavor
 
         flavor, batch, seq, seconds = block
         steps = _block_steps(get_flavor(flavor), batch, seq)
@@ -180,18 +195,8 @@ def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, s
     """One of the two ranks of :func:`measure_mechanisms` (its own interpreter, one thread, gloo):
     the median time of a whole training step (forward, backward, clipping, AdamW) of ``flavor``
     with 1 and with 3 blocks under each of :data:`MECHANISMS`, as isthmus.api lays it out."""
-    import json
-    import statistics
-    from dataclasses import replace
 
-    import torch
-    import torch.distributed as dist
 
-    from isthmus.api import clip_grad_norm, parallelize, shard_batch, step
-    from isthmus.config import ParallelConfig
-    from isthmus.models.flavors import get_flavor
-    from isthmus.models.llama import build_model
-    from isthmus.parallel.dims import ParallelDims
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -231,10 +236,6 @@ def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, s
 def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float) -> dict[str, list[float]]:
     """Per mechanism, the median training-step seconds of ``flavor`` with 1 and with 3 blocks on 2
     local ranks (two fresh interpreters, as :func:`measure_gloo`)."""
-    from isthmus.models.flavors import get_flavor
-    from isthmus.planner.compute import layer_times
-    from isthmus.planner.layout import RUNTIMES
-    from isthmus.planner.topology import device_kinds
 
     # As many steps as the budget allows, from the cpu kind's guess at one 3-block step.
     a = get_flavor(flavor)
@@ -251,9 +252,6 @@ def _two_ranks(worker: str, worker_args: Any, timeout_s: float, what: str) -> An
 
     Fresh interpreters rather than multiprocessing: spawn would re-import the caller's main module.
     """
-    import json
-    import subprocess
-    import tempfile
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -285,14 +283,7 @@ def fit_mechanisms(topology_text: str, flavor: str, batch: int, seq: int, measur
     parallelism on top of that, for FSDP2 per collective of a block (its hooks, copy-in and
     copy-out), least squares over ZeRO-2 (2 per step) and ZeRO-3 (3).
     """
-    from dataclasses import replace
 
-    from isthmus.models.flavors import get_flavor
-    from isthmus.planner.cost import estimate
-    from isthmus.planner.layout import Layout, Workload
-    from isthmus.planner.autoplan import local_runtime
-    from isthmus.planner.topology import parse_topology
-    import tomllib
 
     topo = parse_topology(tomllib.loads(topology_text))
     runtime = local_runtime()
@@ -347,7 +338,6 @@ def model_gemms(args: Any, tokens_list: tuple[int, ...]) -> list[tuple[int, int,
 def measure_gemms(shapes: list[tuple[int, int, int]], budget: float) -> list[tuple[int, int, int, float]]:
     """(m, n, k, FLOP/s) of each matmul on one thread, caches flushed before each call as the
     elementwise work between a model's matmuls leaves them (best of repeats: noise only adds)."""
-    import torch
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -373,12 +363,8 @@ def measure_gemms(shapes: list[tuple[int, int, int]], budget: float) -> list[tup
 
 def _block_steps(args: Any, batch: int, seq: int) -> list[Any]:
     """Forward + backward of the model with 1 and with 3 blocks, each a callable (warmed up once)."""
-    from dataclasses import replace
 
-    import torch
-    import torch.nn.functional as F
 
-    from isthmus.models.llama import build_model, init_weights
 
     x = torch.randint(0, args.vocab_size, (batch, seq))
     steps = []
@@ -412,7 +398,6 @@ def measure_block(args: Any, batch: int, seq: int, threads: tuple[int, ...], bud
     each keeps its best time: on a shared machine a noisy stretch then hits all of them alike, and
     noise only ever adds time.
     """
-    import torch
 
     old = torch.get_num_threads()
     try:
@@ -440,10 +425,7 @@ def fit_block(kind: Any, args: Any, seq: int, samples: list[tuple[int, float]], 
     give two equations for L and 1 / bw; what the planner does not model separately (unfused norms,
     rotary embeddings, the CPU attention kernel's own speed, autograd's per-op work) lands in them.
     """
-    from dataclasses import replace
 
-    from isthmus.planner.compute import layer_times
-    from isthmus.planner.layout import RUNTIMES
 
     def block(b: int, launch: float, bw: float) -> float:
         k = replace(kind, kernel_launch_s=launch, memory_bandwidth=bw)
@@ -476,10 +458,7 @@ def measure(budget: float, threads: int, flavor: str = "small", batch: int = 16,
     (``cpu-local``: one rank of several is slower than one alone by what they share: caches,
     memory bandwidth, the rest of the machine).
     """
-    from dataclasses import replace
 
-    from isthmus.models.flavors import get_flavor
-    from isthmus.planner.topology import device_kinds
 
     start = time.perf_counter()
     base = device_kinds()["cpu"]

@@ -44,14 +44,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from isthmus.config import CheckpointConfig, settings_that_differ
 from isthmus.data.loader import BatchSampler
@@ -109,14 +112,12 @@ class ResumePoint:
 # --- model and optimizer state, keyed by canonical names -------------------------------------------
 def model_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     """This rank's parameters by full-model name (DCP's helper strips DDP and checkpoint-wrapper prefixes)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return {k: v for m in modules for k, v in get_model_state_dict(m).items()}
+    return {k: cast(torch.Tensor, v) for m in modules for k, v in get_model_state_dict(m).items()}
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state: ZeRO-1's local partition, or the optimizer itself."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
 
@@ -171,7 +172,7 @@ def _optimizer_targets(
 # --- RNG states ------------------------------------------------------------------------------------
 def rng_state() -> dict[str, Any]:
     """This process's torch (CPU and current CUDA device), numpy and Python RNG states, as JSON values."""
-    np_state, py_state = np.random.get_state(), random.getstate()
+    np_state, py_state = cast(tuple[Any, ...], np.random.get_state(legacy=True)), random.getstate()
     state: dict[str, Any] = {
         "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
         "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
@@ -354,7 +355,6 @@ class Checkpointer:
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise CheckpointError(f"{path}: cannot be loaded into this model ({type(e).__name__}: {first})") from None
 
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         for m, part in zip(state.modules, parts, strict=True):
             set_model_state_dict(m, {k: model[k] for k in part})
@@ -427,7 +427,8 @@ class Checkpointer:
                 raise self._save_failed(e, step, partial) from None
             return
         # DCP copies the tensors aside before returning; training may then change them.
-        written = dcp.async_save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
+        # Without an async stager DCP returns a plain Future (the other type is its staging response).
+        written = cast(Future[Any], dcp.async_save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1))
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isthmus-checkpoint")
         self._pending = (step, self._executor.submit(self._finish_async, written, partial, manifest, start))
@@ -551,7 +552,7 @@ def load_model_weights(path: Path, key: bytes | None = None) -> dict[str, torch.
     saved = read_metadata(path).state_dict_metadata
     model = {
         key[len("model.") :]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        for key, meta in saved.items() if key.startswith("model.")
+        for key, meta in saved.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.errors import CheckpointError, ConfigError
+from isthmus.log import get_logger
 
 MANIFEST_FILE = "isthmus.json"
 DCP_METADATA_FILE = ".metadata"
@@ -222,7 +223,6 @@ def find_latest_good(
 
     Each bad one on the way is logged as a one-line warning naming the file.
     """
-    from isthmus.log import get_logger
 
     for _, directory in committed_checkpoints(root):
         try:

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from filelock import FileLock, Timeout
 
 from isthmus.errors import ConfigError
 from isthmus.log import get_logger
@@ -186,7 +187,6 @@ class _CacheLock:
 
     def __enter__(self) -> Path | None:
         """The cache file, or None when it cannot be used (a read-only home still trains)."""
-        from filelock import FileLock, Timeout
 
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -23,12 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from isthmus.data.tokenizer import BPE_FILE, META_FILE, Tokenizer, load_tokenizer
 from isthmus.errors import CheckpointError, IsthmusError, UnsafeCheckpoint
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.llama import Transformer, build_model
+from isthmus.train.checkpoint import load_model_weights
 from isthmus.train.checkpoint_manifest import committed_checkpoints, read_manifest, sign, signature_matches
 from isthmus.train.final_model import ARGS_FILE, MODEL_FILE, load_final_state, load_model_args, verify_final_model
 
@@ -98,7 +100,6 @@ def _checkpoint_root(run: Path, config: dict[str, Any]) -> Path:
 
 
 def _from_checkpoint(directory: Path, key: bytes | None) -> ModelSource:
-    from isthmus.train.checkpoint import load_model_weights
 
     manifest = read_manifest(directory, key)
     try:
@@ -242,7 +243,6 @@ def load_exported(path: str | Path, key: bytes | None = None) -> ExportedModel:
 
     Given ``key``, the file must be signed with it."""
     st = _safetensors()
-    from safetensors import safe_open
 
     path = Path(path)
     if not path.is_file():

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from isthmus.errors import IsthmusError, full_disk_as, is_no_space, no_space
 from isthmus.models.args import ModelArgs
+from isthmus.models.llama import canonical_name
 from isthmus.train.checkpoint_manifest import file_digest, sign, signature_matches
 
 MODEL_FILE = "model.pt"
@@ -31,7 +33,6 @@ def gather_full_state(modules: list[nn.Module], world_size: int) -> dict[str, to
     stages hold different layers, so rank 0 then collects the parts of every rank. Meant for the
     final model of modest size; resumable training state goes to `isthmus.train.checkpoint` instead.
     """
-    from isthmus.models.llama import canonical_name
 
     state: dict[str, torch.Tensor] = {}
     for module in modules:
@@ -40,7 +41,6 @@ def gather_full_state(modules: list[nn.Module], world_size: int) -> dict[str, to
             state[canonical_name(name)] = full.detach().cpu()
     if world_size == 1:
         return state
-    import torch.distributed as dist
 
     parts: list[dict[str, torch.Tensor]] | None = [{} for _ in range(world_size)] if dist.get_rank() == 0 else None
     # Only ranks whose state rank 0 lacks need to send; sending all keeps this one simple collective.
@@ -67,7 +67,7 @@ def save_final_model(state: dict[str, torch.Tensor], args: ModelArgs, directory:
     try:
         with tmp.open("wb") as f:
             out = _WriteErrors(f)
-            torch.save(state, out)
+            torch.save(state, cast(BinaryIO, out))  # torch.save needs only write() and flush()
     except BaseException as e:
         tmp.unlink(missing_ok=True)
         # torch's zip writer reports a failed write as "unexpected pos", without the OSError under it.

@@ -6,6 +6,7 @@ The model is either form a run leaves: a run directory (its ``final/model.pt``, 
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 from isthmus.data.tokenizer import Tokenizer, load_tokenizer
 from isthmus.errors import IsthmusError
 from isthmus.models.llama import Transformer, build_model
+from isthmus.train.export import load_exported
 from isthmus.train.final_model import load_final_state, load_model_args, verify_final_model
 
 DEFAULT_CONTEXT = 256
@@ -27,7 +29,6 @@ def load_model(source: str | Path, key: bytes | None = None) -> tuple[Transforme
     """
     path = Path(source)
     if path.is_file() or path.suffix == ".safetensors":
-        from isthmus.train.export import load_exported
 
         exported = load_exported(path, key)
         return exported.build(), exported.tokenizer, _seq_len(exported.config)
@@ -83,7 +84,6 @@ def _seq_len(config: dict[str, Any]) -> int:
 
 
 def _trained_seq_len(run: Path) -> int:
-    import tomllib
 
     try:
         return _seq_len(tomllib.loads((run / "config.toml").read_text()))

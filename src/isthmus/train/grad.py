@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None) -> float:
@@ -14,7 +15,6 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
     pipeline stages hold disjoint parameters, so their squared norms are summed over ``pp_group``
     (torch's ``clip_grad_norm_`` knows nothing of stages, hence this wrapper).
     """
-    from torch.distributed.tensor import DTensor
 
     # Gradients may live on different meshes (with FSDP + TP, norm weights that TP leaves alone are
     # on the data-parallel mesh only), and DTensor ops refuse to mix meshes: one norm per mesh.
@@ -24,14 +24,14 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
     sq = torch.zeros((), dtype=torch.float64)
     for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-        sq = sq + norm.detach().double().cpu() ** 2
+        part = torch.nn.utils.get_total_norm(grads, 2.0, foreach=False)
+        part = part.full_tensor() if isinstance(part, DTensor) else part
+        sq = sq + part.detach().double().cpu() ** 2
     total = sq.sqrt().float()
     if pp_group is not None:
         dist.all_reduce(sq, group=pp_group)
         total = sq.sqrt().float()
-    norm = float(total)
+    norm = total.item()
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:  # a Python float scales DTensor and plain gradients alike
         for grads in by_mesh.values():

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from isthmus.config import MetricsConfig
 from isthmus.errors import full_disk_as
@@ -104,7 +105,6 @@ class MetricsLogger:
         self._progress = None
         self._task = None
         if cfg.progress and sys.stdout.isatty():  # where rich draws it
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
             self._progress = Progress(
                 TextColumn("step {task.completed}/{task.total}"),
@@ -151,7 +151,7 @@ class MetricsLogger:
             **(extra or {}),
         }
         self._write(record)
-        if self._progress is not None:
+        if self._progress is not None and self._task is not None:
             self._progress.update(self._task, completed=step, loss=loss, tps=tokens_per_s)
         if step % self.cfg.log_every == 0 or step == self.total_steps:
             get_logger().info(

@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from isthmus.config import TrainConfig
-
-if TYPE_CHECKING:
-    from torch.distributed import ProcessGroup
 
 
 def param_groups(modules: list[nn.Module], weight_decay: float) -> list[dict]:
@@ -45,9 +44,8 @@ def build_optimizer(
     broadcasts the updated parameters.
     """
     groups = param_groups(modules if isinstance(modules, list) else [modules], cfg.weight_decay)
-    kwargs = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False)
+    kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False)
     if zero1_group is not None:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)

@@ -11,8 +11,11 @@ from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import loss_parallel
 
+from isthmus.parallel.context import cp_shard
 from isthmus.parallel.parallelize import ParallelModel
+from isthmus.parallel.pipeline import pipeline_step
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -26,7 +29,6 @@ def loss_context(pm: ParallelModel) -> AbstractContextManager[Any]:
     """Tensor parallelism leaves vocab-sharded logits, which need torch's loss-parallel
     cross-entropy around the loss and its backward; a no-op for every other layout."""
     if pm.loss_parallel:
-        from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
     return nullcontext()
@@ -38,7 +40,6 @@ def shard_batch(
     """This rank's load-balanced sequence chunks under context parallelism; the batch otherwise."""
     if not pm.dims.cp_enabled:
         return inputs, targets
-    from isthmus.parallel.context import cp_shard
 
     cp = pm.dims.cp
     return cp_shard(inputs, 1, cp_rank, cp), cp_shard(targets, 1, cp_rank, cp)
@@ -59,7 +60,6 @@ def forward_backward(
     """
     with loss_context(pm):
         if pm.schedule is not None:
-            from isthmus.parallel.pipeline import pipeline_step
 
             assert loss_scale == 1.0, "under pp, scale the accumulated gradients after the last call"
             return pipeline_step(pm.schedule, inputs, targets, pm.has_first_stage, pm.has_last_stage)
