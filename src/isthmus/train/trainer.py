@@ -118,7 +118,7 @@ class Trainer:
             loss_fn=cross_entropy, geo_sync=cfg.geo.sync != "none",
         )
         self.geo_run.count_pipeline(self.pm.schedule, self.dims.pp)
-        zero1_group = self.mesh["dp_cp"].get_group() if self.pm.dp_kind == "zero1" else None
+        zero1_group = self._mesh_group("dp_cp") if self.pm.dp_kind == "zero1" else None
         self.optimizer = build_optimizer(self.pm.modules, t, zero1_group)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
         self.sampler = BatchSampler(self.data.train, t.seq_len, t.seed)
@@ -219,6 +219,10 @@ class Trainer:
         change = f"lower train.lr (now {lr:g})" + (" or train.dtype = fp32" if t.dtype == "bf16" else "")
         raise RunFailed(f"{what} at step {self.step}; {resume_note(self.checkpointer.root, self.cfg.checkpoint.every)}; {change}")
 
+    def _mesh_group(self, dim: str) -> dist.ProcessGroup:
+        assert self.mesh is not None, f"the {dim} group needs the device mesh"
+        return self.mesh[dim].get_group()
+
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
@@ -235,7 +239,7 @@ class Trainer:
 
     def _grad_sync(self, enabled: bool) -> AbstractContextManager[Any]:
         """Skip gradient communication on all but the last micro-step of an accumulation."""
-        module = self.pm.modules[0]
+        module: Any = self.pm.modules[0]  # DistributedDataParallel or an FSDP module, typed nn.Module
         if self.pm.dp_kind in ("ddp", "zero1") and not enabled:
             return module.no_sync()
         if self.pm.dp_kind == "fsdp" and self.pm.schedule is None:
@@ -273,7 +277,7 @@ class Trainer:
             _scale_grads(self.pm.parameters(), 1.0 / t.grad_accum)
         if self.geo is not None:
             self.geo.reduce_gradients(self.pm.parameters())
-        pp_group = self.mesh["pp"].get_group() if self.dims.pp_enabled else None
+        pp_group = self._mesh_group("pp") if self.dims.pp_enabled else None
         grad_norm = clip_grad_norm(self.pm.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf, pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -331,7 +335,7 @@ class Trainer:
         try:
             while self.step < t.steps:
                 step_start = time.perf_counter()
-                lr = self.scheduler.get_last_lr()[0]
+                lr = float(self.scheduler.get_last_lr()[0])
                 loss, grad_norm = self.train_step()
                 step_times.append(time.perf_counter() - step_start)
                 self._check_finite(loss, grad_norm, self.cfg.train.lr)
