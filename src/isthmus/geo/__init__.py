@@ -3,7 +3,8 @@
 ``geo.sync`` picks one: flat, hierarchical, compressed (per step, :mod:`isthmus.geo.sync`),
 diloco or streaming_diloco (every H steps, :mod:`isthmus.geo.diloco`). Each strategy counts the
 bytes it sends per link tier (:mod:`isthmus.geo.accounting`). See :mod:`isthmus.geo.strategy`
-for what the trainer calls when.
+for what the trainer calls when, and :mod:`isthmus.geo.run` for what else it asks of a run across
+datacenters (one job, or one datacenter's job under ``geo.fault_tolerant``).
 """
 
 from isthmus.geo.accounting import TIERS, bytes_delta, format_bytes, total_over_ranks

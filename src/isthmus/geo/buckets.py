@@ -95,7 +95,7 @@ def pack_grads(params: list[nn.Parameter], bucket: Bucket, out: torch.Tensor) ->
         param = params[i]
         p = local(param)
         dst = out[off : off + p.numel()]
-        if isinstance(param, DTensor) and param.grad is not None and param.grad.placements != param.placements:
+        if isinstance(param, DTensor) and isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
             # Autograd may leave a tp gradient partial or replicated (vocab-parallel embedding, the
             # loss-parallel head): lay it out like its parameter, as FSDP would before reducing.
             param.grad = param.grad.redistribute(param.device_mesh, param.placements)

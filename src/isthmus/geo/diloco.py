@@ -37,7 +37,13 @@ from torch import Tensor, nn
 
 from isthmus.geo import compress
 from isthmus.geo.buckets import (
-    Bucket, build_buckets, pack_grads, pack_params, split_fragments, unpack_grads, unpack_params,
+    Bucket,
+    build_buckets,
+    pack_grads,
+    pack_params,
+    split_fragments,
+    unpack_grads,
+    unpack_params,
 )
 from isthmus.geo.config import GeoConfig, resolved_outer_dtype
 from isthmus.geo.groups import GeoGroups

@@ -195,7 +195,7 @@ class FaultTolerantDiLoCo(DiLoCoSync):
 
     # -- torchft --------------------------------------------------------------------------------
 
-    def _build_manager(self) -> "Manager":
+    def _build_manager(self) -> Manager:
         # torchft's Rust side logs every lighthouse tick at info; keep it to warnings unless asked.
         os.environ.setdefault("RUST_LOG", "warn")
         _quiet_torchft_internals()

@@ -91,7 +91,7 @@ def build_geo_groups(
                 mine["intra"], mine["dc"], mine["local"] = group, d, row.index(rank)
         for j in range(ranks_per_dc):
             group = dist.new_group([row[j] for row in grid])
-            if here and grid[mine["dc"]][j] == rank:  # type: ignore[index]
+            if here and grid[mine["dc"]][j] == rank:  # type: ignore[call-overload]
                 mine["inter"] = group
     dc, local = int(mine["dc"]), int(mine["local"])  # type: ignore[call-overload]
     return GeoGroups(

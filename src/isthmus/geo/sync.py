@@ -23,8 +23,8 @@ from torch import Tensor, nn
 
 from isthmus.errors import ConfigError
 from isthmus.geo import compress
-from isthmus.geo.buckets import build_buckets, local, pack_grads, unpack_grads
 from isthmus.geo.accounting import format_bytes
+from isthmus.geo.buckets import build_buckets, local, pack_grads, unpack_grads
 from isthmus.geo.config import GeoConfig, validate
 from isthmus.geo.diloco import DiLoCoSync
 from isthmus.geo.groups import GeoGroups

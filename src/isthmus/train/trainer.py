@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -21,19 +21,21 @@ import torch
 import torch.distributed as dist
 
 from isthmus.config import JobConfig
-from isthmus.data.corpus import prepare_data
+from isthmus.data.corpus import PreparedData, prepare_data
 from isthmus.data.loader import BatchSampler, val_batches
+from isthmus.errors import ConfigError, RunFailed, full_disk_as
+from isthmus.geo.run import build_geo_run
+from isthmus.geo.strategy import GeoSync
 from isthmus.log import get_logger
 from isthmus.models.flops import count_params, flops_per_token
 from isthmus.models.llama import build_model
 from isthmus.models.resolve import resolve_model_args
 from isthmus.parallel.dims import ParallelDims, check_layout
 from isthmus.parallel.parallelize import ParallelModel, parallelize
-from isthmus.errors import ConfigError, RunFailed, full_disk_as
-from isthmus.train.checkpoint import Checkpointer, TrainState
+from isthmus.train.checkpoint import Checkpointer, ResumePoint, TrainState
 from isthmus.train.checkpoint_manifest import checkpoint_key, resume_note
-from isthmus.train.final_model import gather_full_state, save_final_model
 from isthmus.train.device import correct_peak, devices_worth, peak_flops, resolve_device
+from isthmus.train.final_model import gather_full_state, save_final_model
 from isthmus.train.grad import clip_grad_norm
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
@@ -95,72 +97,35 @@ class Trainer:
         self.device = resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0")))
         self.world = init_distributed(p.backend, self.device)
         self.rank = dist.get_rank() if self.world > 1 else 0
-        self.run_dir = Path(t.run_dir)
-        # geo.fault_tolerant: this process group is one datacenter; the others are separate jobs
-        # joined by torchft (isthmus.geo.fault). The layout checked below is still the whole run's.
-        from isthmus.geo.fault import job_from_env, layout_world
-
-        self.ft_job = job_from_env(cfg.geo)
-        job_world = layout_world(cfg.geo, self.world)
-        if self.ft_job is not None:
-            self.run_dir = self.run_dir / f"dc{self.ft_job.dc_index}"
-
-        # Rank 0 tokenises and fills the cache first; the others then read it instead of redoing it.
-        if self.rank == 0:
-            with full_disk_as("run folder", self.run_dir, "train.run_dir"):
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-            self.data = prepare_data(cfg.data, t.seq_len)
-        self._barrier()
-        if self.rank != 0:
-            self.data = prepare_data(cfg.data, t.seq_len)
-        self.model_args = resolve_model_args(cfg.model, self.data.tokenizer.vocab_size)
-
-        a = self.model_args
-        self.dims: ParallelDims = check_layout(cfg, a.n_heads, a.n_kv_heads, a.n_layers, world_size=job_world)
-        self.mesh = self.dims.build_mesh(self.device.type) if self.world > 1 and self.ft_job is None else None
+        # The whole run, or (geo.fault_tolerant) one datacenter's job of it: the layout checked
+        # below is still the whole run's.
+        self.geo_run = build_geo_run(cfg.geo)
+        self.run_dir = self.geo_run.run_dir(Path(t.run_dir))
+        self.data = self._prepare_data()
+        self.model_args = a = resolve_model_args(cfg.model, self.data.tokenizer.vocab_size)
+        self.dims: ParallelDims = check_layout(
+            cfg, a.n_heads, a.n_kv_heads, a.n_layers, world_size=self.geo_run.layout_world(self.world)
+        )
+        self.mesh = self.dims.build_mesh(self.device.type) if self.world > 1 and self.geo_run.whole_run else None
         # Verified (on rank 0) before the model exists: a bad checkpoint fails in seconds, not minutes.
         self.checkpointer = Checkpointer(
             cfg.checkpoint, self.run_dir, a, _layout(self.dims, cfg), cfg.to_toml(), self.world
         )
         resume = self.checkpointer.find_resume()
-        if self.rank == 0:  # only now: a run refused above leaves an earlier run's files as they were
-            with full_disk_as("config", self.run_dir / "config.toml", "train.run_dir"):
-                (self.run_dir / "config.toml").write_text(cfg.to_toml())
-            with full_disk_as("tokenizer", self.run_dir, "train.run_dir"):
-                self.data.tokenizer.save(self.run_dir)
-        if resume is not None and resume.manifest.step >= t.steps:
-            at = resume.manifest.step
-            raise ConfigError("train.steps", t.steps, f"the checkpoint {resume.path} is at step {at} already; raise it to train on")
+        self._write_run_files(resume)
         self.pm: ParallelModel = parallelize(
             build_model(a, device="meta"), a, self.dims, self.mesh, p, self.device, t.seed, t.seq_len,
             loss_fn=cross_entropy, geo_sync=cfg.geo.sync != "none",
         )
-        zero1_group = self.mesh["dp_cp"].get_group() if self.pm.dp_kind == "zero1" else None
+        self.geo_run.count_pipeline(self.pm.schedule, self.dims.pp)
+        zero1_group = self._mesh_group("dp_cp") if self.pm.dp_kind == "zero1" else None
         self.optimizer = build_optimizer(self.pm.modules, t, zero1_group)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
         self.sampler = BatchSampler(self.data.train, t.seq_len, t.seed)
-        self.dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        mesh_dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
+        self.dp_rank = self.geo_run.dp_rank(mesh_dp_rank, self.rank, self.world)
         self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
-        if self.ft_job is not None:  # datacenter-major data-parallel ranks, as the mesh lays them out
-            self.dp_rank = self.ft_job.dc_index * self.world + self.rank
-        self.pp_wan: dict[str, int] | None = None  # geo.dc_axis = pp: activations across datacenters
-        if cfg.geo.dc_axis == "pp" and cfg.geo.datacenters > 1 and self.pm.schedule is not None:
-            from isthmus.parallel.pipeline import count_cross_dc_sends
-
-            from isthmus.geo.accounting import new_counter
-
-            self.pp_wan = new_counter()  # only its wan tier is counted
-            count_cross_dc_sends(self.pm.schedule, self.dims.pp, cfg.geo.datacenters, self.pp_wan)
-        self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler,
-                                      replica=self._replica_key())
-        self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
-        self.progress.advance(self.step)
-        _apply_step_cap(t, self.step)
-        # Built from the loaded model, so a checkpoint without geo state starts geo.sync from it.
-        self.geo = self._build_geo_sync()
-        self.train_state.geo = self.geo
-        if resume is not None and self.geo is not None:
-            self.checkpointer.load_geo(resume, self.geo)
+        self.geo = self._restore(resume)
         self.n_params = count_params(a)
         self.log.info(
             "model %s: %s parameters (%s); %s train / %s val tokens (%s tokenizer, vocab %d); layout %s over %d rank(s)",
@@ -170,36 +135,45 @@ class Trainer:
         )
 
     # --- helpers --------------------------------------------------------------------------
-    def _replica_key(self) -> str:
-        """"dc<d>" for datacenter d > 0 under DiLoCo, whose datacenters hold models of their own
-        between outer steps (see `TrainState.replica`); "" where every replica agrees."""
-        g = self.cfg.geo
-        if g.sync not in ("diloco", "streaming_diloco") or self.dims.dc == 1 or self.ft_job is not None:
-            return ""  # (a fault-tolerant job is one datacenter, and does not checkpoint)
-        dc = self.rank // (self.world // self.dims.dc)
-        return f"dc{dc}" if dc else ""
+    def _prepare_data(self) -> PreparedData:
+        """The tokenised corpus. Rank 0 makes the run folder and fills the cache first; the others
+        then read it instead of redoing it."""
+        seq_len = self.cfg.train.seq_len
+        if self.rank == 0:
+            with full_disk_as("run folder", self.run_dir, "train.run_dir"):
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+            data = prepare_data(self.cfg.data, seq_len)
+        self._barrier()
+        return data if self.rank == 0 else prepare_data(self.cfg.data, seq_len)
 
-    def _build_geo_sync(self) -> Any:
-        """The cross-datacenter strategy (``geo.sync``), which then does all data-parallel communication."""
-        g = self.cfg.geo
-        if g.sync == "none":
-            return None
-        from isthmus.geo import build_geo_groups, build_geo_sync
+    def _write_run_files(self, resume: ResumePoint | None) -> None:
+        """The config and tokenizer into the run folder (rank 0), once the checkpoint to resume
+        from is known: a run refused here leaves an earlier run's files as they were."""
+        t = self.cfg.train
+        if self.rank == 0:
+            with full_disk_as("config", self.run_dir / "config.toml", "train.run_dir"):
+                (self.run_dir / "config.toml").write_text(self.cfg.to_toml())
+            with full_disk_as("tokenizer", self.run_dir, "train.run_dir"):
+                self.data.tokenizer.save(self.run_dir)
+        if resume is not None and resume.manifest.step >= t.steps:
+            at = resume.manifest.step
+            raise ConfigError("train.steps", t.steps, f"the checkpoint {resume.path} is at step {at} already; raise it to train on")
 
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(self.world)))
-        if self.ft_job is not None:
-            from isthmus.geo.fault import build_fault_tolerant_sync
-
-            return build_fault_tolerant_sync(g.sync, self.ft_job, self.pm.parameters(), g, ranks_per_node=local_world)
-        # The mesh puts dc outermost, so datacenter i holds one contiguous block of ranks; the
-        # emulator's launcher orders ranks the same way.
-        d = self.dims
-        grids = geo_grids(d.dc, d.pp, d.dp_replicate, d.dp_shard, d.cp, d.tp)
-        replicas = len(grids[0][0])
-        groups = build_geo_groups(d.dc, replicas, ranks_per_node=local_world, grids=grids)
-        self.log.info("geo: %s across %d datacenters of %d ranks (%d replica(s) of each model part)",
-                      g.sync, d.dc, self.world // d.dc, replicas)
-        return build_geo_sync(g.sync, groups, self.pm.parameters(), g)
+    def _restore(self, resume: ResumePoint | None) -> GeoSync | None:
+        """Load the checkpoint to resume from (if any) and build the cross-datacenter strategy;
+        returns the strategy (None for geo.sync = none)."""
+        n_dc = self.dims.dc
+        self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler,
+                                      replica=self.geo_run.replica_key(n_dc, self.rank, self.world))
+        self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
+        self.progress.advance(self.step)
+        _apply_step_cap(self.cfg.train, self.step)
+        # Built from the loaded model, so a checkpoint without geo state starts geo.sync from it.
+        geo = self.geo_run.build_sync(self.pm.parameters(), self.dims, self.world)
+        self.train_state.geo = geo
+        if resume is not None and geo is not None:
+            self.checkpointer.load_geo(resume, geo)
+        return geo
 
     def _skip_to(self, step: int) -> None:
         """Continue at ``step`` as if the steps before it had run here: learning rate and data position."""
@@ -245,6 +219,10 @@ class Trainer:
         change = f"lower train.lr (now {lr:g})" + (" or train.dtype = fp32" if t.dtype == "bf16" else "")
         raise RunFailed(f"{what} at step {self.step}; {resume_note(self.checkpointer.root, self.cfg.checkpoint.every)}; {change}")
 
+    def _mesh_group(self, dim: str) -> dist.ProcessGroup:
+        assert self.mesh is not None, f"the {dim} group needs the device mesh"
+        return self.mesh[dim].get_group()
+
     def _barrier(self) -> None:
         if self.world > 1:
             dist.barrier()
@@ -261,7 +239,7 @@ class Trainer:
 
     def _grad_sync(self, enabled: bool) -> AbstractContextManager[Any]:
         """Skip gradient communication on all but the last micro-step of an accumulation."""
-        module = self.pm.modules[0]
+        module: Any = self.pm.modules[0]  # DistributedDataParallel or an FSDP module, typed nn.Module
         if self.pm.dp_kind in ("ddp", "zero1") and not enabled:
             return module.no_sync()
         if self.pm.dp_kind == "fsdp" and self.pm.schedule is None:
@@ -299,7 +277,7 @@ class Trainer:
             _scale_grads(self.pm.parameters(), 1.0 / t.grad_accum)
         if self.geo is not None:
             self.geo.reduce_gradients(self.pm.parameters())
-        pp_group = self.mesh["pp"].get_group() if self.dims.pp_enabled else None
+        pp_group = self._mesh_group("pp") if self.dims.pp_enabled else None
         grad_norm = clip_grad_norm(self.pm.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf, pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -335,8 +313,7 @@ class Trainer:
         t = self.cfg.train
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         return ThroughputModel(
-            # geo.fault_tolerant: this process group computes its datacenter's share of each batch.
-            tokens_per_step=t.batch_size * t.seq_len // (self.ft_job.n_dc if self.ft_job is not None else 1),
+            tokens_per_step=self.geo_run.tokens_per_step(t.batch_size * t.seq_len),
             flops_per_token=flops_per_token(self.model_args, t.seq_len),
             peak_flops=peak_flops(self.device, t.dtype),
             devices=devices_worth(self.world, local_world, torch.get_num_threads(), self.device),
@@ -347,29 +324,18 @@ class Trainer:
     # --- the loop -----------------------------------------------------------------------
     def fit(self) -> TrainResult:
         t = self.cfg.train
-        if self.ft_job is not None:
-            # Meet the live datacenters first; one that (re)starts late gets the global model and
-            # continues at the others' step.
-            self._skip_to(self.geo.join(self.pm.parameters()))
+        # Meet the other datacenters first (geo.fault_tolerant): one that (re)starts late continues
+        # at the others' step.
+        self._skip_to(self.geo_run.join(self.pm.parameters()))
         throughput = self._throughput()
-        mcfg = self.cfg.metrics
-        if self.ft_job is not None and mcfg.jsonl:  # each datacenter's job writes its own records
-            path = Path(mcfg.jsonl)
-            mcfg = replace(mcfg, jsonl=str(path.with_name(f"{path.stem}.dc{self.ft_job.dc_index}{path.suffix}")))
-        metrics = (
-            MetricsLogger(mcfg, self.run_dir, t.steps, throughput, self.device, self.step)
-            if self.rank == 0 else None
-        )
+        metrics = self._metrics_logger(throughput)
         result = TrainResult(run_dir=self.run_dir, n_params=self.n_params, world_size=self.world)
         step_times: list[float] = []
-        sent_before: dict[str, int] = {}
-        wan_before: dict[str, int] = {}
-        rounds_seen = len(self.geo.history) if self.ft_job is not None else 0
         start = time.perf_counter()
         try:
             while self.step < t.steps:
                 step_start = time.perf_counter()
-                lr = self.scheduler.get_last_lr()[0]
+                lr = float(self.scheduler.get_last_lr()[0])
                 loss, grad_norm = self.train_step()
                 step_times.append(time.perf_counter() - step_start)
                 self._check_finite(loss, grad_norm, self.cfg.train.lr)
@@ -378,23 +344,8 @@ class Trainer:
                     self._set_timeouts()
                 result.losses.append(loss)
                 result.grad_norms.append(grad_norm)
-                extra: dict[str, Any] = {"grad_norm": grad_norm}
-                if self.geo is not None:
-                    from isthmus.geo import bytes_delta, total_over_ranks
-
-                    # What this step sent, summed over ranks, per link tier: the WAN share is the point.
-                    step_bytes = total_over_ranks(bytes_delta(sent_before, self.geo.bytes_sent))
-                    sent_before = dict(self.geo.bytes_sent)
-                    extra.update({f"{tier}_bytes": n for tier, n in step_bytes.items()})
-                if self.ft_job is not None and len(self.geo.history) > rounds_seen:
-                    # geo.fault_tolerant: how many datacenters the outer step of this step had.
-                    extra["dc_quorum"] = self.geo.history[-1].participants
-                    rounds_seen = len(self.geo.history)
-                if self.pp_wan is not None:
-                    from isthmus.geo import bytes_delta, total_over_ranks
-
-                    extra["wan_bytes"] = total_over_ranks(bytes_delta(wan_before, self.pp_wan))["wan"]
-                    wan_before = dict(self.pp_wan)
+                # Bytes this step sent per link tier, and the datacenters in its outer round.
+                extra: dict[str, Any] = {"grad_norm": grad_norm, **self.geo_run.step_metrics()}
                 if metrics is not None:
                     metrics.log_step(self.step, loss, lr, step_times[-1], extra)
                 if (t.val_every and self.step % t.val_every == 0) or self.step == t.steps:
@@ -412,31 +363,30 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         self.checkpointer.wait()
-        if self.geo is not None:
-            from isthmus.geo import format_bytes, total_over_ranks
-
-            self.geo.finish(self.pm.parameters())
-            result.bytes_by_tier = total_over_ranks(self.geo.bytes_sent)
-            self.log.info("geo %s sent %s", self.cfg.geo.sync,
-                          ", ".join(f"{format_bytes(n)} {tier}" for tier, n in result.bytes_by_tier.items()))
-        if self.pp_wan is not None:
-            from isthmus.geo import format_bytes, total_over_ranks
-
-            result.bytes_by_tier = {"wan": total_over_ranks(self.pp_wan)["wan"]}
-            self.log.info("pipeline across %d datacenters sent %s over the WAN (activations and their gradients)",
-                          self.cfg.geo.datacenters, format_bytes(result.bytes_by_tier["wan"]))
+        result.bytes_by_tier = self.geo_run.finish(self.pm.parameters())
         result.elapsed_s = time.perf_counter() - start
         # The first step warms up the allocator and kernels (and pipeline shape inference): leave it out.
         timed = step_times[1:] or step_times
         # No step at all: a datacenter that (re)joined the others at their last outer sync.
         result.tokens_per_s = throughput.tokens_per_step * len(timed) / sum(timed) if timed else 0.0
         result.mfu = throughput.mfu(result.tokens_per_s)
+        self._save_final_model()
+        return result
+
+    def _metrics_logger(self, throughput: ThroughputModel) -> MetricsLogger | None:
+        """Rank 0's metrics logger (None on the others)."""
+        if self.rank != 0:
+            return None
+        mcfg = self.geo_run.metrics_config(self.cfg.metrics)
+        return MetricsLogger(mcfg, self.run_dir, self.cfg.train.steps, throughput, self.device, self.step)
+
+    def _save_final_model(self) -> None:
+        """The full model, gathered from every rank, written by rank 0 to <run_dir>/final."""
         state = gather_full_state(self.pm.modules, self.world)
         if self.rank == 0:
             key = checkpoint_key(self.cfg.checkpoint.key_file)
             save_final_model(state, self.model_args, self.run_dir / "final", key)
         self._barrier()
-        return result
 
 
 def _apply_step_cap(t: Any, start: int) -> None:
@@ -468,18 +418,6 @@ def _scale_grads(params: list[torch.nn.Parameter], factor: float) -> None:
 
 def _shape_str(args: Any) -> str:
     return f"dim {args.dim}, {args.n_layers} layers, {args.n_heads}/{args.n_kv_heads} heads, ffn {args.ffn_dim}, {args.mlp}"
-
-
-def geo_grids(dc: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> list[list[list[int]]]:
-    """The geo grids of the mesh (dc, pp, dp_replicate, dp_shard, cp, tp), laid out row-major as
-    `ParallelDims.build_mesh` lays out ranks: for each part of the model a rank holds (pp stage, tp
-    shard, and FSDP shard over dp_shard x cp), grid[d][j] is the global rank of replica j in
-    datacenter d (see `isthmus.geo.groups`). Replicas are dp_replicate x cp without FSDP (cp ranks
-    hold the same parameters), dp_replicate alone with it (FSDP shards over dp_shard x cp)."""
-    ranks = torch.arange(dc * pp * dp_replicate * dp_shard * cp * tp).reshape(dc, pp, dp_replicate, dp_shard * cp, tp)
-    if dp_shard == 1:  # the cp ranks are replicas
-        ranks = ranks.reshape(dc, pp, dp_replicate * cp, 1, tp)
-    return [ranks[:, s, :, f, t].tolist() for s in range(pp) for f in range(ranks.shape[3]) for t in range(tp)]
 
 
 def _layout_str(dims: ParallelDims, cfg: JobConfig) -> str:

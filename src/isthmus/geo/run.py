@@ -1,0 +1,228 @@
+"""`GeoRun`: what the trainer asks of a run across datacenters, answered once from the config.
+
+The training loop is the same for every layout. It asks the run where its files go, which
+data-parallel rank this process is, its share of each batch's tokens, which strategy keeps the
+datacenters' replicas in step (``geo.sync``), and what each step and the whole run sent over which
+links. Two answers exist:
+
+- `GeoRun`: the run is one job; every rank of the layout is in this process group (one datacenter,
+  or several joined by ``geo.sync`` or by pipeline stages, ``geo.dc_axis = pp``).
+- `DatacenterJob`: ``geo.fault_tolerant``; this process group is one datacenter, and the others are
+  separate jobs joined by torchft (:mod:`isthmus.geo.fault`). Datacenters may leave and rejoin.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from isthmus.config import MetricsConfig
+from isthmus.geo.accounting import bytes_delta, format_bytes, new_counter, total_over_ranks
+from isthmus.geo.config import GeoConfig
+from isthmus.geo.fault import FaultTolerantDiLoCo, FaultTolerantJob, build_fault_tolerant_sync, job_from_env
+from isthmus.geo.groups import build_geo_groups
+from isthmus.geo.strategy import GeoSync
+from isthmus.geo.sync import build_geo_sync
+from isthmus.log import get_logger
+from isthmus.parallel.dims import ParallelDims
+from isthmus.parallel.pipeline import count_cross_dc_sends
+
+
+def build_geo_run(cfg: GeoConfig) -> GeoRun:
+    """This process's run: one datacenter's job under ``geo.fault_tolerant`` (read from the
+    environment, see :func:`isthmus.geo.fault.job_from_env`), else the whole run."""
+    job = job_from_env(cfg)
+    return GeoRun(cfg) if job is None else DatacenterJob(cfg, job)
+
+
+class GeoRun:
+    """A run that is one job: this process group holds every rank of the layout."""
+
+    whole_run = True
+    """Whether this process group holds every rank of the layout (and so builds its device mesh)."""
+
+    def __init__(self, cfg: GeoConfig) -> None:
+        self.cfg = cfg
+        self.sync: GeoSync | None = None
+        """The cross-datacenter strategy (``geo.sync``) once `build_sync` made it; None for ``none``."""
+        self.pipeline_wan: dict[str, int] | None = None
+        """``geo.dc_axis = pp``: the bytes this rank's stages sent to another datacenter (wan tier only)."""
+        self._sync_sent_before: dict[str, int] = {}
+        self._pipeline_sent_before: dict[str, int] = {}
+
+    # -- where this process stands ---------------------------------------------------------------
+
+    def run_dir(self, base: Path) -> Path:
+        """Where this job writes its files, given ``train.run_dir``."""
+        return base
+
+    def layout_world(self, world: int) -> int:
+        """Ranks of the whole run, given this job's ``world``: what the layout is checked against."""
+        return world
+
+    def dp_rank(self, mesh_dp_rank: int, rank: int, world: int) -> int:
+        """This process's data-parallel rank in the whole run (which slice of each batch it takes)."""
+        return mesh_dp_rank
+
+    def replica_key(self, n_dc: int, rank: int, world: int) -> str:
+        """ "dc<d>" for datacenter d > 0 under DiLoCo, whose datacenters hold models of their own
+        between outer steps (see `TrainState.replica`); "" where every replica agrees."""
+        if self.cfg.sync not in ("diloco", "streaming_diloco") or n_dc == 1:
+            return ""
+        dc = rank // (world // n_dc)
+        return f"dc{dc}" if dc else ""
+
+    def metrics_config(self, mcfg: MetricsConfig) -> MetricsConfig:
+        """The ``[metrics]`` section this job logs with."""
+        return mcfg
+
+    def tokens_per_step(self, batch_tokens: int) -> int:
+        """The tokens of each global batch that this job computes."""
+        return batch_tokens
+
+    # -- what moves between datacenters ----------------------------------------------------------
+
+    def build_sync(self, params: list[nn.Parameter], dims: ParallelDims, world: int) -> GeoSync | None:
+        """The cross-datacenter strategy (``geo.sync``), which then does all data-parallel
+        communication; None for ``none``. A collective: every rank builds every geo group."""
+        if self.cfg.sync == "none":
+            return None
+        # The mesh puts dc outermost, so datacenter i holds one contiguous block of ranks; the
+        # emulator's launcher orders ranks the same way.
+        grids = geo_grids(dims.dc, dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+        replicas = len(grids[0][0])
+        groups = build_geo_groups(dims.dc, replicas, ranks_per_node=_local_world(world), grids=grids)
+        get_logger().info(
+            "geo: %s across %d datacenters of %d ranks (%d replica(s) of each model part)",
+            self.cfg.sync,
+            dims.dc,
+            world // dims.dc,
+            replicas,
+        )
+        self.sync = build_geo_sync(self.cfg.sync, groups, params, self.cfg)
+        return self.sync
+
+    def count_pipeline(self, schedule: Any, pp: int) -> None:
+        """``geo.dc_axis = pp``: count the activations (and their gradients) that this rank's
+        pipeline stages send to a stage in another datacenter."""
+        if self.cfg.dc_axis != "pp" or self.cfg.datacenters == 1 or schedule is None:
+            return
+        self.pipeline_wan = new_counter()  # only its wan tier is counted
+        count_cross_dc_sends(schedule, pp, self.cfg.datacenters, self.pipeline_wan)
+
+    def join(self, params: list[nn.Parameter]) -> int:
+        """Meet the other datacenters before the first step; returns the step to train from
+        (0: from where this process stands)."""
+        return 0
+
+    def step_metrics(self) -> dict[str, int]:
+        """What the step just taken sent, summed over ranks: ``<tier>_bytes`` per link tier from
+        ``geo.sync`` (the WAN share is the point), ``wan_bytes`` from a pipeline across datacenters.
+        A collective: every rank calls it once per step."""
+        out: dict[str, int] = {}
+        if self.sync is not None:
+            sent = total_over_ranks(bytes_delta(self._sync_sent_before, self.sync.bytes_sent))
+            self._sync_sent_before = dict(self.sync.bytes_sent)
+            out.update({f"{tier}_bytes": n for tier, n in sent.items()})
+        if self.pipeline_wan is not None:
+            out["wan_bytes"] = total_over_ranks(bytes_delta(self._pipeline_sent_before, self.pipeline_wan))["wan"]
+            self._pipeline_sent_before = dict(self.pipeline_wan)
+        return out
+
+    def finish(self, params: list[nn.Parameter]) -> dict[str, int]:
+        """After the last step: apply transfers still in flight, log what the whole run sent, and
+        return it by link tier (empty without cross-datacenter traffic). A collective."""
+        by_tier: dict[str, int] = {}
+        if self.sync is not None:
+            self.sync.finish(params)
+            by_tier = total_over_ranks(self.sync.bytes_sent)
+            get_logger().info(
+                "geo %s sent %s", self.cfg.sync, ", ".join(f"{format_bytes(n)} {tier}" for tier, n in by_tier.items())
+            )
+        if self.pipeline_wan is not None:
+            by_tier = {"wan": total_over_ranks(self.pipeline_wan)["wan"]}
+            get_logger().info(
+                "pipeline across %d datacenters sent %s over the WAN (activations and their gradients)",
+                self.cfg.datacenters,
+                format_bytes(by_tier["wan"]),
+            )
+        return by_tier
+
+
+class DatacenterJob(GeoRun):
+    """One datacenter's job of a fault-tolerant run (``geo.fault_tolerant``): this process group
+    is that datacenter; the layout, the batch and the data-parallel ranks are still the whole run's."""
+
+    whole_run = False
+
+    def __init__(self, cfg: GeoConfig, job: FaultTolerantJob) -> None:
+        super().__init__(cfg)
+        self.job = job
+        self.ft_sync: FaultTolerantDiLoCo | None = None
+        self._rounds_seen = 0
+
+    def run_dir(self, base: Path) -> Path:
+        return base / f"dc{self.job.dc_index}"
+
+    def layout_world(self, world: int) -> int:
+        return world * self.job.n_dc
+
+    def dp_rank(self, mesh_dp_rank: int, rank: int, world: int) -> int:
+        return self.job.dc_index * world + rank  # datacenter-major, as the mesh lays them out
+
+    def replica_key(self, n_dc: int, rank: int, world: int) -> str:
+        return ""  # a fault-tolerant job is one datacenter, and does not checkpoint
+
+    def metrics_config(self, mcfg: MetricsConfig) -> MetricsConfig:
+        if not mcfg.jsonl:
+            return mcfg
+        path = Path(mcfg.jsonl)  # each datacenter's job writes its own records
+        return replace(mcfg, jsonl=str(path.with_name(f"{path.stem}.dc{self.job.dc_index}{path.suffix}")))
+
+    def tokens_per_step(self, batch_tokens: int) -> int:
+        return batch_tokens // self.job.n_dc  # this datacenter's share of each batch
+
+    def build_sync(self, params: list[nn.Parameter], dims: ParallelDims, world: int) -> GeoSync | None:
+        self.ft_sync = build_fault_tolerant_sync(
+            self.cfg.sync, self.job, params, self.cfg, ranks_per_node=_local_world(world)
+        )
+        self.sync = self.ft_sync
+        return self.sync
+
+    def join(self, params: list[nn.Parameter]) -> int:
+        # One that (re)starts late gets the global model and continues at the others' step.
+        assert self.ft_sync is not None, "build_sync first"
+        step = self.ft_sync.join(params)
+        self._rounds_seen = len(self.ft_sync.history)
+        return step
+
+    def step_metrics(self) -> dict[str, int]:
+        out = super().step_metrics()
+        assert self.ft_sync is not None
+        history = self.ft_sync.history
+        if len(history) > self._rounds_seen:
+            out["dc_quorum"] = history[-1].participants  # datacenters in this step's outer round
+            self._rounds_seen = len(history)
+        return out
+
+
+def _local_world(world: int) -> int:
+    """Ranks per machine (the launcher's LOCAL_WORLD_SIZE; ``world`` when not launched)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+
+
+def geo_grids(dc: int, pp: int, dp_replicate: int, dp_shard: int, cp: int, tp: int) -> list[list[list[int]]]:
+    """The geo grids of the mesh (dc, pp, dp_replicate, dp_shard, cp, tp), laid out row-major as
+    `ParallelDims.build_mesh` lays out ranks: for each part of the model a rank holds (pp stage, tp
+    shard, and FSDP shard over dp_shard x cp), grid[d][j] is the global rank of replica j in
+    datacenter d (see `isthmus.geo.groups`). Replicas are dp_replicate x cp without FSDP (cp ranks
+    hold the same parameters), dp_replicate alone with it (FSDP shards over dp_shard x cp)."""
+    ranks = torch.arange(dc * pp * dp_replicate * dp_shard * cp * tp).reshape(dc, pp, dp_replicate, dp_shard * cp, tp)
+    if dp_shard == 1:  # the cp ranks are replicas
+        ranks = ranks.reshape(dc, pp, dp_replicate * cp, 1, tp)
+    return [ranks[:, s, :, f, t].tolist() for s in range(pp) for f in range(ranks.shape[3]) for t in range(tp)]
