@@ -45,10 +45,26 @@ def _trainer(opts: argparse.Namespace, root: str) -> Any:
     from isthmus.train.trainer import Trainer
 
     args = [
-        "--model.flavor", opts.flavor, "--train.steps", "1000000", "--train.val_every", "0",
-        "--data.max_bytes", "400000", "--metrics.progress", "false", "--train.run_dir", f"{root}/run",
-        "--data.cache_dir", f"{root}/cache", "--checkpoint.every", "1000000", "--checkpoint.keep", "2",
-        "--parallel.nproc", str(opts.nproc),
+        "--model.flavor",
+        opts.flavor,
+        "--train.steps",
+        "1000000",
+        "--train.val_every",
+        "0",
+        "--data.max_bytes",
+        "400000",
+        "--metrics.progress",
+        "false",
+        "--train.run_dir",
+        f"{root}/run",
+        "--data.cache_dir",
+        f"{root}/cache",
+        "--checkpoint.every",
+        "1000000",
+        "--checkpoint.keep",
+        "2",
+        "--parallel.nproc",
+        str(opts.nproc),
     ]
     if opts.nproc > 1:
         args += ["--parallel.dp_shard", str(opts.nproc)]
@@ -124,8 +140,14 @@ def measure(opts: argparse.Namespace, root: str) -> dict[str, Any]:
             ck.wait()  # a save not done by the block's end costs the loop its remainder
             _barrier()
             blocks[kind].append(time.perf_counter() - start)
-    return {"times": r, "size": size, "files": files, "model_bytes": model_bytes, "blocks": blocks,
-            "step_times": step_times}
+    return {
+        "times": r,
+        "size": size,
+        "files": files,
+        "model_bytes": model_bytes,
+        "blocks": blocks,
+        "step_times": step_times,
+    }
 
 
 def _timed_local(fn: Any) -> float:
@@ -135,8 +157,14 @@ def _timed_local(fn: Any) -> float:
 
 
 def _rank(rank: int, opts: argparse.Namespace, port: int, root: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(opts.nproc), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(opts.nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(opts.nproc),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(opts.nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(opts.threads or 1)  # ranks share the cores
     dist.init_process_group("gloo", rank=rank, world_size=opts.nproc)
     result = measure(opts, root)
@@ -190,14 +218,29 @@ def _report(opts: argparse.Namespace, res: dict[str, Any]) -> None:
     t, mb = res["times"], res["size"] / 1e6
     med = {k: statistics.median(v) for k, v in t.items()}
     threads = opts.threads or (torch.get_num_threads() if opts.nproc == 1 else 1)
-    layout = (f"1 process x {threads} thread(s)" if opts.nproc == 1
-              else f"{opts.nproc} gloo ranks x {threads} thread(s), dp_shard {opts.nproc} (FSDP)")
-    table = Table("operation", "median s", "min s", "max s", "MB/s", title=f"{opts.flavor}, {layout}: "
-                  f"checkpoint {mb:.1f} MB in {res['files']} files (model {res['model_bytes'] / 1e6:.1f} MB), "
-                  f"{opts.repeats} repeats")
-    rows = [("sync save (loop blocked)", "sync"), ("async save: loop blocked", "async_block"),
-            ("async save: until committed", "async_total"), ("verify (sha256 of every file)", "verify"),
-            ("load into the training state", "load"), ("load_model_weights (1 process)", "weights")]
+    layout = (
+        f"1 process x {threads} thread(s)"
+        if opts.nproc == 1
+        else f"{opts.nproc} gloo ranks x {threads} thread(s), dp_shard {opts.nproc} (FSDP)"
+    )
+    table = Table(
+        "operation",
+        "median s",
+        "min s",
+        "max s",
+        "MB/s",
+        title=f"{opts.flavor}, {layout}: "
+        f"checkpoint {mb:.1f} MB in {res['files']} files (model {res['model_bytes'] / 1e6:.1f} MB), "
+        f"{opts.repeats} repeats",
+    )
+    rows = [
+        ("sync save (loop blocked)", "sync"),
+        ("async save: loop blocked", "async_block"),
+        ("async save: until committed", "async_total"),
+        ("verify (sha256 of every file)", "verify"),
+        ("load into the training state", "load"),
+        ("load_model_weights (1 process)", "weights"),
+    ]
     for label, key in rows:
         ts = t[key]
         rate = (res["model_bytes"] if key == "weights" else res["size"]) / 1e6 / med[key]
@@ -210,19 +253,25 @@ def _report(opts: argparse.Namespace, res: dict[str, Any]) -> None:
     # Paired by round: a block with a save against the no-save block next to it in time.
     paired = {k: statistics.median(b - n for b, n in zip(v, blocks["none"], strict=True)) for k, v in blocks.items()}
     lost = Table(
-        f"a save every {opts.every} steps", "block s: fastest", "lost per save s: fastest / paired median",
-        "steps/s (fastest block)", "training time lost: fastest / paired",
+        f"a save every {opts.every} steps",
+        "block s: fastest",
+        "lost per save s: fastest / paired median",
+        "steps/s (fastest block)",
+        "training time lost: fastest / paired",
         title=f"training time lost to a save: {opts.rounds} rounds of one block of {opts.every} steps of each kind "
         f"(fastest step {min(res['step_times']):.3f} s, median {statistics.median(res['step_times']):.3f} s)",
     )
     for kind in BLOCKS:
         saves = kind != "none"
         lost.add_row(
-            f"{kind} save" if saves else "no save", f"{fast[kind]:.3f}",
+            f"{kind} save" if saves else "no save",
+            f"{fast[kind]:.3f}",
             f"{fast[kind] - fast['none']:.3f} / {paired[kind]:.3f}" if saves else "-",
             f"{opts.every / fast[kind]:.2f}",
             f"{100 * (fast[kind] - fast['none']) / fast['none']:+.1f}% / "
-            f"{100 * paired[kind] / statistics.median(blocks['none']):+.1f}%" if saves else "-",
+            f"{100 * paired[kind] / statistics.median(blocks['none']):+.1f}%"
+            if saves
+            else "-",
         )
     console.print(lost)
     print(f"1-minute load average {res['load'][0]:.1f} before, {res['load'][1]:.1f} after, on {os.cpu_count()} cores")

@@ -18,7 +18,7 @@ import os
 import statistics
 import tempfile
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,10 +38,25 @@ def isthmus_step(opts: argparse.Namespace, layout: list[str], root: str) -> tupl
     from isthmus.train.trainer import Trainer
 
     args = [
-        "--model.flavor", opts.flavor, "--train.steps", "100000", "--train.threads", "1",
-        "--train.val_every", "0", "--data.max_bytes", "400000", "--metrics.progress", "false",
-        "--train.run_dir", f"{root}/run{'_'.join(layout)}", "--data.cache_dir", f"{root}/cache",
-        "--parallel.nproc", "2", *layout,
+        "--model.flavor",
+        opts.flavor,
+        "--train.steps",
+        "100000",
+        "--train.threads",
+        "1",
+        "--train.val_every",
+        "0",
+        "--data.max_bytes",
+        "400000",
+        "--metrics.progress",
+        "false",
+        "--train.run_dir",
+        f"{root}/run{'_'.join(layout)}",
+        "--data.cache_dir",
+        f"{root}/cache",
+        "--parallel.nproc",
+        "2",
+        *layout,
     ]
     trainer = Trainer(build_config(None, parse_overrides(args)))
 
@@ -71,8 +86,9 @@ def plain_step(trainer: object, fsdp: bool) -> Step:
         fully_shard(model, mesh=mesh)
     else:
         model = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-                            weight_decay=cfg.weight_decay, foreach=False)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay, foreach=False
+    )
     sampler = BatchSampler(trainer.data.train, cfg.seq_len, cfg.seed)  # type: ignore[attr-defined]
     rank, world = dist.get_rank(), dist.get_world_size()
 
@@ -91,15 +107,23 @@ def plain_step(trainer: object, fsdp: bool) -> Step:
 
 
 def _bench(rank: int, opts: argparse.Namespace, port: int, root: str, out: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)  # 2 ranks on 2 cores: more threads would only oversubscribe
     dist.init_process_group("gloo", rank=rank, world_size=2)
     ddp_step, ddp_trainer = isthmus_step(opts, ["--parallel.dp_replicate", "2"], root)
     fsdp_step, _ = isthmus_step(opts, ["--parallel.dp_shard", "2", "--parallel.zero_stage", "3"], root)
     steps: dict[str, Step] = {
-        "isthmus ddp": ddp_step, "plain ddp": plain_step(ddp_trainer, fsdp=False),
-        "isthmus fsdp": fsdp_step, "plain fsdp": plain_step(ddp_trainer, fsdp=True),
+        "isthmus ddp": ddp_step,
+        "plain ddp": plain_step(ddp_trainer, fsdp=False),
+        "isthmus fsdp": fsdp_step,
+        "plain fsdp": plain_step(ddp_trainer, fsdp=True),
     }
     times: dict[str, list[float]] = {name: [] for name in ORDER}
     first_norm: dict[str, float] = {}
@@ -151,26 +175,44 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("setup", "median step ms", "min ms", "max ms", "steps timed", "step-1 grad norm",
-                  title=f"{opts.flavor}, 2 gloo ranks x 1 thread, {opts.rounds} rounds x {opts.steps} steps "
-                  f"(+{opts.warmup} warm-up each)")
+    table = Table(
+        "setup",
+        "median step ms",
+        "min ms",
+        "max ms",
+        "steps timed",
+        "step-1 grad norm",
+        title=f"{opts.flavor}, 2 gloo ranks x 1 thread, {opts.rounds} rounds x {opts.steps} steps "
+        f"(+{opts.warmup} warm-up each)",
+    )
     for name in ORDER:
         ts = times[name]
-        table.add_row(name, f"{med[name]:.1f}", f"{min(ts) * 1e3:.1f}", f"{max(ts) * 1e3:.1f}", str(len(ts)),
-                      f"{first_norm[name]:.6f}")
+        table.add_row(
+            name,
+            f"{med[name]:.1f}",
+            f"{min(ts) * 1e3:.1f}",
+            f"{max(ts) * 1e3:.1f}",
+            str(len(ts)),
+            f"{first_norm[name]:.6f}",
+        )
     Console(width=160).print(table)
     for kind in ("ddp", "fsdp"):
         ratio = med[f"isthmus {kind}"] / med[f"plain {kind}"]
         # The fastest step is what is left when no other process took the cores: a second view,
         # less swayed than the median by a loaded stretch of the run.
         fastest = min(times[f"isthmus {kind}"]) / min(times[f"plain {kind}"])
-        print(f"{kind}: isthmus / plain median step time = {ratio:.3f} ({(ratio - 1) * 100:+.1f}%), "
-              f"fastest step {fastest:.3f} ({(fastest - 1) * 100:+.1f}%)")
+        print(
+            f"{kind}: isthmus / plain median step time = {ratio:.3f} ({(ratio - 1) * 100:+.1f}%), "
+            f"fastest step {fastest:.3f} ({(fastest - 1) * 100:+.1f}%)"
+        )
     # Per round, so a drift of the machine during the run shows instead of hiding in the median.
     n = opts.steps
     for kind in ("ddp", "fsdp"):
-        per_round = [statistics.median(times[f"isthmus {kind}"][r * n:(r + 1) * n])
-                     / statistics.median(times[f"plain {kind}"][r * n:(r + 1) * n]) for r in range(opts.rounds)]
+        per_round = [
+            statistics.median(times[f"isthmus {kind}"][r * n : (r + 1) * n])
+            / statistics.median(times[f"plain {kind}"][r * n : (r + 1) * n])
+            for r in range(opts.rounds)
+        ]
         print(f"{kind}: per-round ratios " + ", ".join(f"{x:.3f}" for x in per_round))
 
 

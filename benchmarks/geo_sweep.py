@@ -32,10 +32,18 @@ def main(argv: list[str] | None = None) -> int:
     args = get_flavor("gpt3-145.6b").with_overrides(n_layers=96)
     base = load_topology("geo-3dc-h100")
     if ns.markdown:
-        print("| WAN GB/s | winner | crosses the WAN | WAN GB/step | tokens/s | best pp across | best dp across | best in one DC |")
+        print(
+            "| WAN GB/s | winner | crosses the WAN | WAN GB/step | tokens/s | best pp across | best dp across | best in one DC |"
+        )
         print("|---|---|---|---|---|---|---|---|")
     for bw in BANDWIDTHS:
-        res = search(args, base.with_wan(bandwidth_gb_s=bw), SearchSpace(batch_size=1536, seq_len=2048), RUNTIMES["isthmus"], top=5)
+        res = search(
+            args,
+            base.with_wan(bandwidth_gb_s=bw),
+            SearchSpace(batch_size=1536, seq_len=2048),
+            RUNTIMES["isthmus"],
+            top=5,
+        )
         best, alt = res.best, res.alternatives
 
         def rate(key: str) -> str:
@@ -44,9 +52,16 @@ def main(argv: list[str] | None = None) -> int:
                 return "-"
             return f"{e.tokens_per_s / 1e6:.2f}M" + (f" ({e.layout.sync})" if e.layout.dc_axis == "dp" else "")
 
-        cells = [f"{bw:g}", f"`{best.layout.label()}`", crossing(best.layout.dc_axis, best.layout.sync),
-                 f"{best.wan_bytes_per_step / 1e9:.3g}", f"{best.tokens_per_s / 1e6:.2f}M",
-                 rate("dc_axis=pp"), rate("dc_axis=dp"), rate("dc_axis=none")]
+        cells = [
+            f"{bw:g}",
+            f"`{best.layout.label()}`",
+            crossing(best.layout.dc_axis, best.layout.sync),
+            f"{best.wan_bytes_per_step / 1e9:.3g}",
+            f"{best.tokens_per_s / 1e6:.2f}M",
+            rate("dc_axis=pp"),
+            rate("dc_axis=dp"),
+            rate("dc_axis=none"),
+        ]
         print(("| " + " | ".join(cells) + " |") if ns.markdown else "  ".join(cells))
     return 0
 

@@ -91,8 +91,10 @@ class Strategy:
         if self.kind == "diloco":
             return f"diloco (H={s['inner_steps']}, fp32)"
         if self.kind == "streaming_diloco":
-            return (f"streaming_diloco (H={s['inner_steps']}, {s.get('fragments', '4')} fragments, "
-                    f"tau={s.get('overlap_steps', '1')}, {s.get('outer_dtype', 'int4')})")
+            return (
+                f"streaming_diloco (H={s['inner_steps']}, {s.get('fragments', '4')} fragments, "
+                f"tau={s.get('overlap_steps', '1')}, {s.get('outer_dtype', 'int4')})"
+            )
         return self.spec if not self.geo else f"{self.kind} ({', '.join(f'{k}={v}' for k, v in self.geo.items())})"
 
     def period(self, inner_steps: int) -> int:
@@ -105,30 +107,81 @@ def world_size() -> int:
     return sum(dc.devices for dc in load_topology(TOPOLOGY).datacenters)
 
 
-def run_emulated(strategy: Strategy, *, steps: int, wan_mbit: float, inner_steps: int, val_every: int,
-                 val_batches: int, warmup: int, seed: int, out: Path, timeout_s: float,
-                 reuse: bool = False) -> list[dict[str, Any]]:
+def run_emulated(
+    strategy: Strategy,
+    *,
+    steps: int,
+    wan_mbit: float,
+    inner_steps: int,
+    val_every: int,
+    val_batches: int,
+    warmup: int,
+    seed: int,
+    out: Path,
+    timeout_s: float,
+    reuse: bool = False,
+) -> list[dict[str, Any]]:
     """One `isthmus emulate -- train` run; its metrics records (step and validation).
 
     ``reuse``: when ``out`` holds a finished run of the very same command, read it instead.
     """
     metrics = out / "metrics.jsonl"
     train = [
-        "train", "--model.flavor", FLAVOR, "--parallel.nproc", str(world_size()),
-        "--geo.sync", strategy.kind,
-        "--train.steps", str(steps), "--train.batch_size", str(BATCH), "--train.seq_len", str(SEQ),
-        "--train.warmup_steps", str(warmup), "--train.seed", str(seed),
-        "--train.val_every", str(val_every), "--train.val_batches", str(val_batches),
-        "--train.run_dir", str(out / "run"), "--metrics.jsonl", str(metrics),
-        "--metrics.progress", "false", "--metrics.log_every", "1000",
+        "train",
+        "--model.flavor",
+        FLAVOR,
+        "--parallel.nproc",
+        str(world_size()),
+        "--geo.sync",
+        strategy.kind,
+        "--train.steps",
+        str(steps),
+        "--train.batch_size",
+        str(BATCH),
+        "--train.seq_len",
+        str(SEQ),
+        "--train.warmup_steps",
+        str(warmup),
+        "--train.seed",
+        str(seed),
+        "--train.val_every",
+        str(val_every),
+        "--train.val_batches",
+        str(val_batches),
+        "--train.run_dir",
+        str(out / "run"),
+        "--metrics.jsonl",
+        str(metrics),
+        "--metrics.progress",
+        "false",
+        "--metrics.log_every",
+        "1000",
     ]
     for k, v in strategy.settings(inner_steps).items():
         train += [f"--geo.{k}", v]
-    cmd = [sys.executable, "-m", "isthmus", "emulate", "--topology", TOPOLOGY, "--wan-mbit", f"{wan_mbit:g}",
-           "--timeout", f"{timeout_s:.0f}", "--log-dir", str(out / "logs"), "--", *train]
+    cmd = [
+        sys.executable,
+        "-m",
+        "isthmus",
+        "emulate",
+        "--topology",
+        TOPOLOGY,
+        "--wan-mbit",
+        f"{wan_mbit:g}",
+        "--timeout",
+        f"{timeout_s:.0f}",
+        "--log-dir",
+        str(out / "logs"),
+        "--",
+        *train,
+    ]
     line = " ".join(cmd[2:]) + "\n"
     if reuse and (out / "done").exists() and (out / "command.txt").read_text() == line:
-        print(f"  {strategy.spec:<28} {wan_mbit:>5g} Mbit/s  {steps:>3} steps  (reused {out})", file=sys.stderr, flush=True)
+        print(
+            f"  {strategy.spec:<28} {wan_mbit:>5g} Mbit/s  {steps:>3} steps  (reused {out})",
+            file=sys.stderr,
+            flush=True,
+        )
         return [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     if out.exists():
         shutil.rmtree(out)
@@ -138,15 +191,20 @@ def run_emulated(strategy: Strategy, *, steps: int, wan_mbit: float, inner_steps
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
     # This machine may be shared: the 1-minute load average before and after says how much.
-    (out / "host.json").write_text(json.dumps({"wall_s": wall, "load_before": load0, "load_after": os.getloadavg()[0],
-                                               "cpus": os.cpu_count()}))
+    (out / "host.json").write_text(
+        json.dumps({"wall_s": wall, "load_before": load0, "load_after": os.getloadavg()[0], "cpus": os.cpu_count()})
+    )
     (out / "emulate.log").write_text(proc.stdout)
     if proc.returncode != 0:
         raise RuntimeError(f"{strategy.spec} at {wan_mbit:g} Mbit/s failed (exit {proc.returncode}); see {out}/logs")
     records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     (out / "done").write_text("")
-    print(f"  {strategy.spec:<28} {wan_mbit:>5g} Mbit/s  {steps:>3} steps  {wall:6.1f} s wall  "
-          f"load {load0:.1f} -> {os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
+    print(
+        f"  {strategy.spec:<28} {wan_mbit:>5g} Mbit/s  {steps:>3} steps  {wall:6.1f} s wall  "
+        f"load {load0:.1f} -> {os.getloadavg()[0]:.1f}",
+        file=sys.stderr,
+        flush=True,
+    )
     return records
 
 
@@ -182,8 +240,16 @@ def summarise(label: str, strategy: Strategy, records: list[dict[str, Any]], inn
         b += r.get("wan_bytes", 0)
         cum[r["step"]] = t
     val = [(r["step"], cum[r["step"]], r["val_loss"]) for r in records if "val_loss" in r]
-    return Summary(label, strategy.kind, len(steps), step_time(strategy, steps, inner_steps), t, b,
-                   val[-1][2] if val else math.nan, val=val)
+    return Summary(
+        label,
+        strategy.kind,
+        len(steps),
+        step_time(strategy, steps, inner_steps),
+        t,
+        b,
+        val[-1][2] if val else math.nan,
+        val=val,
+    )
 
 
 def step_time(strategy: Strategy, steps: list[dict[str, Any]], inner_steps: int) -> float:
@@ -192,7 +258,7 @@ def step_time(strategy: Strategy, steps: list[dict[str, Any]], inner_steps: int)
     if period == 1:
         return statistics.median(times[1:] or times)
     whole = (len(times) - 1) // period * period  # whole periods after the first step
-    return statistics.fmean(times[1:1 + whole]) if whole else statistics.fmean(times)
+    return statistics.fmean(times[1 : 1 + whole]) if whole else statistics.fmean(times)
 
 
 def reach(s: Summary, target: float, wan_at: dict[int, int]) -> None:
@@ -222,9 +288,19 @@ def main_benchmark(ns: argparse.Namespace) -> tuple[list[Summary], dict[str, lis
     per_step_s = 10.0 * 160 / ns.wan_mbit + 5
 
     def run(st: Strategy, steps: int, kind: str) -> tuple[Summary, list[dict[str, Any]]]:
-        recs = run_emulated(st, steps=steps, wan_mbit=ns.wan_mbit, inner_steps=ns.inner_steps,
-                            val_every=ns.val_every, val_batches=ns.val_batches, warmup=ns.warmup, seed=ns.seed,
-                            out=run_dir(ns, kind, ns.wan_mbit, st), timeout_s=steps * per_step_s + 300, reuse=ns.reuse)
+        recs = run_emulated(
+            st,
+            steps=steps,
+            wan_mbit=ns.wan_mbit,
+            inner_steps=ns.inner_steps,
+            val_every=ns.val_every,
+            val_batches=ns.val_batches,
+            warmup=ns.warmup,
+            seed=ns.seed,
+            out=run_dir(ns, kind, ns.wan_mbit, st),
+            timeout_s=steps * per_step_s + 300,
+            reuse=ns.reuse,
+        )
         return summarise(st.label(ns.inner_steps), st, recs, ns.inner_steps), recs
 
     results: list[Summary] = []
@@ -245,9 +321,20 @@ def main_benchmark(ns: argparse.Namespace) -> tuple[list[Summary], dict[str, lis
                 s.reach_s, s.reach_step, s.reach_wan_bytes = longer.reach_s, longer.reach_step, longer.reach_wan_bytes
             s.reach_run = ns.reach_steps
             s.val_longer = longer.val
-    (out / f"main_{ns.wan_mbit:g}mbit.json").write_text(json.dumps(
-        {"steps": ns.steps, "reach_steps": ns.reach_steps, "wan_mbit": ns.wan_mbit, "target": target,
-         "inner_steps": ns.inner_steps, "seed": ns.seed, "results": [s.__dict__ for s in results]}, indent=1))
+    (out / f"main_{ns.wan_mbit:g}mbit.json").write_text(
+        json.dumps(
+            {
+                "steps": ns.steps,
+                "reach_steps": ns.reach_steps,
+                "wan_mbit": ns.wan_mbit,
+                "target": target,
+                "inner_steps": ns.inner_steps,
+                "seed": ns.seed,
+                "results": [s.__dict__ for s in results],
+            },
+            indent=1,
+        )
+    )
     print_main(results, ns)
     return results, all_recs
 
@@ -269,26 +356,39 @@ def _mb(n: float | None) -> str:
 def print_main(results: list[Summary], ns: argparse.Namespace) -> None:
     flat = results[0]
     tokens = ns.steps * BATCH * SEQ
-    print(f"\n### {FLAVOR}, {TOPOLOGY} (2 DC x 2 CPU ranks), WAN {ns.wan_mbit:g} Mbit/s, {ns.steps} steps x "
-          f"{BATCH}x{SEQ} tokens ({tokens:,} tokens); target = flat's val loss at step {ns.steps}: {flat.final_val:.4f}\n")
-    print("| strategy | s/step | train time, N steps (s) | time to target (s) | speed-up vs flat | steps to target "
-          "| WAN MB, N steps | WAN MB to target | val loss @ N | vs flat |")
+    print(
+        f"\n### {FLAVOR}, {TOPOLOGY} (2 DC x 2 CPU ranks), WAN {ns.wan_mbit:g} Mbit/s, {ns.steps} steps x "
+        f"{BATCH}x{SEQ} tokens ({tokens:,} tokens); target = flat's val loss at step {ns.steps}: {flat.final_val:.4f}\n"
+    )
+    print(
+        "| strategy | s/step | train time, N steps (s) | time to target (s) | speed-up vs flat | steps to target "
+        "| WAN MB, N steps | WAN MB to target | val loss @ N | vs flat |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in results:
         reached = s.reach_s is not None
         longer = s.reach_run > ns.steps
         where = f" ({s.reach_run}-step run)" if longer else ""
         speed = f"{flat.reach_s / s.reach_s:.1f}x" if reached and flat.reach_s else "-"
-        cells = [s.label, f"{s.step_s:.2f}", f"{s.train_s:.0f}",
-                 f"{s.reach_s:.0f}{where}" if reached else f"not reached in {max(s.reach_run, ns.steps)} steps",
-                 speed, f"{s.reach_step:.1f}{where}" if reached else "-", _mb(s.wan_bytes),
-                 f"{_mb(s.reach_wan_bytes)}{where}" if reached else "-",
-                 f"{s.final_val:.4f}", f"{100 * (s.final_val / flat.final_val - 1):+.2f}%"]
+        cells = [
+            s.label,
+            f"{s.step_s:.2f}",
+            f"{s.train_s:.0f}",
+            f"{s.reach_s:.0f}{where}" if reached else f"not reached in {max(s.reach_run, ns.steps)} steps",
+            speed,
+            f"{s.reach_step:.1f}{where}" if reached else "-",
+            _mb(s.wan_bytes),
+            f"{_mb(s.reach_wan_bytes)}{where}" if reached else "-",
+            f"{s.final_val:.4f}",
+            f"{100 * (s.final_val / flat.final_val - 1):+.2f}%",
+        ]
         print("| " + " | ".join(cells) + " |")
     if any(s.reach_run > ns.steps for s in results):
-        print(f"\nA strategy that missed the target within {ns.steps} steps was run again for {ns.reach_steps} steps "
-              f"(same seed, cosine schedule over {ns.reach_steps}); its time, steps and WAN bytes to the target come "
-              f"from that run, everything else from the {ns.steps}-step run.")
+        print(
+            f"\nA strategy that missed the target within {ns.steps} steps was run again for {ns.reach_steps} steps "
+            f"(same seed, cosine schedule over {ns.reach_steps}); its time, steps and WAN bytes to the target come "
+            f"from that run, everything else from the {ns.steps}-step run."
+        )
     print("\nval loss curves (step: loss @ training seconds):")
     for s in results:
         print(f"- {s.label}: " + ", ".join(f"{st}: {v:.3f} @ {t:.0f}s" for st, t, v in s.val))
@@ -313,9 +413,17 @@ def planner_prediction(kind: str, mbit: float, inner_steps: int, settings: dict[
     world = n_dc * per_dc
 
     def est(geo: str, h: int = 0):  # noqa: ANN202
-        lay = LayoutSpec(dp_replicate=world, datacenters=n_dc, dc_axis="dp", sync=geo, inner_steps=h,  # type: ignore[arg-type]
-                     fragments=int(settings.get("fragments", "4")), overlap_steps=int(settings.get("overlap_steps", "1")),
-                     micro_batch=BATCH // world, microbatches=1)
+        lay = LayoutSpec(
+            dp_replicate=world,
+            datacenters=n_dc,
+            dc_axis="dp",
+            sync=geo,
+            inner_steps=h,  # type: ignore[arg-type]
+            fragments=int(settings.get("fragments", "4")),
+            overlap_steps=int(settings.get("overlap_steps", "1")),
+            micro_batch=BATCH // world,
+            microbatches=1,
+        )
         return estimate(work, topo, lay, RUNTIMES["isthmus"])
 
     e = est(kind, inner_steps if kind in DILOCO_KINDS else 0)
@@ -335,46 +443,77 @@ def sweep(ns: argparse.Namespace, main: list[Summary] | None, main_recs: dict[st
             if mbit == ns.wan_mbit and st.spec in main_recs:  # the main benchmark ran this one: reuse its steps
                 recs, source = main_recs[st.spec], "main"
             else:
-                recs, source = run_emulated(
-                    st, steps=steps, wan_mbit=mbit, inner_steps=ns.inner_steps, val_every=0, val_batches=1,
-                    warmup=ns.warmup, seed=ns.seed, timeout_s=steps * per_step_s + 300, out=run_dir(ns, "sweep", mbit, st),
-                    reuse=ns.reuse,
-                ), "sweep"
+                recs, source = (
+                    run_emulated(
+                        st,
+                        steps=steps,
+                        wan_mbit=mbit,
+                        inner_steps=ns.inner_steps,
+                        val_every=0,
+                        val_batches=1,
+                        warmup=ns.warmup,
+                        seed=ns.seed,
+                        timeout_s=steps * per_step_s + 300,
+                        out=run_dir(ns, "sweep", mbit, st),
+                        reuse=ns.reuse,
+                    ),
+                    "sweep",
+                )
             st_recs = [r for r in recs if "loss" in r]
             steps = len(st_recs)
             measured = step_time(st, st_recs, ns.inner_steps)
-            counted = st_recs[1:1 + (len(st_recs) - 1) // period * period] if period > 1 else st_recs[1:]
+            counted = st_recs[1 : 1 + (len(st_recs) - 1) // period * period] if period > 1 else st_recs[1:]
             wan_per_step = statistics.fmean(r.get("wan_bytes", 0) for r in counted)
             pred_s, pred_b, how = planner_prediction(st.kind, mbit, ns.inner_steps, st.settings(ns.inner_steps))
-            rows[mbit].append({"label": st.label(ns.inner_steps), "kind": st.kind, "steps": steps, "measured_s": measured,
-                               "predicted_s": pred_s, "wan_bytes_per_step": wan_per_step, "predicted_wan_bytes": pred_b,
-                               "how": how, "source": source})
+            rows[mbit].append(
+                {
+                    "label": st.label(ns.inner_steps),
+                    "kind": st.kind,
+                    "steps": steps,
+                    "measured_s": measured,
+                    "predicted_s": pred_s,
+                    "wan_bytes_per_step": wan_per_step,
+                    "predicted_wan_bytes": pred_b,
+                    "how": how,
+                    "source": source,
+                }
+            )
     (out / "sweep.json").write_text(json.dumps({str(k): v for k, v in rows.items()}, indent=1))
     print_sweep(rows, main, ns)
 
 
 def print_sweep(rows: dict[float, list[dict[str, Any]]], main: list[Summary] | None, ns: argparse.Namespace) -> None:
-    print(f"\n### Sweep: {FLAVOR}, {TOPOLOGY}, step time per strategy, measured vs predicted (same topology, every WAN "
-          f"link set to the rate)\n")
-    print("| WAN Mbit/s | strategy | steps (run) | measured s/step | predicted s/step | meas/pred | WAN MB/step measured | "
-          "WAN MB/step predicted | prediction |")
+    print(
+        f"\n### Sweep: {FLAVOR}, {TOPOLOGY}, step time per strategy, measured vs predicted (same topology, every WAN "
+        f"link set to the rate)\n"
+    )
+    print(
+        "| WAN Mbit/s | strategy | steps (run) | measured s/step | predicted s/step | meas/pred | WAN MB/step measured | "
+        "WAN MB/step predicted | prediction |"
+    )
     print("|---:|---|---:|---:|---:|---:|---:|---:|---|")
     for mbit, rs in rows.items():
         for r in rs:
-            print(f"| {mbit:g} | {r['label']} | {r['steps']} ({r['source']}) | {r['measured_s']:.2f} | {r['predicted_s']:.3f} | "
-                  f"{r['measured_s'] / r['predicted_s']:.1f} | {r['wan_bytes_per_step'] / 1e6:.2f} | "
-                  f"{r['predicted_wan_bytes'] / 1e6:.2f} | {r['how']} |")
+            print(
+                f"| {mbit:g} | {r['label']} | {r['steps']} ({r['source']}) | {r['measured_s']:.2f} | {r['predicted_s']:.3f} | "
+                f"{r['measured_s'] / r['predicted_s']:.1f} | {r['wan_bytes_per_step'] / 1e6:.2f} | "
+                f"{r['predicted_wan_bytes'] / 1e6:.2f} | {r['how']} |"
+            )
     steps_to = {s.label: s.reach_step for s in main} if main else {}
-    print("\nWinner per bandwidth. Fastest step: lowest s/step (equal tokens per step). Fastest to flat's loss: "
-          "steps-to-target from the main benchmark"
-          + (f" ({ns.wan_mbit:g} Mbit/s, {ns.steps} steps)" if main else " (not run: pass --steps N with --sweep)")
-          + " x measured s/step here; strategies that did not reach it are out. Planner: its step time, and its "
-          "ranking key (tokens/s x assumed quality: compressed 0.98, diloco and streaming_diloco 0.9).\n")
+    print(
+        "\nWinner per bandwidth. Fastest step: lowest s/step (equal tokens per step). Fastest to flat's loss: "
+        "steps-to-target from the main benchmark"
+        + (f" ({ns.wan_mbit:g} Mbit/s, {ns.steps} steps)" if main else " (not run: pass --steps N with --sweep)")
+        + " x measured s/step here; strategies that did not reach it are out. Planner: its step time, and its "
+        "ranking key (tokens/s x assumed quality: compressed 0.98, diloco and streaming_diloco 0.9).\n"
+    )
     from isthmus.planner.layout import RUNTIMES
 
     q = RUNTIMES["isthmus"].quality_of
-    print("| WAN Mbit/s | fastest step (measured) | fastest step (predicted) | fastest to flat's loss (measured) "
-          "| planner's pick (quality-weighted) |")
+    print(
+        "| WAN Mbit/s | fastest step (measured) | fastest step (predicted) | fastest to flat's loss (measured) "
+        "| planner's pick (quality-weighted) |"
+    )
     print("|---:|---|---|---|---|")
     for mbit, rs in rows.items():
         fast_m = min(rs, key=lambda r: r["measured_s"])
@@ -386,32 +525,50 @@ def print_sweep(rows: dict[float, list[dict[str, Any]]], main: list[Summary] | N
         else:
             reach_cell = "-"
         pick = min(rs, key=lambda r: r["predicted_s"] / q(r["kind"])) if rs else None
-        print(f"| {mbit:g} | {fast_m['label']} ({fast_m['measured_s']:.2f} s) | {fast_p['label']} "
-              f"({fast_p['predicted_s']:.3f} s) | {reach_cell} | {pick['label'] if pick else '-'} |")
+        print(
+            f"| {mbit:g} | {fast_m['label']} ({fast_m['measured_s']:.2f} s) | {fast_p['label']} "
+            f"({fast_p['predicted_s']:.3f} s) | {reach_cell} | {pick['label'] if pick else '-'} |"
+        )
 
 
 # -- entry ----------------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(__doc__.splitlines()[1:]))
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[1:]),
+    )
     ap.add_argument("--steps", type=int, default=None, help="main benchmark: steps per strategy (equal tokens)")
     ap.add_argument("--wan-mbit", type=float, default=20.0, help="main benchmark: WAN rate (default 20)")
     ap.add_argument("--sweep", action="store_true", help="run the bandwidth sweep")
     ap.add_argument("--sweep-mbit", type=lambda s: [float(x) for x in s.split(",")], default=list(SWEEP_MBIT))
-    ap.add_argument("--sweep-steps", type=int, default=4, help="sweep: steps of per-step strategies, the first untimed "
-                    "(DiLoCo kinds: H + 1); the main benchmark's runs are reused at its --wan-mbit")
-    ap.add_argument("--strategies", type=lambda s: s.split(), default=list(DEFAULT_STRATEGIES),
-                    help="space-separated kind[:key=value,...]; the first must be flat")
+    ap.add_argument(
+        "--sweep-steps",
+        type=int,
+        default=4,
+        help="sweep: steps of per-step strategies, the first untimed "
+        "(DiLoCo kinds: H + 1); the main benchmark's runs are reused at its --wan-mbit",
+    )
+    ap.add_argument(
+        "--strategies",
+        type=lambda s: s.split(),
+        default=list(DEFAULT_STRATEGIES),
+        help="space-separated kind[:key=value,...]; the first must be flat",
+    )
     ap.add_argument("--inner-steps", type=int, default=20, help="H of diloco and streaming_diloco (default 20)")
     ap.add_argument("--val-every", type=int, default=5)
     ap.add_argument("--val-batches", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=5, help="train.warmup_steps (default 5)")
     ap.add_argument("--seed", type=int, default=2, help="train.seed (default 2; seeds 0 and 1 were the pilots')")
-    ap.add_argument("--reach-steps", type=int, default=None,
-                    help="train a strategy that misses flat's loss within --steps again for this many steps to time "
-                    "its reaching it (default 2 x --steps; 0 = off)")
+    ap.add_argument(
+        "--reach-steps",
+        type=int,
+        default=None,
+        help="train a strategy that misses flat's loss within --steps again for this many steps to time "
+        "its reaching it (default 2 x --steps; 0 = off)",
+    )
     ap.add_argument("--out", default="runs/geo_sync_bench")
     ap.add_argument("--reuse", action="store_true", help="read runs already finished under --out with the same command")
     ns = ap.parse_args(argv)

@@ -55,17 +55,54 @@ def main(argv: list[str] | None = None) -> int:
         err = est.tflops_per_device / row.tflops_per_gpu - 1
         worst = max(worst, abs(err))
         rows.append((row, est, err))
-    head = ["model", "heads", "hidden", "layers", "tp", "pp", "GPUs", "batch", "dp", "microbatches", "schedule",
-            "published TFLOP/s", "predicted", "error", "bubble", "mem GB"]
+    head = [
+        "model",
+        "heads",
+        "hidden",
+        "layers",
+        "tp",
+        "pp",
+        "GPUs",
+        "batch",
+        "dp",
+        "microbatches",
+        "schedule",
+        "published TFLOP/s",
+        "predicted",
+        "error",
+        "bubble",
+        "mem GB",
+    ]
     if ns.markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
     for row, est, err in rows:
         lay = est.layout
-        sched = "-" if lay.pp == 1 else (f"interleaved v={lay.pp_virtual_stages}" if lay.pp_schedule == "interleaved_1f1b" else lay.pp_schedule)
-        cells = [f"{row.params_b}B", row.heads, row.hidden, row.layers, row.tp, row.pp, row.gpus, row.global_batch,
-                 lay.dp, lay.microbatches, sched, row.tflops_per_gpu, f"{est.tflops_per_device:.1f}", f"{100 * err:+.1f}%",
-                 f"{100 * est.bubble_fraction:.1f}%", f"{est.mem_per_device_gb:.1f}"]
+        sched = (
+            "-"
+            if lay.pp == 1
+            else (
+                f"interleaved v={lay.pp_virtual_stages}" if lay.pp_schedule == "interleaved_1f1b" else lay.pp_schedule
+            )
+        )
+        cells = [
+            f"{row.params_b}B",
+            row.heads,
+            row.hidden,
+            row.layers,
+            row.tp,
+            row.pp,
+            row.gpus,
+            row.global_batch,
+            lay.dp,
+            lay.microbatches,
+            sched,
+            row.tflops_per_gpu,
+            f"{est.tflops_per_device:.1f}",
+            f"{100 * err:+.1f}%",
+            f"{100 * est.bubble_fraction:.1f}%",
+            f"{est.mem_per_device_gb:.1f}",
+        ]
         print(("| " + " | ".join(map(str, cells)) + " |") if ns.markdown else "  ".join(f"{c!s:>9}" for c in cells))
     print(f"\nmax |error| = {100 * worst:.1f}%")
     return 0

@@ -32,11 +32,15 @@ def main(argv: list[str] | None = None) -> int:
         result = search(args, topo, space, RUNTIMES["isthmus"], top=10)
         times.append(time.perf_counter() - start)
     best = result.best
-    print(f"GPT-3 175B on {topo.name} ({topo.n_devices:,} GPUs, {len(topo.datacenters)} datacenters), "
-          f"{'shape searched' if ns.free else 'batch 1536 x 2048'}: {min(times):.2f} s "
-          f"(best of {ns.repeat}), {result.considered:,} layouts considered, {result.pruned_memory:,} over memory")
-    print(f"winner: {best.layout.label()} at {best.work.batch_size} x {best.work.seq_len}, "
-          f"{best.tokens_per_s:,.0f} tokens/s, MFU {100 * best.mfu:.1f}%")
+    print(
+        f"GPT-3 175B on {topo.name} ({topo.n_devices:,} GPUs, {len(topo.datacenters)} datacenters), "
+        f"{'shape searched' if ns.free else 'batch 1536 x 2048'}: {min(times):.2f} s "
+        f"(best of {ns.repeat}), {result.considered:,} layouts considered, {result.pruned_memory:,} over memory"
+    )
+    print(
+        f"winner: {best.layout.label()} at {best.work.batch_size} x {best.work.seq_len}, "
+        f"{best.tokens_per_s:,.0f} tokens/s, MFU {100 * best.mfu:.1f}%"
+    )
     return 0
 
 

@@ -30,8 +30,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from isthmus.planner.autoplan import SIMPLEST_WITHIN, choose_layout, local_runtime, local_topology
 from isthmus.models.flavors import get_flavor
+from isthmus.planner.autoplan import SIMPLEST_WITHIN, choose_layout, local_runtime, local_topology
 from isthmus.planner.layout import LayoutSpec, Workload
 from isthmus.planner.search import SearchSpace
 from isthmus.sim import simulate
@@ -89,11 +89,16 @@ def to_layout(values: dict[str, object]) -> LayoutSpec:
     pp = int(v.get("pp", 1))  # type: ignore[arg-type]
     m = int(v.get("microbatches", 1)) if pp > 1 else accum  # type: ignore[arg-type]
     return LayoutSpec(
-        tp=int(v.get("tp", 1)), sequence_parallel=bool(v.get("sequence_parallel", False)), pp=pp,  # type: ignore[arg-type]
-        pp_schedule=str(v.get("pp_schedule", "1f1b")), pp_virtual_stages=int(v.get("pp_virtual_stages", 1)),  # type: ignore[arg-type]
-        dp_replicate=int(v.get("dp_replicate", 1)), dp_shard=int(v.get("dp_shard", 1)),  # type: ignore[arg-type]
+        tp=int(v.get("tp", 1)),
+        sequence_parallel=bool(v.get("sequence_parallel", False)),
+        pp=pp,  # type: ignore[arg-type]
+        pp_schedule=str(v.get("pp_schedule", "1f1b")),
+        pp_virtual_stages=int(v.get("pp_virtual_stages", 1)),  # type: ignore[arg-type]
+        dp_replicate=int(v.get("dp_replicate", 1)),
+        dp_shard=int(v.get("dp_shard", 1)),  # type: ignore[arg-type]
         zero_stage=int(v.get("zero_stage", 3 if v.get("dp_shard", 1) != 1 else 1)),  # type: ignore[arg-type]
-        micro_batch=BATCH // (dp * m), microbatches=m,
+        micro_batch=BATCH // (dp * m),
+        microbatches=m,
     )
 
 
@@ -109,6 +114,7 @@ def train_flags(lay: LayoutSpec) -> list[str]:
 
 def busy_cores(seconds: float = 1.0) -> float:
     """Cores the rest of the machine keeps busy, from /proc/stat over ``seconds``."""
+
     def sample() -> tuple[int, int]:
         fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
         return sum(fields), fields[3] + fields[4]  # total, idle + iowait
@@ -131,11 +137,35 @@ def wait_quiet(limit: float, timeout: float) -> float:
 def measure(lay: LayoutSpec, steps: int, skip: int, root: Path, tag: str) -> list[float]:
     """Step times of one real `isthmus train` run of ``lay`` (the first ``skip`` left out)."""
     jsonl = root / f"{tag}.jsonl"
-    cmd = [sys.executable, "-m", "isthmus", "train", "--model.flavor", "small", "--train.steps", str(steps),
-           "--train.batch_size", str(BATCH), "--train.seq_len", str(SEQ), "--train.val_every", "0",
-           "--train.val_batches", "1", "--train.warmup_steps", "2", "--metrics.progress", "false",
-           "--metrics.log_every", "1000", "--metrics.jsonl", str(jsonl), "--train.run_dir", str(root / tag),
-           *train_flags(lay)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "isthmus",
+        "train",
+        "--model.flavor",
+        "small",
+        "--train.steps",
+        str(steps),
+        "--train.batch_size",
+        str(BATCH),
+        "--train.seq_len",
+        str(SEQ),
+        "--train.val_every",
+        "0",
+        "--train.val_batches",
+        "1",
+        "--train.warmup_steps",
+        "2",
+        "--metrics.progress",
+        "false",
+        "--metrics.log_every",
+        "1000",
+        "--metrics.jsonl",
+        str(jsonl),
+        "--train.run_dir",
+        str(root / tag),
+        *train_flags(lay),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
@@ -155,8 +185,9 @@ def predict(rows: list[Row], topology: str) -> None:
 def planner_choice(nproc: int, topology: str) -> LayoutSpec:
     topo = local_topology(nproc, topology)
     space = SearchSpace(batch_size=BATCH, seq_len=SEQ, activation_checkpoint="none", dc_axis="none")
-    return choose_layout(get_flavor("small"), topo, space, {"nproc": nproc}, local_runtime(), "fp32", top=50,
-                         band=SIMPLEST_WITHIN).layout
+    return choose_layout(
+        get_flavor("small"), topo, space, {"nproc": nproc}, local_runtime(), "fp32", top=50, band=SIMPLEST_WITHIN
+    ).layout
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,12 +200,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=None, help="comma list of layout numbers (1-based) to run")
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--save", default=None, metavar="FILE.json", help="write the rows as JSON")
-    ap.add_argument("--quiet", type=float, default=0.3, metavar="CORES",
-                    help="before each run, wait until other work keeps fewer cores busy (default: 0.3)")
+    ap.add_argument(
+        "--quiet",
+        type=float,
+        default=0.3,
+        metavar="CORES",
+        help="before each run, wait until other work keeps fewer cores busy (default: 0.3)",
+    )
     ap.add_argument("--max-wait", type=float, default=120.0, metavar="S", help="longest wait for quiet (default: 120)")
-    ap.add_argument("--nice", type=int, default=0, metavar="N",
-                    help="run the profile and every training run at this niceness (negative needs root: other jobs "
-                    "on a shared machine then take less of the cores)")
+    ap.add_argument(
+        "--nice",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run the profile and every training run at this niceness (negative needs root: other jobs "
+        "on a shared machine then take less of the cores)",
+    )
     ns = ap.parse_args(argv)
     if ns.nice:
         os.nice(ns.nice)  # children (the profile's gloo ranks, every `isthmus train`) inherit it
@@ -182,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
     load0 = os.getloadavg()[0]
     topology = ns.topology
     if topology is None:  # what `isthmus profile --out FILE --seconds S` does
-        from isthmus.profile.measure import measure as profile, topology_toml
+        from isthmus.profile.measure import measure as profile
+        from isthmus.profile.measure import topology_toml
 
         wait_quiet(ns.quiet, ns.max_wait)
         topology = str(root / "profile.toml")
-        Path(topology).write_text(topology_toml(profile(ns.profile_seconds, os.cpu_count() or 1), "local-profile",
-                                                os.cpu_count() or 1))
+        Path(topology).write_text(
+            topology_toml(profile(ns.profile_seconds, os.cpu_count() or 1), "local-profile", os.cpu_count() or 1)
+        )
     picked = [LAYOUTS[int(i) - 1] for i in ns.only.split(",")] if ns.only else LAYOUTS
     rows = [Row(name, to_layout(values)) for name, values in picked]
     choices = {n: planner_choice(n, topology) for n in (1, 2, 4)}
@@ -204,23 +247,44 @@ def main(argv: list[str] | None = None) -> int:
             except RuntimeError as e:  # one broken layout does not lose the others' numbers
                 print(f"round {rnd + 1}: {row.name} failed: {str(e).splitlines()[-2:]}", file=sys.stderr, flush=True)
                 continue
-            print(f"round {rnd + 1}/{ns.rounds} {row.name:28s} measured {row.measured:.3f} s  simulated {row.sim_s:.3f} s"
-                  f"  (other work: {row.busy[-1]:.2f} cores)", file=sys.stderr, flush=True)
+            print(
+                f"round {rnd + 1}/{ns.rounds} {row.name:28s} measured {row.measured:.3f} s  simulated {row.sim_s:.3f} s"
+                f"  (other work: {row.busy[-1]:.2f} cores)",
+                file=sys.stderr,
+                flush=True,
+            )
             if ns.save:
                 save(rows, ns.save)
     wall = time.perf_counter() - start
     print_table(rows, choices, ns.markdown)
-    print(f"\n{len(rows)} layouts x {ns.rounds} round(s) in {wall / 60:.1f} min; topology {topology}; "
-          f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; niceness {os.nice(0)}")
+    print(
+        f"\n{len(rows)} layouts x {ns.rounds} round(s) in {wall / 60:.1f} min; topology {topology}; "
+        f"load average {load0:.1f} before, {os.getloadavg()[0]:.1f} after; niceness {os.nice(0)}"
+    )
     if ns.save:
         save(rows, ns.save)
     return 0
 
 
 def save(rows: list[Row], path: str) -> None:
-    Path(path).write_text(json.dumps([{"name": r.name, "label": r.layout.label(), "ranks": r.layout.world,
-                                       "simulated_s": r.sim_s, "cost_model_s": r.cost_s, "measured_s": r.measured,
-                                       "rounds": r.rounds, "busy_cores": r.busy} for r in rows], indent=1))
+    Path(path).write_text(
+        json.dumps(
+            [
+                {
+                    "name": r.name,
+                    "label": r.layout.label(),
+                    "ranks": r.layout.world,
+                    "simulated_s": r.sim_s,
+                    "cost_model_s": r.cost_s,
+                    "measured_s": r.measured,
+                    "rounds": r.rounds,
+                    "busy_cores": r.busy,
+                }
+                for r in rows
+            ],
+            indent=1,
+        )
+    )
 
 
 def print_table(rows: list[Row], choices: dict[int, LayoutSpec], markdown: bool) -> None:
@@ -229,9 +293,19 @@ def print_table(rows: list[Row], choices: dict[int, LayoutSpec], markdown: bool)
     for i, r in enumerate(rows, 1):
         if not r.rounds:
             continue
-        lines.append([str(i), f"{r.name} ({r.layout.label()})", str(r.layout.world), f"{r.measured:.3f}", f"{r.sim_s:.3f}",
-                      f"{100 * r.error:+.1f}%", f"{r.cost_s:.3f}", f"{100 * (r.cost_s / r.measured - 1):+.1f}%",
-                      f"{max(r.busy):.2f}"])
+        lines.append(
+            [
+                str(i),
+                f"{r.name} ({r.layout.label()})",
+                str(r.layout.world),
+                f"{r.measured:.3f}",
+                f"{r.sim_s:.3f}",
+                f"{100 * r.error:+.1f}%",
+                f"{r.cost_s:.3f}",
+                f"{100 * (r.cost_s / r.measured - 1):+.1f}%",
+                f"{max(r.busy):.2f}",
+            ]
+        )
     if markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
@@ -244,8 +318,10 @@ def print_table(rows: list[Row], choices: dict[int, LayoutSpec], markdown: bool)
     rows = [r for r in rows if r.times]
     errs = [abs(r.error) for r in rows]
     cost = [abs(r.cost_s / r.measured - 1) for r in rows]
-    print(f"\nmedian |error|: simulator {100 * statistics.median(errs):.1f}%, cost model {100 * statistics.median(cost):.1f}% "
-          f"(max {100 * max(errs):.1f}%, {100 * max(cost):.1f}%)")
+    print(
+        f"\nmedian |error|: simulator {100 * statistics.median(errs):.1f}%, cost model {100 * statistics.median(cost):.1f}% "
+        f"(max {100 * max(errs):.1f}%, {100 * max(cost):.1f}%)"
+    )
     best = min(rows, key=lambda r: r.measured)
     for n, lay in choices.items():
         chosen = next((r for r in rows if r.layout == lay), None)
@@ -253,18 +329,24 @@ def print_table(rows: list[Row], choices: dict[int, LayoutSpec], markdown: bool)
             continue
         same = [r for r in rows if r.layout.world == n]
         best_n = min(same, key=lambda r: r.measured)
-        print(f"planner's choice for {n} rank(s): {lay.label()}: measured {chosen.measured:.3f} s; best measured on {n} "
-              f"rank(s) {best_n.name} {best_n.measured:.3f} s ({100 * (chosen.measured / best_n.measured - 1):+.1f}%)")
+        print(
+            f"planner's choice for {n} rank(s): {lay.label()}: measured {chosen.measured:.3f} s; best measured on {n} "
+            f"rank(s) {best_n.name} {best_n.measured:.3f} s ({100 * (chosen.measured / best_n.measured - 1):+.1f}%)"
+        )
     measured = [lay for lay in choices.values() if any(r.layout == lay for r in rows)]
     if not measured:
         return
     # The same rule as within one rank count: the fewest ranks within SIMPLEST_WITHIN of the best.
     predicted = {lay: next(r.sim_s for r in rows if r.layout == lay) for lay in measured}
     fastest = min(predicted.values())
-    overall = min((lay for lay in measured if predicted[lay] <= fastest / (1 - SIMPLEST_WITHIN)), key=lambda lay: lay.world)
+    overall = min(
+        (lay for lay in measured if predicted[lay] <= fastest / (1 - SIMPLEST_WITHIN)), key=lambda lay: lay.world
+    )
     chosen = next(r for r in rows if r.layout == overall)
-    print(f"planner's choice for this machine: {overall.label()} on {overall.world} rank(s), measured {chosen.measured:.3f} s; "
-          f"best measured {best.name} {best.measured:.3f} s ({100 * (chosen.measured / best.measured - 1):+.1f}%)")
+    print(
+        f"planner's choice for this machine: {overall.label()} on {overall.world} rank(s), measured {chosen.measured:.3f} s; "
+        f"best measured {best.name} {best.measured:.3f} s ({100 * (chosen.measured / best.measured - 1):+.1f}%)"
+    )
 
 
 if __name__ == "__main__":

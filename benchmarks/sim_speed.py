@@ -20,8 +20,8 @@ from isthmus.models.flavors import gpt3
 from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.reference import MEGATRON_2021_TABLE1, SEQ_LEN, megatron_layout
 from isthmus.planner.search import SearchSpace, search
-from isthmus.sim import simulate
 from isthmus.planner.topology import load_topology
+from isthmus.sim import simulate
 
 GPT3_175B = gpt3(96, 12288, 96)
 
@@ -31,9 +31,25 @@ def cases() -> list[tuple[str, Workload, LayoutSpec, int, str]]:
     work = Workload(GPT3_175B, 1536, 2048, "bf16")
     best = search(GPT3_175B, topo, SearchSpace(batch_size=1536, seq_len=2048), RUNTIMES["isthmus"], top=1).best
     out = [("GPT-3 175B, planner's choice", best.work, best.layout, 1024, "isthmus")]
-    out.append(("GPT-3 175B, tp8 pp16 interleaved v2", work,
-                LayoutSpec(tp=8, sequence_parallel=True, pp=16, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, dp_replicate=8, micro_batch=1,
-                       microbatches=192, activation_checkpoint="full"), 1024, "isthmus"))
+    out.append(
+        (
+            "GPT-3 175B, tp8 pp16 interleaved v2",
+            work,
+            LayoutSpec(
+                tp=8,
+                sequence_parallel=True,
+                pp=16,
+                pp_schedule="interleaved_1f1b",
+                pp_virtual_stages=2,
+                dp_replicate=8,
+                micro_batch=1,
+                microbatches=192,
+                activation_checkpoint="full",
+            ),
+            1024,
+            "isthmus",
+        )
+    )
     for row in (MEGATRON_2021_TABLE1[5], MEGATRON_2021_TABLE1[9]):
         w = Workload(gpt3(row.heads, row.hidden, row.layers), row.global_batch, SEQ_LEN, "fp16")
         out.append((f"Megatron {row.params_b}B row", w, megatron_layout(row), row.gpus, "megatron-2021"))
@@ -55,9 +71,8 @@ def print_rows(head: list[str], rows: list[list[str]], markdown: bool) -> None:
 def agreement(markdown: bool) -> None:
     """The layouts of tests/test_sim.py::test_simulator_agrees_with_the_cost_model."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
-    from test_sim import AGREE  # the test's own list, so the table and the test never differ
-
     from isthmus.models.flavors import get_flavor
+    from test_sim import AGREE  # the test's own list, so the table and the test never differ
 
     rows, worst = [], 0.0
     for flavor, topology, lay, batch, seq in AGREE:
@@ -66,10 +81,32 @@ def agreement(markdown: bool) -> None:
         res = simulate(work, topo, lay, RUNTIMES["isthmus"])
         err = res.step_time_s / res.planner.step_time_s - 1
         worst = max(worst, abs(err))
-        rows.append([flavor, topology, lay.label(), f"{res.planner.step_time_s:.4g}", f"{res.step_time_s:.4g}",
-                     f"{100 * err:+.2f}%", f"{100 * res.planner.bubble_fraction:.1f}%", f"{100 * res.bubble_fraction:.1f}%"])
-    print_rows(["model", "topology", "layout", "cost model s", "simulated s", "difference", "bubble (cost model)",
-                "bubble (simulated)"], rows, markdown)
+        rows.append(
+            [
+                flavor,
+                topology,
+                lay.label(),
+                f"{res.planner.step_time_s:.4g}",
+                f"{res.step_time_s:.4g}",
+                f"{100 * err:+.2f}%",
+                f"{100 * res.planner.bubble_fraction:.1f}%",
+                f"{100 * res.bubble_fraction:.1f}%",
+            ]
+        )
+    print_rows(
+        [
+            "model",
+            "topology",
+            "layout",
+            "cost model s",
+            "simulated s",
+            "difference",
+            "bubble (cost model)",
+            "bubble (simulated)",
+        ],
+        rows,
+        markdown,
+    )
     print(f"\nmax |difference| {100 * worst:.2f}%")
 
 
@@ -81,11 +118,38 @@ def megatron(markdown: bool) -> None:
         res = simulate(w, load_topology("selene-a100").subset(row.gpus), lay, RUNTIMES["megatron-2021"])
         err = res.tflops_per_device / row.tflops_per_gpu - 1
         worst = max(worst, abs(err))
-        rows.append([f"{row.params_b}B", str(row.tp), str(row.pp), f"{row.gpus:,}", str(res.devices_simulated),
-                     str(row.tflops_per_gpu), f"{res.planner.tflops_per_device:.1f}", f"{res.tflops_per_device:.1f}",
-                     f"{100 * err:+.1f}%", f"{100 * res.bubble_fraction:.1f}%", f"{res.wall_s:.2f}"])
-    print_rows(["model", "tp", "pp", "GPUs", "simulated devices", "published TFLOP/s", "cost model", "simulated", "error",
-                "bubble", "sim wall s"], rows, markdown)
+        rows.append(
+            [
+                f"{row.params_b}B",
+                str(row.tp),
+                str(row.pp),
+                f"{row.gpus:,}",
+                str(res.devices_simulated),
+                str(row.tflops_per_gpu),
+                f"{res.planner.tflops_per_device:.1f}",
+                f"{res.tflops_per_device:.1f}",
+                f"{100 * err:+.1f}%",
+                f"{100 * res.bubble_fraction:.1f}%",
+                f"{res.wall_s:.2f}",
+            ]
+        )
+    print_rows(
+        [
+            "model",
+            "tp",
+            "pp",
+            "GPUs",
+            "simulated devices",
+            "published TFLOP/s",
+            "cost model",
+            "simulated",
+            "error",
+            "bubble",
+            "sim wall s",
+        ],
+        rows,
+        markdown,
+    )
     print(f"\nmax |error| {100 * worst:.1f}%")
 
 
@@ -112,8 +176,19 @@ def main(argv: list[str] | None = None) -> int:
         rec = simulate(work, topo, lay, RUNTIMES[runtime], record=True)
         traced = time.perf_counter() - t
         ops = sum(e.lane == "compute" for e in rec.trace_events)
-        rows.append([name, lay.label(), f"{gpus:,}", str(res.devices_simulated), f"{ops:,}", f"{res.events:,}",
-                     f"{res.step_time_s:.2f}", f"{plain:.2f}", f"{traced:.2f}"])
+        rows.append(
+            [
+                name,
+                lay.label(),
+                f"{gpus:,}",
+                str(res.devices_simulated),
+                f"{ops:,}",
+                f"{res.events:,}",
+                f"{res.step_time_s:.2f}",
+                f"{plain:.2f}",
+                f"{traced:.2f}",
+            ]
+        )
         print(f"{name}: {plain:.2f} s ({traced:.2f} s with the trace)", file=sys.stderr, flush=True)
     print_rows(head, rows, ns.markdown)
     return 0

@@ -15,8 +15,9 @@ import pickle
 import socket
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as mp
@@ -74,9 +75,23 @@ def _measure(overrides: list[str], run_dir: str, cache_dir: str) -> dict[str, in
     from isthmus.train.trainer import Trainer
 
     args = [
-        "--train.steps", "1", "--train.threads", "1", "--train.val_every", "0", "--data.max_bytes", "200000",
-        "--metrics.progress", "false", "--train.run_dir", run_dir, "--data.cache_dir", cache_dir,
-        "--parallel.nproc", os.environ["WORLD_SIZE"], *overrides,
+        "--train.steps",
+        "1",
+        "--train.threads",
+        "1",
+        "--train.val_every",
+        "0",
+        "--data.max_bytes",
+        "200000",
+        "--metrics.progress",
+        "false",
+        "--train.run_dir",
+        run_dir,
+        "--data.cache_dir",
+        cache_dir,
+        "--parallel.nproc",
+        os.environ["WORLD_SIZE"],
+        *overrides,
     ]
     trainer = Trainer(build_config(None, parse_overrides(args)))
     model = trainer.pm.model
@@ -111,8 +126,14 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
     """Child process: torchrun-like environment, one thread, gloo; the result goes to a pickle file."""
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -132,8 +153,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_entry, args=(world, port, fn, args, out_dir), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(
+            _entry, args=(world, port, fn, args, out_dir), nprocs=world, join=False, start_method="spawn"
+        )
         for proc in ctx.processes:  # exit codes are not trusted (see _entry); the result files are
             proc.join()
         files = [Path(out_dir) / f"rank{r}.pkl" for r in range(world)]
@@ -168,29 +190,52 @@ def main() -> None:
     rows: list[list[str]] = []
     with tempfile.TemporaryDirectory() as root:
         for world in opts.worlds:
-            for label, overrides in LAYOUTS[:capped(len(LAYOUTS))]:  # ISTHMUS_MAX_STEPS: a smoke run
-                ranks = run_ranks(_measure, world, ["--model.flavor", opts.flavor, *overrides(world)],
-                                  f"{root}/{label}{world}", f"{root}/cache")
+            for label, overrides in LAYOUTS[: capped(len(LAYOUTS))]:  # ISTHMUS_MAX_STEPS: a smoke run
+                ranks = run_ranks(
+                    _measure,
+                    world,
+                    ["--model.flavor", opts.flavor, *overrides(world)],
+                    f"{root}/{label}{world}",
+                    f"{root}/cache",
+                )
                 for rank, r in enumerate(ranks):
                     held = r["params_rest"] + r["grads"] + r["optim"]
                     in_step = r["params_step"] + r["grads"] + r["optim"]
-                    rows.append([str(world), label, str(rank)] + [f"{r[k] / mib:.2f}" for k in
-                                 ("params_rest", "params_step", "grads", "optim", "buckets")]
-                                + [f"{held / mib:.2f}", f"{held / total:.3f}", f"{in_step / total:.3f}"])
-    header = ["N", "layout", "rank", "params MiB (rest)", "params MiB (in step)", "grads MiB", "optim MiB",
-              "DDP buckets MiB", "total MiB (rest)", "/ unsharded", "/ unsharded (in step)"]
+                    rows.append(
+                        [str(world), label, str(rank)]
+                        + [f"{r[k] / mib:.2f}" for k in ("params_rest", "params_step", "grads", "optim", "buckets")]
+                        + [f"{held / mib:.2f}", f"{held / total:.3f}", f"{in_step / total:.3f}"]
+                    )
+    header = [
+        "N",
+        "layout",
+        "rank",
+        "params MiB (rest)",
+        "params MiB (in step)",
+        "grads MiB",
+        "optim MiB",
+        "DDP buckets MiB",
+        "total MiB (rest)",
+        "/ unsharded",
+        "/ unsharded (in step)",
+    ]
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(*header, title=f"{opts.flavor}: bytes per rank; unsharded single process = {total / mib:.2f} MiB "
-                  "(fp32 params + grads + 2 AdamW moments)")
+    table = Table(
+        *header,
+        title=f"{opts.flavor}: bytes per rank; unsharded single process = {total / mib:.2f} MiB "
+        "(fp32 params + grads + 2 AdamW moments)",
+    )
     for row in rows:
         table.add_row(*row)
     Console(width=200).print(table)
-    print("params (in step): at-rest shards + the largest full-size parameter set FSDP2 had gathered at any "
-          "group's end of forward or start of backward (sampled by hooks); DDP/ZeRO-1 hold full parameters always.\n"
-          "grads: local .grad bytes just before optimizer.step; optim: tensors in the (local) optimizer state "
-          "after one step.\ntotal and ratios: params + grads + optim (DDP buckets not included).")
+    print(
+        "params (in step): at-rest shards + the largest full-size parameter set FSDP2 had gathered at any "
+        "group's end of forward or start of backward (sampled by hooks); DDP/ZeRO-1 hold full parameters always.\n"
+        "grads: local .grad bytes just before optimizer.step; optim: tensors in the (local) optimizer state "
+        "after one step.\ntotal and ratios: params + grads + optim (DDP buckets not included)."
+    )
 
 
 if __name__ == "__main__":

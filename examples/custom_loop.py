@@ -58,7 +58,11 @@ def main() -> None:
     dp_shard = opt.dp_shard or world // opt.tp
     dims = isthmus.ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=opt.tp, pp=1, world_size=world)
 
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
     mesh = dims.build_mesh(device.type) if world > 1 else None
     model = isthmus.build_model(get_flavor("tiny"), device="meta")  # no memory: parallelize allocates the shards
     pm = isthmus.parallelize(model, dims, mesh=mesh, device=device, seed=0, seq_len=opt.seq_len)

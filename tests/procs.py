@@ -16,8 +16,20 @@ from isthmus.launch.local import last_logged_step
 
 # A tiny run that never ends by itself (the tests stop it), on a small slice of the default corpus.
 BASE_ARGS = [
-    "--config", "tiny", "--train.steps", "100000", "--train.val_every", "0", "--train.batch_size", "8",
-    "--train.seq_len", "32", "--data.max_bytes", "60000", "--metrics.log_every", "1000",
+    "--config",
+    "tiny",
+    "--train.steps",
+    "100000",
+    "--train.val_every",
+    "0",
+    "--train.batch_size",
+    "8",
+    "--train.seq_len",
+    "32",
+    "--data.max_bytes",
+    "60000",
+    "--metrics.log_every",
+    "1000",
 ]
 
 
@@ -28,8 +40,11 @@ class Train:
         self.dir = run_dir
         args = [*base, "--train.run_dir", str(run_dir), "--data.cache_dir", str(cache), *extra]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "isthmus", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, start_new_session=True,
+            [sys.executable, "-m", "isthmus", "train", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         self.code: int | None = None
         self.err = ""
@@ -98,6 +113,8 @@ def last_line(err: str) -> str:
     lines = err.rstrip().splitlines()
     assert lines, "nothing on stderr"
     assert "Traceback" not in err, err[-3000:]
-    noise = [line for line in lines[:-1] if line.startswith("isthmus:") or "error" in line.lower() or "warn" in line.lower()]
+    noise = [
+        line for line in lines[:-1] if line.startswith("isthmus:") or "error" in line.lower() or "warn" in line.lower()
+    ]
     assert not noise, noise
     return lines[-1]

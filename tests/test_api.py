@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from multirank import free_port, run_ranks
 
 import isthmus
 from isthmus.api import clip_grad_norm, step
 from isthmus.models.flavors import get_flavor
+from multirank import free_port, run_ranks
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_loop.py"
 STEPS = 12
@@ -37,8 +37,16 @@ def _assert_falls(losses: list[float]) -> None:
 
 @pytest.mark.slow
 def test_example_under_torchrun_with_tp() -> None:
-    torchrun = ("-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
+    torchrun = (
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+    )
     _assert_falls(_run_example(*torchrun, flags=("--tp", "2")))
 
 

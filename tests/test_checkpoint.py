@@ -24,9 +24,24 @@ from isthmus.train.checkpoint_manifest import MANIFEST_FILE, find_latest_good, v
 from isthmus.train.trainer import Trainer, TrainResult, train
 
 BASE = [
-    "--model.flavor", "tiny", "--train.batch_size", "8", "--train.seq_len", "32", "--train.warmup_steps", "3",
-    "--train.val_every", "0", "--train.val_batches", "1", "--data.max_bytes", "60000", "--metrics.progress", "false",
-    "--train.threads", "1",
+    "--model.flavor",
+    "tiny",
+    "--train.batch_size",
+    "8",
+    "--train.seq_len",
+    "32",
+    "--train.warmup_steps",
+    "3",
+    "--train.val_every",
+    "0",
+    "--train.val_batches",
+    "1",
+    "--data.max_bytes",
+    "60000",
+    "--metrics.progress",
+    "false",
+    "--train.threads",
+    "1",
 ]
 
 
@@ -203,8 +218,13 @@ DAMAGE = [
 
 @pytest.mark.parametrize("kind,name,damage,message", DAMAGE, ids=[d[0] for d in DAMAGE])
 def test_damage_is_one_line_naming_the_file_and_auto_falls_back(
-    saved: tuple[Path, TrainResult], tmp_path: Path, log_lines: list[str], kind: str, name: str,
-    damage: Callable[[Path], None], message: str,
+    saved: tuple[Path, TrainResult],
+    tmp_path: Path,
+    log_lines: list[str],
+    kind: str,
+    name: str,
+    damage: Callable[[Path], None],
+    message: str,
 ) -> None:
     root = _damaged_copy(saved, tmp_path)
     damage(root / "step-000004" / name)
@@ -220,7 +240,9 @@ def test_damage_is_one_line_naming_the_file_and_auto_falls_back(
 def test_auto_resumes_from_the_newest_good_one(saved: tuple[Path, TrainResult], tmp: Path, tmp_path: Path) -> None:
     root = _damaged_copy(saved, tmp_path)
     _truncate(root / "step-000004" / "__0_0.distcp")
-    resumed = _train(tmp, "fallback", "--train.steps", "4", "--checkpoint.dir", str(root), "--checkpoint.resume", "auto")
+    resumed = _train(
+        tmp, "fallback", "--train.steps", "4", "--checkpoint.dir", str(root), "--checkpoint.resume", "auto"
+    )
     assert resumed.losses == saved[1].losses[2:]  # from step 2, exactly
 
 
@@ -240,8 +262,20 @@ def test_resume_path_that_is_damaged_fails_in_one_line(
 ) -> None:
     root = _damaged_copy(saved, tmp_path)
     _flip(root / "step-000004" / ".metadata")
-    args = ["train", "--config", "tiny", *BASE, "--train.steps", "4", "--train.run_dir", str(tmp_path / "run"), "--data.cache_dir",
-            str(tmp / "cache"), "--checkpoint.resume", str(root / "step-000004")]
+    args = [
+        "train",
+        "--config",
+        "tiny",
+        *BASE,
+        "--train.steps",
+        "4",
+        "--train.run_dir",
+        str(tmp_path / "run"),
+        "--data.cache_dir",
+        str(tmp / "cache"),
+        "--checkpoint.resume",
+        str(root / "step-000004"),
+    ]
     assert main(args) == 2
     line = _error_line(capsys.readouterr().err)
     assert "checksum mismatch" in line and str(root / "step-000004" / ".metadata") in line, line
@@ -252,8 +286,20 @@ def test_checkpoint_of_another_model_shape_fails_in_one_line(
 ) -> None:
     _train(tmp, "two_layers", "--train.steps", "2", "--checkpoint.every", "2", "--model.n_layers", "2")
     other = tmp / "two_layers" / "checkpoints" / "step-000002"
-    args = ["train", "--config", "tiny", *BASE, "--train.steps", "4", "--train.run_dir", str(tmp / "shape"), "--data.cache_dir",
-            str(tmp / "cache"), "--checkpoint.resume", str(other)]
+    args = [
+        "train",
+        "--config",
+        "tiny",
+        *BASE,
+        "--train.steps",
+        "4",
+        "--train.run_dir",
+        str(tmp / "shape"),
+        "--data.cache_dir",
+        str(tmp / "cache"),
+        "--checkpoint.resume",
+        str(other),
+    ]
     assert main(args) == 2
     line = _error_line(capsys.readouterr().err)
     assert "another model shape" in line and "n_layers 2 vs 4" in line, line

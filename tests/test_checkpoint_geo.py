@@ -23,21 +23,53 @@ from multirank import run_ranks
 
 STEPS, AT = 6, 3
 BASE = [
-    "--model.flavor", "tiny", "--train.steps", str(STEPS), "--train.batch_size", "8", "--train.seq_len", "32",
-    "--train.warmup_steps", "2", "--train.val_every", "0", "--train.val_batches", "1", "--data.max_bytes", "4000",
-    "--metrics.progress", "false", "--train.threads", "1", "--checkpoint.every", str(AT),
+    "--model.flavor",
+    "tiny",
+    "--train.steps",
+    str(STEPS),
+    "--train.batch_size",
+    "8",
+    "--train.seq_len",
+    "32",
+    "--train.warmup_steps",
+    "2",
+    "--train.val_every",
+    "0",
+    "--train.val_batches",
+    "1",
+    "--data.max_bytes",
+    "4000",
+    "--metrics.progress",
+    "false",
+    "--train.threads",
+    "1",
+    "--checkpoint.every",
+    str(AT),
 ]
 GEO = ["--geo.datacenters", "2"]
 CASES = {
     "diloco_2x2": (4, ["--parallel.dp_replicate", "2", "--geo.sync", "diloco", "--geo.inner_steps", "2"]),
-    "streaming_2x1": (2, ["--geo.sync", "streaming_diloco", "--geo.inner_steps", "4", "--geo.fragments", "2",
-                          "--geo.overlap_steps", "2"]),
+    "streaming_2x1": (
+        2,
+        [
+            "--geo.sync",
+            "streaming_diloco",
+            "--geo.inner_steps",
+            "4",
+            "--geo.fragments",
+            "2",
+            "--geo.overlap_steps",
+            "2",
+        ],
+    ),
     "compressed_2x1": (2, ["--geo.sync", "compressed", "--geo.wan_dtype", "int8"]),
     # tensor parallelism inside each datacenter: DTensor shards, per-shard outer state.
     "diloco_2xtp2": (4, ["--parallel.tp", "2", "--geo.sync", "diloco", "--geo.inner_steps", "2"]),
     # FSDP (ZeRO-2) inside each datacenter: the outer state of each shard.
-    "diloco_2xfsdp2": (4, ["--parallel.dp_shard", "2", "--parallel.zero_stage", "2", "--geo.sync", "diloco",
-                           "--geo.inner_steps", "2"]),
+    "diloco_2xfsdp2": (
+        4,
+        ["--parallel.dp_shard", "2", "--parallel.zero_stage", "2", "--geo.sync", "diloco", "--geo.inner_steps", "2"],
+    ),
 }
 
 
@@ -48,8 +80,17 @@ def _train(overrides: list[str], run_dir: str, cache_dir: str) -> tuple[list[flo
     from isthmus.launch.preflight import preflight
     from isthmus.train.trainer import train
 
-    args = [*BASE, *GEO, *overrides, "--train.run_dir", run_dir, "--data.cache_dir", cache_dir,
-            "--parallel.nproc", str(dist.get_world_size())]
+    args = [
+        *BASE,
+        *GEO,
+        *overrides,
+        "--train.run_dir",
+        run_dir,
+        "--data.cache_dir",
+        cache_dir,
+        "--parallel.nproc",
+        str(dist.get_world_size()),
+    ]
     cfg = build_config(None, parse_overrides(args))
     preflight(cfg)
     result = train(cfg)
@@ -63,8 +104,9 @@ def _pair(root: Path, case: str) -> tuple[tuple[list[float], list[float]], tuple
     straight = run_ranks(_train, world, overrides, str(root / case), str(root / "cache"))[0]
     resumed_dir = root / f"{case}-resumed"
     shutil.copytree(root / case / "checkpoints" / "step-000003", resumed_dir / "checkpoints" / "step-000003")
-    resumed = run_ranks(_train, world, [*overrides, "--checkpoint.resume", "auto"], str(resumed_dir),
-                        str(root / "cache"))[0]
+    resumed = run_ranks(
+        _train, world, [*overrides, "--checkpoint.resume", "auto"], str(resumed_dir), str(root / "cache")
+    )[0]
     return straight, resumed
 
 
@@ -107,7 +149,7 @@ def test_diloco_checkpoint_holds_each_datacenters_model(root: Path) -> None:
     """Saved between outer steps, the two datacenters' models differ; both are in the checkpoint."""
     _pair(root, "diloco_2x2")
     saved = _all_entries(root / "diloco_2x2" / "checkpoints" / "step-000003")
-    names = [k[len("model."):] for k in saved if k.startswith("model.")]
+    names = [k[len("model.") :] for k in saved if k.startswith("model.")]
     assert names and all(f"dc1.model.{n}" in saved for n in names)
     assert any(not torch.equal(saved[f"model.{n}"], saved[f"dc1.model.{n}"]) for n in names)
 
@@ -122,13 +164,42 @@ def test_other_layout_is_refused_in_one_line_and_a_run_without_geo_loads_it(
     ckpt = root / "diloco_2x2" / "checkpoints" / "step-000003"
     common = [*BASE, "--data.cache_dir", str(root / "cache"), "--checkpoint.resume", str(ckpt)]
     # 2 datacenters of 1 rank: DiLoCo's per-rank outer state was saved for 2 x 2.
-    rc = main(["train", *common, *GEO, "--parallel.nproc", "2", "--parallel.dp_replicate", "1", "--geo.sync", "diloco", "--geo.inner_steps", "2",
-               "--train.run_dir", str(tmp_path / "other")])
+    rc = main(
+        [
+            "train",
+            *common,
+            *GEO,
+            "--parallel.nproc",
+            "2",
+            "--parallel.dp_replicate",
+            "1",
+            "--geo.sync",
+            "diloco",
+            "--geo.inner_steps",
+            "2",
+            "--train.run_dir",
+            str(tmp_path / "other"),
+        ]
+    )
     err = capsys.readouterr().err
     setup_logging(console=False)
     assert rc == 2
     lines = [line for line in err.splitlines() if "isthmus: error:" in line]
     assert len(lines) == 1 and "can resume it only with the same layout" in lines[0], err[-2000:]
     # One process, no geo.sync: datacenter 0's model and optimizer state, training goes on.
-    assert main(["train", *common, "--parallel.nproc", "1", "--parallel.dp_replicate", "1", "--train.run_dir", str(tmp_path / "single")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *common,
+                "--parallel.nproc",
+                "1",
+                "--parallel.dp_replicate",
+                "1",
+                "--train.run_dir",
+                str(tmp_path / "single"),
+            ]
+        )
+        == 0
+    )
     assert (tmp_path / "single" / "final" / "model.pt").is_file()

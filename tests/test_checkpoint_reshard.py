@@ -23,9 +23,28 @@ from multirank import run_ranks
 
 STEPS, AT, BATCH = 6, 3, 8
 BASE = [
-    "--model.flavor", "tiny", "--train.steps", str(STEPS), "--train.batch_size", str(BATCH), "--train.seq_len", "32",
-    "--train.warmup_steps", "2", "--train.val_every", "0", "--train.val_batches", "1", "--data.max_bytes", "1400",
-    "--metrics.progress", "false", "--train.threads", "1", "--checkpoint.every", str(AT),
+    "--model.flavor",
+    "tiny",
+    "--train.steps",
+    str(STEPS),
+    "--train.batch_size",
+    str(BATCH),
+    "--train.seq_len",
+    "32",
+    "--train.warmup_steps",
+    "2",
+    "--train.val_every",
+    "0",
+    "--train.val_batches",
+    "1",
+    "--data.max_bytes",
+    "1400",
+    "--metrics.progress",
+    "false",
+    "--train.threads",
+    "1",
+    "--checkpoint.every",
+    str(AT),
 ]
 RTOL = 1e-5
 PARAM_RTOL = 5e-5
@@ -94,7 +113,9 @@ Layout = tuple[str, int, tuple[str, ...]]
 SINGLE: Layout = ("single", 1, ())
 PP2: Layout = ("pp2", 2, ("--parallel.pp", "2", "--parallel.microbatches", "2"))
 ZERO3_ASYNC: Layout = (
-    "dp_shard2_zero3_async", 2, ("--parallel.dp_shard", "2", "--parallel.zero_stage", "3", "--checkpoint.async_save", "true")
+    "dp_shard2_zero3_async",
+    2,
+    ("--parallel.dp_shard", "2", "--parallel.zero_stage", "3", "--checkpoint.async_save", "true"),
 )
 TP2_PP2: Layout = ("tp2_pp2", 4, ("--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"))
 DP2: Layout = ("dp_replicate2", 2, ("--parallel.dp_replicate", "2"))
@@ -105,10 +126,21 @@ CASES: list[tuple[str, Layout, int, list[str]]] = [
     ("zero3_async_to_single", ZERO3_ASYNC, 1, []),
     ("tp2_pp2_to_dp_shard4", TP2_PP2, 4, ["--parallel.dp_shard", "4"]),
     ("dp_replicate2_to_4", DP2, 4, ["--parallel.dp_replicate", "4"]),
-    ("zero1_to_pp2_interleaved", ZERO1, 2, [
-        "--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b", "--parallel.microbatches", "2",
-        "--parallel.pp_virtual_stages", "2",
-    ]),
+    (
+        "zero1_to_pp2_interleaved",
+        ZERO1,
+        2,
+        [
+            "--parallel.pp",
+            "2",
+            "--parallel.pp_schedule",
+            "interleaved_1f1b",
+            "--parallel.microbatches",
+            "2",
+            "--parallel.pp_virtual_stages",
+            "2",
+        ],
+    ),
     ("single_to_zero1", SINGLE, 2, ["--parallel.dp_shard", "2", "--parallel.zero_stage", "1"]),
 ]
 
@@ -139,7 +171,9 @@ def test_resume_under_another_layout(workdir: Path, name: str, saved: Layout, wo
     rels = {k: float((params[k] - ref).norm() / ref.norm()) for k, ref in ref_params.items()}
     worst = max(rels, key=rels.__getitem__)
     assert rels[worst] < PARAM_RTOL, f"{name}: {worst} differs by {rels[worst]:.2e} (relative norm)"
-    print(f"{name}: loss {_rel(losses, ref_losses):.1e}, grad norm {_rel(norms, ref_norms):.1e}, params {rels[worst]:.1e}")
+    print(
+        f"{name}: loss {_rel(losses, ref_losses):.1e}, grad norm {_rel(norms, ref_norms):.1e}, params {rels[worst]:.1e}"
+    )
 
 
 def test_data_position_survives_a_change_of_dp_size(workdir: Path) -> None:

@@ -27,7 +27,6 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from isthmus.cli import main
 from isthmus.errors import CheckpointError, ConfigError, UnsafeCheckpoint
-from isthmus.train.export import load_exported
 from isthmus.log import setup_logging
 from isthmus.train.checkpoint_manifest import (
     KEY_ENV,
@@ -37,11 +36,33 @@ from isthmus.train.checkpoint_manifest import (
     verify_checkpoint,
 )
 from isthmus.train.checkpoint_reader import read_metadata
+from isthmus.train.export import load_exported
 
 BASE = [
-    "--config", "tiny", "--model.flavor", "tiny", "--train.batch_size", "8", "--train.seq_len", "32",
-    "--train.warmup_steps", "3", "--train.val_every", "0", "--train.val_batches", "1", "--data.max_bytes", "60000",
-    "--metrics.progress", "false", "--train.threads", "1", "--train.steps", "4", "--checkpoint.every", "2",
+    "--config",
+    "tiny",
+    "--model.flavor",
+    "tiny",
+    "--train.batch_size",
+    "8",
+    "--train.seq_len",
+    "32",
+    "--train.warmup_steps",
+    "3",
+    "--train.val_every",
+    "0",
+    "--train.val_batches",
+    "1",
+    "--data.max_bytes",
+    "60000",
+    "--metrics.progress",
+    "false",
+    "--train.threads",
+    "1",
+    "--train.steps",
+    "4",
+    "--checkpoint.every",
+    "2",
 ]
 
 
@@ -187,8 +208,12 @@ def test_metadata_of_bytes_entries_or_outside_files_is_refused(run: Path, tmp_pa
     metadata names: isthmus saves neither, so neither loads."""
     bytes_entry = tmp_path / "bytes"
     shutil.copytree(run / "checkpoints" / "step-000004", bytes_entry)
-    _rewrite_metadata(bytes_entry, lambda m: m.state_dict_metadata.__setitem__("model.norm.weight", BytesStorageMetadata()))
-    with pytest.raises(UnsafeCheckpoint, match="refuses to load torch.distributed.checkpoint.metadata.BytesStorageMetadata"):
+    _rewrite_metadata(
+        bytes_entry, lambda m: m.state_dict_metadata.__setitem__("model.norm.weight", BytesStorageMetadata())
+    )
+    with pytest.raises(
+        UnsafeCheckpoint, match="refuses to load torch.distributed.checkpoint.metadata.BytesStorageMetadata"
+    ):
         read_metadata(bytes_entry)
 
     outside = tmp_path / "outside"
@@ -199,7 +224,9 @@ def test_metadata_of_bytes_entries_or_outside_files_is_refused(run: Path, tmp_pa
             info.relative_path = "../../elsewhere.distcp"
 
     _rewrite_metadata(outside, point_outside)
-    with pytest.raises(UnsafeCheckpoint, match=r"names data file '\.\./\.\./elsewhere\.distcp', outside the checkpoint"):
+    with pytest.raises(
+        UnsafeCheckpoint, match=r"names data file '\.\./\.\./elsewhere\.distcp', outside the checkpoint"
+    ):
         read_metadata(outside)
 
 
@@ -210,7 +237,11 @@ def _losses(run_dir: Path) -> list[float]:
 
 
 def test_signed_checkpoint_resumes_with_the_key(
-    signed: Path, key_file: Path, tmp: Path, tmp_path: Path, cli: pytest.CaptureFixture[str],
+    signed: Path,
+    key_file: Path,
+    tmp: Path,
+    tmp_path: Path,
+    cli: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     step2 = signed / "checkpoints" / "step-000002"
@@ -237,8 +268,16 @@ def test_tampered_signed_checkpoint_is_refused_with_the_key(
     shutil.copytree(signed / "checkpoints" / "step-000004", tampered)
     _tamper(tampered)
     assert verify_checkpoint(tampered).step == 4  # without the key: the plain sha256s all agree
-    args = _train_args(tmp, tmp_path / "run", "--train.steps", "6", "--checkpoint.resume", str(tampered),
-                       "--checkpoint.key_file", str(key_file))
+    args = _train_args(
+        tmp,
+        tmp_path / "run",
+        "--train.steps",
+        "6",
+        "--checkpoint.resume",
+        str(tampered),
+        "--checkpoint.key_file",
+        str(key_file),
+    )
     assert main(args) == 2
     line = _error_line(cli.readouterr().err)
     assert f"{tampered / MANIFEST_FILE}: signature mismatch" in line, line
@@ -303,7 +342,10 @@ def test_signed_final_model_is_checked_by_export_and_generate(
     out = tmp_path / "final.safetensors"
     key_args = ["--key-file", str(key_file)]
     assert main(["export", "--run", str(copy), "--out", str(out), *key_args]) == 0
-    assert load_exported(out, checkpoint_key(str(key_file))).metadata["isthmus.source"] == '{"origin": "final", "step": null}'
+    assert (
+        load_exported(out, checkpoint_key(str(key_file))).metadata["isthmus.source"]
+        == '{"origin": "final", "step": null}'
+    )
     model = copy / "final" / "model.pt"
     state = torch.load(model, weights_only=True)
     state["norm.weight"] += 1.0  # other weights in a well-formed file
@@ -311,6 +353,9 @@ def test_signed_final_model_is_checked_by_export_and_generate(
     cli.readouterr()
     assert main(["generate", "--run", str(copy), "--max-new-tokens", "2"]) == 0  # without the key, nothing to check
     cli.readouterr()
-    for command in (["generate", "--run", str(copy), "--max-new-tokens", "2"], ["export", "--run", str(copy), "--out", str(out)]):
+    for command in (
+        ["generate", "--run", str(copy), "--max-new-tokens", "2"],
+        ["export", "--run", str(copy), "--out", str(out)],
+    ):
         assert main([*command, *key_args]) == 2
         assert "differs from its signed sha256; the final model was altered" in _error_line(cli.readouterr().err)

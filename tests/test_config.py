@@ -83,16 +83,18 @@ def test_bad_cli_input_is_one_line_exit_2(args: list[str], needle: str, capsys: 
 
 
 BAD_TOML = [
-    ('[train\nsteps = 1', "not valid TOML"),
+    ("[train\nsteps = 1", "not valid TOML"),
     ('[train]\nsteps = "ten"', "train.steps"),
-    ('steps = 3', "sections"),
-    ('[train]\nbatch_size = 2.5', "must be an integer"),
-    ('[model]\nflavor = 3', "must be a string"),
+    ("steps = 3", "sections"),
+    ("[train]\nbatch_size = 2.5", "must be an integer"),
+    ("[model]\nflavor = 3", "must be a string"),
 ]
 
 
 @pytest.mark.parametrize("text,needle", BAD_TOML)
-def test_bad_toml_is_one_line_exit_2(text: str, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_toml_is_one_line_exit_2(
+    text: str, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     f = tmp_path / "bad.toml"
     f.write_text(text)
     assert main(["train", "--config", str(f)]) == 2

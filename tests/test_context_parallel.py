@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from multirank import run_ranks
 
 from isthmus.errors import ConfigError
 from isthmus.models.flavors import get_flavor
@@ -30,6 +29,7 @@ from isthmus.parallel.context import (
     make_cp_sdpa,
     ulysses_attention,
 )
+from multirank import run_ranks
 
 ATOL = RTOL = 1e-5
 # (impl, q heads, kv heads); kv heads < q heads is GQA handled inside the kernel.
@@ -70,9 +70,7 @@ def reference(heads: int, kv_heads: int, seed: int) -> tuple[torch.Tensor, ...]:
     q, k, v, grad_out = make_qkv(heads, kv_heads, seed)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     rep = heads // kv_heads
-    out = F.scaled_dot_product_attention(
-        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True
-    )
+    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
     out.backward(grad_out)
     return out.detach(), q.grad, k.grad, v.grad
 

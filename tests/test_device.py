@@ -67,7 +67,9 @@ def test_cache_key_names_machine_torch_threads_and_dtype(monkeypatch: pytest.Mon
     assert cpu_peak_key("fp32", 1) != key
 
 
-def test_stale_cache_is_measured_again(tmp_path: Path, counted_probe: list[float], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_stale_cache_is_measured_again(
+    tmp_path: Path, counted_probe: list[float], monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = tmp_path / PEAK_CACHE_FILE
     threads = torch.get_num_threads()
     stale = {
@@ -75,7 +77,10 @@ def test_stale_cache_is_measured_again(tmp_path: Path, counted_probe: list[float
         f"x86_64||2|{threads}|fp32": 1e9,
         # This machine under another torch, and another machine under this torch.
         cpu_peak_key("fp32", threads, torch_version="2.0.0"): {"flops": 2e9, "measured_at": 0},
-        cpu_peak_key("fp32", threads, machine="Other CPU | 2 cores | host 000000000000"): {"flops": 3e9, "measured_at": 0},
+        cpu_peak_key("fp32", threads, machine="Other CPU | 2 cores | host 000000000000"): {
+            "flops": 3e9,
+            "measured_at": 0,
+        },
     }
     cache.write_text(json.dumps(stale))
     assert cpu_peak_flops("fp32", tmp_path) == 50e9
@@ -118,12 +123,18 @@ def warnings_logged(caplog: pytest.LogCaptureFixture) -> object:
     log.propagate = propagate
 
 
-def test_mfu_stays_at_most_one_with_an_absurdly_low_peak(tmp_path: Path, one_thread: object,
-                                                         warnings_logged: pytest.LogCaptureFixture) -> None:
+def test_mfu_stays_at_most_one_with_an_absurdly_low_peak(
+    tmp_path: Path, one_thread: object, warnings_logged: pytest.LogCaptureFixture
+) -> None:
     """A peak of 1 MFLOP/s cannot be right: the first step above it probes again (one warning),
     a later faster step raises it silently, and no MFU is ever above 1."""
-    model = ThroughputModel(tokens_per_step=1000, flops_per_token=1_000_000, peak_flops=1e6, devices=2.0,
-                            correct_peak=partial(correct_peak, CPU, "fp32", cache_dir=tmp_path))
+    model = ThroughputModel(
+        tokens_per_step=1000,
+        flops_per_token=1_000_000,
+        peak_flops=1e6,
+        devices=2.0,
+        correct_peak=partial(correct_peak, CPU, "fp32", cache_dir=tmp_path),
+    )
     first = model.mfu(tokens_per_s=2000.0)  # 1 GFLOP/s per device
     probed = model.peak_flops
     assert 0 < first <= 1.0 and probed > 1e9  # probed again: a real CPU's figure
@@ -146,9 +157,30 @@ def test_training_with_an_absurdly_low_cached_peak_reports_at_most_100_percent(
     key = cpu_peak_key("fp32", 1)
     (tmp_path / "peaks" / PEAK_CACHE_FILE).write_text(json.dumps({key: {"flops": 1e6, "measured_at": 0}}))
     jsonl = tmp_path / "m.jsonl"
-    assert main(["train", "--config", "tiny", "--train.steps", "6", "--train.threads", "1", "--data.max_bytes", "200000",
-                 "--metrics.progress", "false", "--train.run_dir", str(tmp_path / "r"), "--metrics.jsonl", str(jsonl),
-                 "--data.cache_dir", str(tmp_path / "data")]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                "tiny",
+                "--train.steps",
+                "6",
+                "--train.threads",
+                "1",
+                "--data.max_bytes",
+                "200000",
+                "--metrics.progress",
+                "false",
+                "--train.run_dir",
+                str(tmp_path / "r"),
+                "--metrics.jsonl",
+                str(jsonl),
+                "--data.cache_dir",
+                str(tmp_path / "data"),
+            ]
+        )
+        == 0
+    )
     mfus = [r["mfu"] for r in map(json.loads, jsonl.read_text().splitlines()) if "mfu" in r]
     assert len(mfus) == 6 and all(0 < m <= 1.0 for m in mfus), mfus
     assert "MFU 100.0%" not in capsys.readouterr().out  # the summary uses the corrected peak

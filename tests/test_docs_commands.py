@@ -31,11 +31,9 @@ TIMEOUT_S = 900
 SUITE = "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e '.[test]' && python -m pytest -q"
 NOT_HERE = {
     SUITE: "the test suite itself (this test is in it); .ci/run runs exactly this line, checked below",
-    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128":
-        "the CUDA wheel: this machine has no GPU and no route to download.pytorch.org",
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128": "the CUDA wheel: this machine has no GPU and no route to download.pytorch.org",
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0:29500 "
-    "-m isthmus train --parallel.dp_replicate 2 --parallel.dp_shard 4 --parallel.tp 2":
-        "a second node: NODE0 names another machine (the one-node torchrun command runs)",
+    "-m isthmus train --parallel.dp_replicate 2 --parallel.dp_shard 4 --parallel.tp 2": "a second node: NODE0 names another machine (the one-node torchrun command runs)",
 }
 
 
@@ -62,7 +60,7 @@ def commands(path: Path) -> list[Command]:
             i += 1
             continue
         end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-        body, start = lines[i + 1:end], i + 2
+        body, start = lines[i + 1 : end], i + 2
         if fence.group(1) == "bash":
             found += _bash_commands(path.name, body, start)
         else:
@@ -116,8 +114,13 @@ def user(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """A fresh copy of the working tree (what git tracks or would track) and the environment a user has."""
     tmp = tmp_path_factory.mktemp("docs_commands")
     copy, home = tmp / "isthmus", tmp / "home"
-    listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
-                            check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         source = ROOT / name
         if not source.exists() and not source.is_symlink():
@@ -150,8 +153,15 @@ def user(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
 def _run(command: Command, user: dict[str, object]) -> str | None:
     """Run one command; None if it did what the docs say, else what went wrong."""
     began = time.monotonic()
-    proc = subprocess.run(["bash", "-c", command.text], cwd=user["copy"], env=user["env"],  # type: ignore[arg-type]
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        ["bash", "-c", command.text],
+        cwd=user["copy"],
+        env=user["env"],  # type: ignore[arg-type]
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
     print(f"{time.monotonic() - began:6.1f} s  {command.doc}:{command.line}: {command.text}")  # shown with -s
     where = f"{command.doc}:{command.line}: {command.text}"
     tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
@@ -162,7 +172,7 @@ def _run(command: Command, user: dict[str, object]) -> str | None:
             return f"{where}\n  printed a traceback, yet exited 0\n{tail}"
         return None
     expected = [line for line in command.expected if line.strip()]
-    printed = proc.stdout.strip().splitlines()[-len(expected):] if expected else []
+    printed = proc.stdout.strip().splitlines()[-len(expected) :] if expected else []
     if printed != expected:
         return f"{where}\n  printed:  {printed}\n  docs say: {expected}"
     if expected and expected[-1].startswith("isthmus: error:") and proc.returncode != 2:
@@ -185,4 +195,6 @@ def test_every_command_runs_as_written(doc: str, user: dict[str, object]) -> Non
         problem = _run(command, user)
         if problem is not None:
             failures.append(problem)
-    assert not failures, f"{len(failures)} of {ran} command(s) in {doc} did not do what it says:\n" + "\n".join(failures)
+    assert not failures, f"{len(failures)} of {ran} command(s) in {doc} did not do what it says:\n" + "\n".join(
+        failures
+    )

@@ -33,7 +33,9 @@ def _net(n_dc: int = 2, ranks: int = 1, wan_mbit: float = 20.0, **kw: object) ->
 
 
 def _links(namespace: str) -> str:
-    return subprocess.run(["ip", "-n", namespace, "-o", "link", "show"], capture_output=True, text=True, check=True).stdout
+    return subprocess.run(
+        ["ip", "-n", namespace, "-o", "link", "show"], capture_output=True, text=True, check=True
+    ).stdout
 
 
 def _alive(pid: int) -> bool:
@@ -53,13 +55,20 @@ def test_namespaces_bridge_and_veths_exist_then_are_removed() -> None:
         assert "br0" in bridge and all(f"dc{i}@" in bridge for i in range(3))
         for dc in em.dcs:
             assert f"{dc.ifname}@" in _links(dc.namespace)
-            assert "tbf" in subprocess.run(["tc", "-n", dc.namespace, "qdisc", "show", "dev", dc.ifname],
-                                           capture_output=True, text=True).stdout
+            assert (
+                "tbf"
+                in subprocess.run(
+                    ["tc", "-n", dc.namespace, "qdisc", "show", "dev", dc.ifname], capture_output=True, text=True
+                ).stdout
+            )
         assert len({dc.address for dc in em.dcs}) == 3
         # Inside a namespace every address of the run has a name without DNS (torch's store looks
         # its peers up); outside, the machine's own /etc/hosts is untouched.
-        looked_up = subprocess.run(["ip", "netns", "exec", em.dcs[0].namespace, "getent", "hosts", em.dcs[2].address],
-                                   capture_output=True, text=True)
+        looked_up = subprocess.run(
+            ["ip", "netns", "exec", em.dcs[0].namespace, "getent", "hosts", em.dcs[2].address],
+            capture_output=True,
+            text=True,
+        )
         assert looked_up.stdout.split()[1:] == [em.dcs[2].namespace], looked_up
         assert em.prefix not in Path("/etc/hosts").read_text()
     assert netns.list_namespaces(em.prefix) == []
@@ -74,7 +83,6 @@ def test_namespaces_removed_after_exception_inside() -> None:
             raise RuntimeError("boom")
     assert netns.list_namespaces(em.prefix) == []
     assert sleeper.returncode is not None
-
 
 
 def test_interrupt_half_way_through_setup_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -93,6 +101,7 @@ def test_interrupt_half_way_through_setup_leaves_nothing(monkeypatch: pytest.Mon
             pass
     prefix = made[0].rsplit("-", 1)[0] + "-"
     assert netns.list_namespaces(prefix) == []
+
 
 _CHILD = textwrap.dedent("""
     import sys, time
@@ -199,8 +208,9 @@ def test_shaped_wan_rate_within_20_percent_and_loopback_much_faster() -> None:
 
 def test_per_pair_rates_use_htb_classes() -> None:
     with emulated_network(_net(3, wan_mbit=40.0, wan_mbit_per_pair={(0, 2): 10.0})) as em:
-        qdisc = subprocess.run(["tc", "-n", em.dcs[0].namespace, "qdisc", "show", "dev", "wan0"],
-                               capture_output=True, text=True).stdout
+        qdisc = subprocess.run(
+            ["tc", "-n", em.dcs[0].namespace, "qdisc", "show", "dev", "wan0"], capture_output=True, text=True
+        ).stdout
         assert "htb" in qdisc
         slow = throughput_probe(em, 2, 0, n_bytes=2_000_000, time_limit_s=8.0)  # (0, 2) also sets 2 -> 0
     assert abs(slow - 10e6) <= 0.2 * 10e6, slow
@@ -221,9 +231,17 @@ _ALL_REDUCE = textwrap.dedent("""
 def test_gloo_all_reduce_across_namespaces() -> None:
     with emulated_network(_net()) as em:
         dc0 = em.dcs[0].address
-        procs = [em.run_in(i, [sys.executable, "-c", _ALL_REDUCE, str(i), dc0],
-                           env={"GLOO_SOCKET_IFNAME": em.dcs[i].ifname}, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True) for i in range(2)]
+        procs = [
+            em.run_in(
+                i,
+                [sys.executable, "-c", _ALL_REDUCE, str(i), dc0],
+                env={"GLOO_SOCKET_IFNAME": em.dcs[i].ifname},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(2)
+        ]
         outs = [p.communicate(timeout=60) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err[-2000:]

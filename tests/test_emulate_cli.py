@@ -34,10 +34,36 @@ needs_root = pytest.mark.skipif(
     reason="needs root with ip and tc (network namespaces)",
 )
 
-README_DILOCO = ["emulate", "--topology", "emulated-2dc", "--wan-mbit", "20", "--",
-                 "train", "--geo.sync", "diloco", "--geo.inner_steps", "20"]
-README_FAULT_TOLERANT = ["emulate", "--dc-restarts", "1", "--", "train", "--config", "tiny", "--geo.sync", "diloco",
-                         "--geo.inner_steps", "3", "--geo.fault_tolerant", "true", "--geo.outer_dtype", "fp32"]
+README_DILOCO = [
+    "emulate",
+    "--topology",
+    "emulated-2dc",
+    "--wan-mbit",
+    "20",
+    "--",
+    "train",
+    "--geo.sync",
+    "diloco",
+    "--geo.inner_steps",
+    "20",
+]
+README_FAULT_TOLERANT = [
+    "emulate",
+    "--dc-restarts",
+    "1",
+    "--",
+    "train",
+    "--config",
+    "tiny",
+    "--geo.sync",
+    "diloco",
+    "--geo.inner_steps",
+    "3",
+    "--geo.fault_tolerant",
+    "true",
+    "--geo.outer_dtype",
+    "fp32",
+]
 # What a failure on the console looks like: a Python traceback, a C++ exception's end, a reset
 # connection, a c10d / gloo warning ("[W1204 08:48:50.796626641 socket.cpp:207] ...", maybe after "[rank1]:").
 FAILURE_SIGNS = re.compile(r"Traceback|terminate called|Connection reset|\[W\d{4} ")
@@ -55,16 +81,24 @@ def nothing_launched(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(emulate, "emulated_network", tripwire)
 
 
-@pytest.mark.parametrize("train, key", [
-    (["--parallel.nproc", "2"], "parallel.nproc = 2: the topology emulated-2dc runs 4 ranks"),
-    (["--geo.datacenters", "3"], "geo.datacenters = 3: the topology emulated-2dc has 2 datacenters"),
-    (["--config", "tiny", "--train.batch_size", "6"], "train.batch_size = 6: must be divisible by dp (4)"),
-    (["--config", "tiny", "--parallel.tp", "3"], "parallel.nproc = 4: must be a multiple of"),
-    (["--config", "tiny", "--geo.sync", "flat", "--geo.fault_tolerant", "true"], "geo.fault_tolerant = True: needs"),
-    (["--config", "tiny", "--parallel.max_restarts", "1", "--checkpoint.every", "5"],
-     "parallel.max_restarts = 1: is not used by isthmus emulate"),
-    (["--model.flavor", "nope"], "model.flavor = 'nope'"),
-])
+@pytest.mark.parametrize(
+    "train, key",
+    [
+        (["--parallel.nproc", "2"], "parallel.nproc = 2: the topology emulated-2dc runs 4 ranks"),
+        (["--geo.datacenters", "3"], "geo.datacenters = 3: the topology emulated-2dc has 2 datacenters"),
+        (["--config", "tiny", "--train.batch_size", "6"], "train.batch_size = 6: must be divisible by dp (4)"),
+        (["--config", "tiny", "--parallel.tp", "3"], "parallel.nproc = 4: must be a multiple of"),
+        (
+            ["--config", "tiny", "--geo.sync", "flat", "--geo.fault_tolerant", "true"],
+            "geo.fault_tolerant = True: needs",
+        ),
+        (
+            ["--config", "tiny", "--parallel.max_restarts", "1", "--checkpoint.every", "5"],
+            "parallel.max_restarts = 1: is not used by isthmus emulate",
+        ),
+        (["--model.flavor", "nope"], "model.flavor = 'nope'"),
+    ],
+)
 def test_a_bad_train_command_is_one_line_before_anything_starts(
     nothing_launched: None, capsys: pytest.CaptureFixture[str], train: list[str], key: str
 ) -> None:
@@ -81,8 +115,9 @@ def _toml(text: str) -> dict[str, Any]:
     return tomllib.loads(text)
 
 
-def test_readme_commands_resolve_to_the_topologys_world(nothing_launched: None,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_readme_commands_resolve_to_the_topologys_world(
+    nothing_launched: None, capsys: pytest.CaptureFixture[str]
+) -> None:
     # The shipped default says nproc = 2 for a local run; emulated, the world is 2 datacenters x 2.
     assert main([*README_DILOCO, "--print-config"]) == 0
     cfg = _toml(capsys.readouterr().out)
@@ -108,8 +143,18 @@ def readme_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
     common = ["--train.run_dir", "{dir}/run", "--metrics.jsonl", "{dir}/metrics.jsonl", "--metrics.progress", "false"]
     commands = {
         # Shortened: the tiny flavor, one outer step at step 20.
-        "diloco": [*README_DILOCO, "--model.flavor", "tiny", "--train.steps", "20", "--train.val_every", "0",
-                   "--data.max_bytes", "200000", *common],
+        "diloco": [
+            *README_DILOCO,
+            "--model.flavor",
+            "tiny",
+            "--train.steps",
+            "20",
+            "--train.val_every",
+            "0",
+            "--data.max_bytes",
+            "200000",
+            *common,
+        ],
         # As printed: the tiny config is 20 steps already.
         "fault_tolerant": [*README_FAULT_TOLERANT, *common],
         # A run that fails once started: the loss becomes NaN within a few steps on every rank.
@@ -120,7 +165,10 @@ def readme_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
         out = tmp / name
         out.mkdir()
         argv = [a.replace("{dir}", str(out)) for a in argv]
-        started[name] = (subprocess.Popen(_cli(*argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), out)
+        started[name] = (
+            subprocess.Popen(_cli(*argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+            out,
+        )
     runs = {}
     for name, (proc, out) in started.items():
         console, _ = proc.communicate(timeout=300)
@@ -146,8 +194,11 @@ def test_a_failed_run_ends_in_one_line_and_exit_3(readme_runs: dict[str, dict[st
     assert run["rc"] == 3, run["console"][-3000:]
     lines = run["console"].splitlines()
     # The last line is the rank's own: the step whose loss or gradient norm stopped being finite.
-    assert re.match(r"isthmus: error: the emulated run failed: (loss|gradient norm) is (nan|inf).* at step \d+; .*"
-                    r"lower train\.lr \(now 1e\+12\) \(rank \d\); its ranks' output is above$", lines[-1]), lines[-1]
+    assert re.match(
+        r"isthmus: error: the emulated run failed: (loss|gradient norm) is (nan|inf).* at step \d+; .*"
+        r"lower train\.lr \(now 1e\+12\) \(rank \d\); its ranks' output is above$",
+        lines[-1],
+    ), lines[-1]
     # ...and the launchers add no traceback of their own (ChildFailedError, SignalException).
     assert not any("torch/distributed/run.py" in line or "SignalException" in line for line in lines), run["console"]
 
@@ -177,7 +228,9 @@ def test_fault_tolerant_example_has_both_datacenters_in_every_quorum(readme_runs
     console = run["console"]
     for dc in (0, 1):
         # The first quorum (step 0) and the outer step after every 3 inner steps, all with both.
-        rounds = re.findall(rf"outer round at step (\d+) \(datacenter {dc}\): (\d+) datacenter\(s\) in the quorum", console)
+        rounds = re.findall(
+            rf"outer round at step (\d+) \(datacenter {dc}\): (\d+) datacenter\(s\) in the quorum", console
+        )
         assert [(int(s), int(n)) for s, n in rounds] == [(t, 2) for t in range(0, 20, 3)], rounds
         records = _records(run["dir"] / f"metrics.dc{dc}.jsonl")
         assert [r["step"] for r in records] == list(range(1, 21))  # no datacenter started late and skipped steps
@@ -217,9 +270,29 @@ def test_sigkill_of_emulate_mid_training_stops_every_rank_and_removes_the_networ
     from isthmus.launch import netns
 
     log, metrics = tmp_path / "emulate.log", tmp_path / "metrics.jsonl"
-    argv = ["emulate", "--", "train", "--config", "tiny", "--geo.sync", "diloco", "--geo.inner_steps", "3",
-            "--train.steps", "100000", "--train.val_every", "0", "--data.max_bytes", "200000",
-            "--train.run_dir", str(tmp_path / "run"), "--metrics.jsonl", str(metrics), "--metrics.progress", "false"]
+    argv = [
+        "emulate",
+        "--",
+        "train",
+        "--config",
+        "tiny",
+        "--geo.sync",
+        "diloco",
+        "--geo.inner_steps",
+        "3",
+        "--train.steps",
+        "100000",
+        "--train.val_every",
+        "0",
+        "--data.max_bytes",
+        "200000",
+        "--train.run_dir",
+        str(tmp_path / "run"),
+        "--metrics.jsonl",
+        str(metrics),
+        "--metrics.progress",
+        "false",
+    ]
     with log.open("w") as out:
         proc = subprocess.Popen(_cli(*argv), stdout=out, stderr=subprocess.STDOUT)
     prefix = None

@@ -17,7 +17,10 @@ def _named_keys() -> list[tuple[str, int, str]]:
     found = []
     for path in sorted(SRC.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "ConfigError":
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "id", getattr(node.func, "attr", None)) == "ConfigError"
+            ):
                 first = node.args[0] if node.args else None
                 if isinstance(first, ast.Constant) and isinstance(first.value, str) and DOTTED.match(first.value):
                     found.append((str(path.relative_to(SRC)), node.lineno, first.value))
@@ -28,6 +31,9 @@ def test_every_config_key_named_in_an_error_exists() -> None:
     fields = section_fields(JobConfig())
     named = _named_keys()
     assert len(named) > 50  # the scan sees the errors (it would pass vacuously otherwise)
-    wrong = [f"{file}:{line} {key}" for file, line, key in named
-             if key.split(".")[0] in fields and key.split(".")[1] not in fields[key.split(".")[0]]]
+    wrong = [
+        f"{file}:{line} {key}"
+        for file, line, key in named
+        if key.split(".")[0] in fields and key.split(".")[1] not in fields[key.split(".")[0]]
+    ]
     assert not wrong, wrong

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from isthmus.cli import main
-from isthmus.train.export import load_exported
 from isthmus.log import setup_logging
 from isthmus.models.llama import build_model
+from isthmus.train.export import load_exported
 from isthmus.train.final_model import load_final_state, load_model_args
 
 STEPS = 4
@@ -31,11 +31,40 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("export")
     run_dir = tmp / "tp2"
     proc = subprocess.run(
-        [sys.executable, "-m", "isthmus", "train", "--config", "tiny", "--train.steps", str(STEPS), "--train.val_every", "0",
-         "--train.batch_size", "4", "--train.seq_len", "32", "--data.max_bytes", "60000", "--parallel.nproc", "2",
-         "--parallel.tp", "2", "--model.tie_embeddings", "true", "--checkpoint.every", str(STEPS),
-         "--train.run_dir", str(run_dir), "--data.cache_dir", str(tmp / "cache")],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "ISTHMUS_CACHE": str(tmp / "cache")},
+        [
+            sys.executable,
+            "-m",
+            "isthmus",
+            "train",
+            "--config",
+            "tiny",
+            "--train.steps",
+            str(STEPS),
+            "--train.val_every",
+            "0",
+            "--train.batch_size",
+            "4",
+            "--train.seq_len",
+            "32",
+            "--data.max_bytes",
+            "60000",
+            "--parallel.nproc",
+            "2",
+            "--parallel.tp",
+            "2",
+            "--model.tie_embeddings",
+            "true",
+            "--checkpoint.every",
+            str(STEPS),
+            "--train.run_dir",
+            str(run_dir),
+            "--data.cache_dir",
+            str(tmp / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "ISTHMUS_CACHE": str(tmp / "cache")},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir

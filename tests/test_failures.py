@@ -25,9 +25,26 @@ from isthmus.launch.local import last_logged_step, launch, prepare_restart
 
 STEPS = 24
 ARGS = [
-    "--config", "tiny", "--train.steps", str(STEPS), "--train.val_every", "0", "--train.batch_size", "8",
-    "--train.seq_len", "32", "--data.max_bytes", "60000", "--parallel.nproc", "2", "--parallel.dp_replicate", "2",
-    "--checkpoint.every", "4", "--metrics.log_every", "4",
+    "--config",
+    "tiny",
+    "--train.steps",
+    str(STEPS),
+    "--train.val_every",
+    "0",
+    "--train.batch_size",
+    "8",
+    "--train.seq_len",
+    "32",
+    "--data.max_bytes",
+    "60000",
+    "--parallel.nproc",
+    "2",
+    "--parallel.dp_replicate",
+    "2",
+    "--checkpoint.every",
+    "4",
+    "--metrics.log_every",
+    "4",
 ]
 KILL_AT = 7
 
@@ -40,7 +57,11 @@ class Run:
         args = [*ARGS, "--train.run_dir", str(self.dir), "--data.cache_dir", str(tmp / "cache"), *extra]
         env = {**os.environ, "ISTHMUS_CACHE": str(tmp / "cache")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "isthmus", "train", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+            [sys.executable, "-m", "isthmus", "train", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         self.killed_at: int | None = None
 
@@ -113,7 +134,9 @@ def test_sigkilled_rank_restarts_and_matches_the_uninterrupted_run(runs: dict[st
     notes = [line for line in err.splitlines() if line.startswith("restart ")]
     assert len(notes) == 1, err[-3000:]
     # e.g. "restart 1/1: a rank failed after step 7; resuming from step-000004 (steps 5..7 are redone)"
-    assert notes[0].startswith("restart 1/1: a rank failed after step ") and "resuming from step-0000" in notes[0], notes
+    assert notes[0].startswith("restart 1/1: a rank failed after step ") and "resuming from step-0000" in notes[0], (
+        notes
+    )
     assert "Traceback" not in err
     # Every step once, each loss bit-identical to the uninterrupted run's, and the same final weights.
     assert run.losses() == straight.losses()
@@ -130,7 +153,9 @@ def test_sigkilled_rank_without_restarts_fails_in_one_line(runs: dict[str, tuple
     assert code == 3  # a run that failed (errors.EXIT_RUN_FAILED)
     errors = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert len(errors) == 1 and err.rstrip().endswith(errors[0]), err[-3000:]
-    assert errors[0].startswith("isthmus: error: rank ") and "no restart (parallel.max_restarts = 0)" in errors[0], errors
+    assert errors[0].startswith("isthmus: error: rank ") and "no restart (parallel.max_restarts = 0)" in errors[0], (
+        errors
+    )
     assert not (run.dir / "final").exists()
 
 
@@ -142,7 +167,9 @@ def _cfg(tmp: Path, *extra: str):  # noqa: ANN202
 def test_max_restarts_needs_checkpoints(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         _cfg(tmp_path, "--parallel.max_restarts", "1")
-    assert str(err.value) == "parallel.max_restarts = 1: needs checkpoint.every > 0 (a restart resumes from a checkpoint)"
+    assert (
+        str(err.value) == "parallel.max_restarts = 1: needs checkpoint.every > 0 (a restart resumes from a checkpoint)"
+    )
     with pytest.raises(ConfigError, match="parallel.max_restarts = -1: must be 0"):
         _cfg(tmp_path, "--parallel.max_restarts", "-1")
 
@@ -175,7 +202,10 @@ def test_a_restart_resumes_from_this_launchs_newest_checkpoint(tmp_path: Path, m
     assert cfg.checkpoint.resume == "none"  # as the first attempt started
     _fake_checkpoint(root, 40, now - 3600)  # an earlier run's, in the same directory
     _fake_checkpoint(root, 8, now + 1)
-    assert prepare_restart(cfg, 2, now) == "restart 2/2: a rank failed after step 9; resuming from step-000008 (step 9 is redone)"
+    assert (
+        prepare_restart(cfg, 2, now)
+        == "restart 2/2: a rank failed after step 9; resuming from step-000008 (step 9 is redone)"
+    )
     assert cfg.checkpoint.resume == str(root / "step-000008")
     (root / "step-000040" / "isthmus.json").unlink()
     (root / "step-000040").rmdir()

@@ -19,11 +19,31 @@ from procs import BASE_ARGS, Train, last_line
 SHORT = [*BASE_ARGS, "--train.steps", "6"]  # the later --train.steps wins
 # name: (tmpfs size, bytes to fill it with first, ranks, extra args with {mnt}, what the line names, key)
 CASES = {
-    "checkpoint_two_ranks": ("1m", 0, 2, ["--checkpoint.every", "2"], "checkpoint of step 2 {mnt}/run/checkpoints/step-000002.partial", "checkpoint.dir"),
-    "checkpoint_async": ("1m", 0, 1, ["--checkpoint.every", "2", "--checkpoint.async", "true"], "checkpoint of step 2 {mnt}/run/checkpoints/step-000002.partial", "checkpoint.dir"),
+    "checkpoint_two_ranks": (
+        "1m",
+        0,
+        2,
+        ["--checkpoint.every", "2"],
+        "checkpoint of step 2 {mnt}/run/checkpoints/step-000002.partial",
+        "checkpoint.dir",
+    ),
+    "checkpoint_async": (
+        "1m",
+        0,
+        1,
+        ["--checkpoint.every", "2", "--checkpoint.async", "true"],
+        "checkpoint of step 2 {mnt}/run/checkpoints/step-000002.partial",
+        "checkpoint.dir",
+    ),
     "final_model_two_ranks": ("600k", 0, 2, [], "final model {mnt}/run/final/model.pt", "train.run_dir"),
-    "metrics": ("4k", 0, 1, ["--train.run_dir", "{tmp}/metrics_run", "--metrics.jsonl", "{mnt}/m.jsonl", "--train.steps", "100"],
-                "metrics {mnt}/m.jsonl", "metrics.jsonl"),
+    "metrics": (
+        "4k",
+        0,
+        1,
+        ["--train.run_dir", "{tmp}/metrics_run", "--metrics.jsonl", "{mnt}/m.jsonl", "--train.steps", "100"],
+        "metrics {mnt}/m.jsonl",
+        "metrics.jsonl",
+    ),
     "config": ("4k", 4096, 1, [], "config {mnt}/run/config.toml", "train.run_dir"),
 }
 

@@ -20,8 +20,8 @@ import isthmus
 from isthmus.cli import main
 from isthmus.cli.train import shipped_configs_dir
 from isthmus.config import JobConfig, apply_toml, build_config, parse_overrides, toml_string
-from isthmus.log import get_logger, route_library_warnings, setup_logging
 from isthmus.launch.preflight import preflight
+from isthmus.log import get_logger, route_library_warnings, setup_logging
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -34,18 +34,25 @@ def _one_line(capsys: pytest.CaptureFixture[str]) -> str:
 
 
 # --- memory and vocabulary --------------------------------------------------------------------------
-@pytest.mark.parametrize("args,key", [
-    (["--train.seq_len", "100000"], "train.seq_len = 100000: needs about "),
-    (["--train.batch_size", "100000"], "train.batch_size = 100000: needs about "),
-])
+@pytest.mark.parametrize(
+    "args,key",
+    [
+        (["--train.seq_len", "100000"], "train.seq_len = 100000: needs about "),
+        (["--train.batch_size", "100000"], "train.batch_size = 100000: needs about "),
+    ],
+)
 def test_activations_that_cannot_fit_are_refused(args: list[str], key: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["train", *args, "--print-config"]) == 2
     line = _one_line(capsys)
     assert line.startswith(f"isthmus: error: {key}") and "of activations for" in line, line
-    assert line.endswith("lower train.seq_len or train.batch_size, raise train.grad_accum, or set parallel.activation_checkpoint = full")
+    assert line.endswith(
+        "lower train.seq_len or train.batch_size, raise train.grad_accum, or set parallel.activation_checkpoint = full"
+    )
 
 
-def test_ids_of_a_bin_file_must_fit_the_vocabulary_and_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_ids_of_a_bin_file_must_fit_the_vocabulary_and_memory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     ids = np.arange(4000, dtype=np.uint32) % 200
     ids[1234] = 4_000_000_000  # e.g. a file written as uint32 and read as such, with one bad id
     path = tmp_path / "ids.bin"
@@ -53,23 +60,49 @@ def test_ids_of_a_bin_file_must_fit_the_vocabulary_and_memory(tmp_path: Path, ca
     base = ["train", "--data.path", str(path), "--data.bin_dtype", "uint32", "--print-config"]
     assert main(base) == 2
     line = _one_line(capsys)
-    assert line.startswith(f"isthmus: error: data.path {str(path)!r}: largest id 4,000,000,000 makes a vocabulary of "
-                           "4,000,000,001 tokens; the model would need about "), line
+    assert line.startswith(
+        f"isthmus: error: data.path {str(path)!r}: largest id 4,000,000,000 makes a vocabulary of "
+        "4,000,000,001 tokens; the model would need about "
+    ), line
     assert line.endswith("set model.vocab_size, or check data.bin_dtype (uint32)")
     assert main([*base, "--model.vocab_size", "50000"]) == 2
-    assert _one_line(capsys) == (f"isthmus: error: data.path {str(path)!r}: largest id 4,000,000,000 is not below "
-                                 "model.vocab_size = 50,000; check data.bin_dtype (uint32) or raise model.vocab_size")
+    assert _one_line(capsys) == (
+        f"isthmus: error: data.path {str(path)!r}: largest id 4,000,000,000 is not below "
+        "model.vocab_size = 50,000; check data.bin_dtype (uint32) or raise model.vocab_size"
+    )
 
 
 SHIPPED = sorted(shipped_configs_dir().glob("*.toml")) + sorted((REPO / "configs").glob("*.toml"))
 # Layouts the README shows; what runs today must not be refused.
 README_LAYOUTS = [
     ["--parallel.nproc", "2", "--parallel.dp_shard", "2", "--parallel.zero_stage", "3"],
-    ["--config", "tiny", "--parallel.nproc", "4", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
-     "--parallel.dp_shard", "2"],
+    [
+        "--config",
+        "tiny",
+        "--parallel.nproc",
+        "4",
+        "--parallel.tp",
+        "2",
+        "--parallel.sequence_parallel",
+        "true",
+        "--parallel.dp_shard",
+        "2",
+    ],
     ["--config", "tiny", "--parallel.nproc", "2", "--parallel.cp", "2", "--parallel.cp_impl", "ulysses"],
-    ["--config", "tiny", "--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b",
-     "--parallel.pp_virtual_stages", "2", "--parallel.microbatches", "4"],
+    [
+        "--config",
+        "tiny",
+        "--parallel.nproc",
+        "2",
+        "--parallel.pp",
+        "2",
+        "--parallel.pp_schedule",
+        "interleaved_1f1b",
+        "--parallel.pp_virtual_stages",
+        "2",
+        "--parallel.microbatches",
+        "4",
+    ],
 ]
 
 
@@ -90,7 +123,9 @@ def test_a_path_that_is_not_utf8_is_refused(capsys: pytest.CaptureFixture[str]) 
     bad = os.fsdecode(b"/tmp/run-\xff")
     for key in ("train.run_dir", "data.path", "metrics.jsonl"):
         assert main(["train", f"--{key}", bad, "--print-config"]) == 2
-        assert _one_line(capsys) == f"isthmus: error: {key} = '/tmp/run-\\udcff': is not valid UTF-8; use a name that is"
+        assert (
+            _one_line(capsys) == f"isthmus: error: {key} = '/tmp/run-\\udcff': is not valid UTF-8; use a name that is"
+        )
 
 
 @pytest.fixture
@@ -107,17 +142,29 @@ def read_only(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", str(mnt)], check=False)
 
 
-def test_folders_a_run_cannot_write_are_refused(tmp_path: Path, read_only: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_folders_a_run_cannot_write_are_refused(
+    tmp_path: Path, read_only: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     cases = [
-        (["--train.run_dir", str(a_file / "run")], f"train.run_dir = '{a_file / 'run'}': {a_file} is a file, not a folder"),
-        (["--train.run_dir", str(read_only / "run")],
-         f"train.run_dir = '{read_only / 'run'}': {read_only} is not writable (the folder would be made there)"),
+        (
+            ["--train.run_dir", str(a_file / "run")],
+            f"train.run_dir = '{a_file / 'run'}': {a_file} is a file, not a folder",
+        ),
+        (
+            ["--train.run_dir", str(read_only / "run")],
+            f"train.run_dir = '{read_only / 'run'}': {read_only} is not writable (the folder would be made there)",
+        ),
         (["--checkpoint.dir", str(read_only)], f"checkpoint.dir = '{read_only}': {read_only} is not writable"),
-        (["--data.cache_dir", str(read_only / "c")],
-         f"data.cache_dir = '{read_only / 'c'}': {read_only} is not writable (the folder would be made there)"),
-        (["--metrics.jsonl", str(read_only / "m.jsonl")], f"metrics.jsonl = '{read_only / 'm.jsonl'}': {read_only} is not writable"),
+        (
+            ["--data.cache_dir", str(read_only / "c")],
+            f"data.cache_dir = '{read_only / 'c'}': {read_only} is not writable (the folder would be made there)",
+        ),
+        (
+            ["--metrics.jsonl", str(read_only / "m.jsonl")],
+            f"metrics.jsonl = '{read_only / 'm.jsonl'}': {read_only} is not writable",
+        ),
         (["--metrics.jsonl", str(tmp_path)], f"metrics.jsonl = '{tmp_path}': is a folder; name a file"),
     ]
     for args, expected in cases:
@@ -129,14 +176,37 @@ def test_a_data_folder_without_text_files_is_one_line(tmp_path: Path, capsys: py
     data = tmp_path / "data"
     (data / "sub").mkdir(parents=True)
     (data / "weights.bin.dat").write_bytes(b"\0\1\2" * 100)
-    code = main(["train", "--config", "tiny", "--parallel.nproc", "1", "--data.path", str(data),
-                 "--train.run_dir", str(tmp_path / "run"), "--data.cache_dir", str(tmp_path / "cache")])
+    code = main(
+        [
+            "train",
+            "--config",
+            "tiny",
+            "--parallel.nproc",
+            "1",
+            "--data.path",
+            str(data),
+            "--train.run_dir",
+            str(tmp_path / "run"),
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+        ]
+    )
     assert code == 2
     assert _one_line(capsys) == f"isthmus: error: data.path {str(data)!r}: the folder has no text files"
 
 
 # --- TOML ----------------------------------------------------------------------------------------
-ODD = ["a\nb", "tab\there", 'say "hi"', "back\\slash\\", "nul\0", "bell\a esc\x1b del\x7f", "\r\n", "uni\u2028code é 漢 🙂", ""]
+ODD = [
+    "a\nb",
+    "tab\there",
+    'say "hi"',
+    "back\\slash\\",
+    "nul\0",
+    "bell\a esc\x1b del\x7f",
+    "\r\n",
+    "uni\u2028code é 漢 🙂",
+    "",
+]
 
 
 @pytest.mark.parametrize("text", ODD, ids=[repr(t) for t in ODD])
@@ -145,20 +215,34 @@ def test_toml_strings_round_trip(text: str) -> None:
 
 
 def test_a_config_with_odd_paths_round_trips_through_its_toml(tmp_path: Path) -> None:
-    cfg = build_config(None, parse_overrides([
-        "--train.run_dir", str(tmp_path / "a\nb\t\"c\"\\d"), "--metrics.jsonl", str(tmp_path / "m\x7f.jsonl"),
-    ]))
+    cfg = build_config(
+        None,
+        parse_overrides(
+            [
+                "--train.run_dir",
+                str(tmp_path / 'a\nb\t"c"\\d'),
+                "--metrics.jsonl",
+                str(tmp_path / "m\x7f.jsonl"),
+            ]
+        ),
+    )
     again = JobConfig()
     apply_toml(again, tomllib.loads(cfg.to_toml()))
     assert again == cfg
 
 
 # --- warnings --------------------------------------------------------------------------------------
-def test_torch_warnings_go_to_the_log_file_and_ours_to_the_console(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_torch_warnings_go_to_the_log_file_and_ours_to_the_console(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import torch
 
     log = tmp_path / "rank0.log"
-    loggers = [lg for n, lg in logging.root.manager.loggerDict.items() if isinstance(lg, logging.Logger) and n.startswith("torch")]
+    loggers = [
+        lg
+        for n, lg in logging.root.manager.loggerDict.items()
+        if isinstance(lg, logging.Logger) and n.startswith("torch")
+    ]
     saved = (warnings.showwarning, {lg.name: lg.handlers[:] for lg in loggers})
     try:
         setup_logging(log_file=str(log))
@@ -166,7 +250,9 @@ def test_torch_warnings_go_to_the_log_file_and_ours_to_the_console(tmp_path: Pat
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             torch_file = str(Path(torch.__file__).parent / "distributed" / "tensor" / "_random.py")
-            warnings.warn_explicit("DTensor random operators may not have complete support", UserWarning, torch_file, 48)
+            warnings.warn_explicit(
+                "DTensor random operators may not have complete support", UserWarning, torch_file, 48
+            )
             logging.getLogger("torch.distributed.tensor._redistribute").warning("2 sequential all_reduce operations")
             ours = str(Path(isthmus.__file__).parent / "train" / "trainer.py")
             warnings.warn_explicit("something the user can fix", UserWarning, ours, 1)

@@ -36,8 +36,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Train, lis
         name: Train(tmp / name, cache, "--parallel.nproc", str(n), "--checkpoint.every", "3", *extra)
         for name, (_, n, _, extra) in SIGNALLED.items()
     }
-    started["nan_two_ranks"] = Train(tmp / "nan2", cache, "--parallel.nproc", "2", "--train.lr", "1e30",
-                                     "--train.warmup_steps", "0", "--checkpoint.every", "1")
+    started["nan_two_ranks"] = Train(
+        tmp / "nan2",
+        cache,
+        "--parallel.nproc",
+        "2",
+        "--train.lr",
+        "1e30",
+        "--train.warmup_steps",
+        "0",
+        "--checkpoint.every",
+        "1",
+    )
     started["nan_one_process"] = Train(tmp / "nan1", cache, "--train.lr", "1e30", "--train.warmup_steps", "0")
     ranks: dict[str, list[int]] = {}
     for name, (signum, n, group, _) in SIGNALLED.items():
@@ -61,9 +71,13 @@ def test_a_signal_stops_every_rank_in_one_line(name: str, runs: dict[str, tuple[
     # continue with --checkpoint.resume .../step-000006"; an async save may still be in flight (cut short)
     cut = r"( \(the save of step \d+ was cut short and stays uncommitted\))?"
     head = rf"isthmus: interrupted \({signal.Signals(signum).name}\) at step (\d+); "
-    m = re.fullmatch(head + rf"the newest checkpoint is (\S+) \(step (\d+)\){cut}: continue with --checkpoint.resume (\S+)", line)
+    m = re.fullmatch(
+        head + rf"the newest checkpoint is (\S+) \(step (\d+)\){cut}: continue with --checkpoint.resume (\S+)", line
+    )
     if m is None and "async" in " ".join(SIGNALLED[name][3]):
-        m = re.fullmatch(head + rf"no checkpoint was saved yet \(checkpoint.every = 3\){cut}: a new run starts over", line)
+        m = re.fullmatch(
+            head + rf"no checkpoint was saved yet \(checkpoint.every = 3\){cut}: a new run starts over", line
+        )
         assert m, line
         assert not list((run.dir / "checkpoints").glob("step-??????"))
     else:

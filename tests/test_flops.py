@@ -113,7 +113,7 @@ def test_gpt3_flavors_against_table1(row: tuple) -> None:
     assert 1 < seconds < 120, seconds
 
 
-def _math_causal_attention(q: "torch.Tensor", k: "torch.Tensor", v: "torch.Tensor") -> "torch.Tensor":
+def _math_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention as plain matmuls over the full S x S square, which FlopCounterMode counts
     (it has no formula for the CPU flash kernel); K and V repeated for the query heads as GQA does."""
     import torch

@@ -113,8 +113,10 @@ def _diloco_vs_flat(groups: Any, rank: int, steps: int = 3) -> dict[str, list[fl
     diffs: dict[str, list[float]] = {}
     for inner in ("sgd", "adamw"):
         runs = []
-        for cfg in (GeoConfig(sync="flat"),
-                    GeoConfig(sync="diloco", inner_steps=1, outer_lr=1.0, outer_momentum=0.0, outer_dtype="fp32")):
+        for cfg in (
+            GeoConfig(sync="flat"),
+            GeoConfig(sync="diloco", inner_steps=1, outer_lr=1.0, outer_momentum=0.0, outer_dtype="fp32"),
+        ):
             model = make_mlp()
             params = list(model.parameters())
             opt: torch.optim.Optimizer
@@ -256,8 +258,9 @@ def _lm_step(model: nn.Module, step: int, rank: int) -> None:
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
 
 
-def _streaming(groups: Any, rank: int, mix_alpha: float = 0.0, checkpoint_at: int | None = 9,
-               steps: int = 16) -> dict[str, Any]:
+def _streaming(
+    groups: Any, rank: int, mix_alpha: float = 0.0, checkpoint_at: int | None = 9, steps: int = 16
+) -> dict[str, Any]:
     """Streaming DiLoCo on the tiny model: H = 8, 4 fragments, tau = 1, int4 outer gradients."""
     cfg = GeoConfig(sync="streaming_diloco", inner_steps=8, fragments=4, overlap_steps=1, mix_alpha=mix_alpha)
 

@@ -33,12 +33,41 @@ def _start(tmp: Path, sync: str, *extra: str) -> tuple[subprocess.Popen[str], Pa
     out = tmp / (sync if sync != "none" else "pp_across")
     metrics = out / "metrics.jsonl"
     cmd = [
-        sys.executable, "-m", "isthmus", "emulate", "--topology", "emulated-2dc", "--wan-mbit", "20",
-        "--timeout", "150", "--log-dir", str(out / "logs"), "--",
-        "train", "--config", "tiny", "--parallel.nproc", "4", "--geo.sync", sync,
-        "--train.steps", str(STEPS), "--train.val_every", "0", "--train.val_batches", "1",
-        "--data.max_bytes", "200000", "--train.run_dir", str(out / "run"), "--metrics.jsonl", str(metrics),
-        "--metrics.progress", "false", *extra,
+        sys.executable,
+        "-m",
+        "isthmus",
+        "emulate",
+        "--topology",
+        "emulated-2dc",
+        "--wan-mbit",
+        "20",
+        "--timeout",
+        "150",
+        "--log-dir",
+        str(out / "logs"),
+        "--",
+        "train",
+        "--config",
+        "tiny",
+        "--parallel.nproc",
+        "4",
+        "--geo.sync",
+        sync,
+        "--train.steps",
+        str(STEPS),
+        "--train.val_every",
+        "0",
+        "--train.val_batches",
+        "1",
+        "--data.max_bytes",
+        "200000",
+        "--train.run_dir",
+        str(out / "run"),
+        "--metrics.jsonl",
+        str(metrics),
+        "--metrics.progress",
+        "false",
+        *extra,
     ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, metrics
@@ -57,8 +86,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
         "diloco": _start(tmp, "diloco", "--geo.inner_steps", "3"),  # two outer syncs in 6 steps
     }
     # Pipeline stages across the datacenters (geo.dc_axis = pp): stage 0 in dc0, stage 1 in dc1.
-    pp = ("--geo.dc_axis", "pp", "--parallel.pp", "2", "--parallel.dp_replicate", "2", "--parallel.microbatches", "2",
-          "--parallel.pp_schedule", "1f1b")
+    pp = (
+        "--geo.dc_axis",
+        "pp",
+        "--parallel.pp",
+        "2",
+        "--parallel.dp_replicate",
+        "2",
+        "--parallel.microbatches",
+        "2",
+        "--parallel.pp_schedule",
+        "1f1b",
+    )
     started["pp_across"] = _start(tmp, "none", *pp)
     results = {}
     for name, (proc, metrics) in started.items():
@@ -93,18 +132,48 @@ def test_diloco_sends_less_over_the_wan_than_flat(runs: dict[str, list[dict[str,
     assert 0 < _wan(runs["diloco"]) < _wan(runs["hierarchical"]) < _wan(runs["flat"])
 
 
-def test_pipeline_across_datacenters_trains_as_on_one_machine(runs: dict[str, list[dict[str, Any]]],
-                                                                 tmp_path: Path) -> None:
+def test_pipeline_across_datacenters_trains_as_on_one_machine(
+    runs: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
     """pp 2 over the 2 emulated datacenters x dp 2 inside each: the same losses as the same layout on
     local ranks, and every training step's activations and gradients counted on the WAN."""
     from isthmus.cli import main
 
     metrics = tmp_path / "local.jsonl"
-    assert main(["train", "--config", "tiny", "--parallel.nproc", "4", "--parallel.pp", "2",
-                 "--parallel.dp_replicate", "2", "--parallel.microbatches", "2", "--parallel.pp_schedule", "1f1b",
-                 "--train.steps", str(STEPS), "--train.val_every", "0", "--train.val_batches", "1",
-                 "--data.max_bytes", "200000", "--train.run_dir", str(tmp_path / "run"),
-                 "--metrics.jsonl", str(metrics), "--metrics.progress", "false"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                "tiny",
+                "--parallel.nproc",
+                "4",
+                "--parallel.pp",
+                "2",
+                "--parallel.dp_replicate",
+                "2",
+                "--parallel.microbatches",
+                "2",
+                "--parallel.pp_schedule",
+                "1f1b",
+                "--train.steps",
+                str(STEPS),
+                "--train.val_every",
+                "0",
+                "--train.val_batches",
+                "1",
+                "--data.max_bytes",
+                "200000",
+                "--train.run_dir",
+                str(tmp_path / "run"),
+                "--metrics.jsonl",
+                str(metrics),
+                "--metrics.progress",
+                "false",
+            ]
+        )
+        == 0
+    )
     local = _steps(metrics)
     across = runs["pp_across"]
     assert [r["loss"] for r in across] == pytest.approx([r["loss"] for r in local], rel=1e-6)

@@ -79,12 +79,46 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("geo_emulated_failure")
     metrics = tmp / "metrics.jsonl"
     cmd = [
-        sys.executable, "-m", "isthmus", "emulate", "--topology", "emulated-2dc", "--wan-mbit", "10",
-        "--timeout", "200", "--dc-restarts", "1", "--log-dir", str(tmp / "logs"), "--",
-        "train", "--config", "tiny", "--geo.sync", "diloco", "--geo.inner_steps", str(INNER),
-        "--geo.fault_tolerant", "true", "--geo.outer_dtype", "fp32", "--train.steps", str(STEPS),
-        "--train.val_every", "0", "--train.val_batches", "1", "--data.max_bytes", "200000",
-        "--train.run_dir", str(tmp / "run"), "--metrics.jsonl", str(metrics), "--metrics.progress", "false",
+        sys.executable,
+        "-m",
+        "isthmus",
+        "emulate",
+        "--topology",
+        "emulated-2dc",
+        "--wan-mbit",
+        "10",
+        "--timeout",
+        "200",
+        "--dc-restarts",
+        "1",
+        "--log-dir",
+        str(tmp / "logs"),
+        "--",
+        "train",
+        "--config",
+        "tiny",
+        "--geo.sync",
+        "diloco",
+        "--geo.inner_steps",
+        str(INNER),
+        "--geo.fault_tolerant",
+        "true",
+        "--geo.outer_dtype",
+        "fp32",
+        "--train.steps",
+        str(STEPS),
+        "--train.val_every",
+        "0",
+        "--train.val_batches",
+        "1",
+        "--data.max_bytes",
+        "200000",
+        "--train.run_dir",
+        str(tmp / "run"),
+        "--metrics.jsonl",
+        str(metrics),
+        "--metrics.progress",
+        "false",
     ]
     # Short torchft timeouts: a dead peer's collective fails in seconds, not minutes.
     env = {**os.environ, "TORCHFT_TIMEOUT_SEC": "20", "TORCHFT_QUORUM_TIMEOUT_SEC": "60"}
@@ -95,8 +129,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     try:
         # Kill once both datacenters have trained a round together (one that started late joins the
         # other at an outer sync first) and dc1 has gone on a little.
-        while not (all("2 datacenter(s) in the quorum, 2 contributed" in _text(logs / f"dc{i}.log") for i in (0, 1))
-                   and _records(dc1) and _records(dc1)[-1]["step"] % INNER == 1):
+        while not (
+            all("2 datacenter(s) in the quorum, 2 contributed" in _text(logs / f"dc{i}.log") for i in (0, 1))
+            and _records(dc1)
+            and _records(dc1)[-1]["step"] % INNER == 1
+        ):
             assert proc.poll() is None, proc.communicate()[0][-3000:]
             assert time.monotonic() < deadline, "the datacenters did not train a round together"
             time.sleep(0.02)
@@ -108,9 +145,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             proc.kill()
             proc.communicate()
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return {"rc": proc.returncode, "out": out, "killed_at": killed_at, "left": left,
-            "dc0": _records(dc0), "dc1": _records(dc1),
-            "dc1_log": (tmp / "logs" / "dc1.log").read_text()}
+    return {
+        "rc": proc.returncode,
+        "out": out,
+        "killed_at": killed_at,
+        "left": left,
+        "dc0": _records(dc0),
+        "dc1": _records(dc1),
+        "dc1_log": (tmp / "logs" / "dc1.log").read_text(),
+    }
 
 
 def test_survivor_completes_with_a_falling_loss(run: dict[str, Any]) -> None:

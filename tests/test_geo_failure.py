@@ -46,16 +46,56 @@ WAIT_S = 60.0
 
 def _config(root: Path, ranks: int, streaming: bool) -> JobConfig:
     # streaming: a fragment syncs after every step (3 fragments of H = 3), its result applied at once.
-    geo = ["--geo.sync", "streaming_diloco", "--geo.fragments", "3", "--geo.overlap_steps", "0",
-           "--geo.outer_dtype", "fp32"] if streaming else ["--geo.sync", "diloco"]
-    cfg = build_config(None, parse_overrides([*geo,
-        "--model.flavor", "tiny", "--train.steps", str(STEPS), "--train.warmup_steps", "3",
-        "--train.batch_size", "8", "--train.seq_len", "32", "--train.val_every", "0", "--train.threads", "1",
-        "--data.max_bytes", "60000", "--data.cache_dir", str(root / "cache"),
-        "--metrics.progress", "false", "--train.run_dir", str(root / "run"),
-        "--parallel.dp_replicate", str(ranks),
-        "--geo.datacenters", "2", "--geo.inner_steps", str(H),
-    ]))
+    geo = (
+        [
+            "--geo.sync",
+            "streaming_diloco",
+            "--geo.fragments",
+            "3",
+            "--geo.overlap_steps",
+            "0",
+            "--geo.outer_dtype",
+            "fp32",
+        ]
+        if streaming
+        else ["--geo.sync", "diloco"]
+    )
+    cfg = build_config(
+        None,
+        parse_overrides(
+            [
+                *geo,
+                "--model.flavor",
+                "tiny",
+                "--train.steps",
+                str(STEPS),
+                "--train.warmup_steps",
+                "3",
+                "--train.batch_size",
+                "8",
+                "--train.seq_len",
+                "32",
+                "--train.val_every",
+                "0",
+                "--train.threads",
+                "1",
+                "--data.max_bytes",
+                "60000",
+                "--data.cache_dir",
+                str(root / "cache"),
+                "--metrics.progress",
+                "false",
+                "--train.run_dir",
+                str(root / "run"),
+                "--parallel.dp_replicate",
+                str(ranks),
+                "--geo.datacenters",
+                "2",
+                "--geo.inner_steps",
+                str(H),
+            ]
+        ),
+    )
     cfg.geo.fault_tolerant = True
     return cfg
 
@@ -72,13 +112,30 @@ def _flat(params: list[torch.nn.Parameter]) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in params]).clone()
 
 
-def _rank(dc: int, rank: int, ranks: int, port: int, lighthouse: str, root: Path, tag: str,
-          pause_before: int | None, pause_in_round: int | None, streaming: bool) -> None:
+def _rank(
+    dc: int,
+    rank: int,
+    ranks: int,
+    port: int,
+    lighthouse: str,
+    root: Path,
+    tag: str,
+    pause_before: int | None,
+    pause_in_round: int | None,
+    streaming: bool,
+) -> None:
     """One rank of one datacenter (its own torch.distributed job): the real Trainer, plus records."""
     os.environ.update(
-        ISTHMUS_DC_INDEX=str(dc), TORCHFT_LIGHTHOUSE=lighthouse, TORCHFT_TIMEOUT_SEC="20",
-        TORCHFT_QUORUM_TIMEOUT_SEC=str(int(WAIT_S)), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        ISTHMUS_DC_INDEX=str(dc),
+        TORCHFT_LIGHTHOUSE=lighthouse,
+        TORCHFT_TIMEOUT_SEC="20",
+        TORCHFT_QUORUM_TIMEOUT_SEC=str(int(WAIT_S)),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(ranks),
+        LOCAL_WORLD_SIZE=str(ranks),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
     control, me = root / "control", f"{tag}.{rank}"
@@ -140,8 +197,16 @@ def _context() -> Any:
     return ctx
 
 
-def _start(dc: int, ranks: int, lighthouse: str, root: Path, tag: str, pause_before: int | None,
-           pause_in_round: int | None = None, streaming: bool = False) -> list[Any]:
+def _start(
+    dc: int,
+    ranks: int,
+    lighthouse: str,
+    root: Path,
+    tag: str,
+    pause_before: int | None,
+    pause_in_round: int | None = None,
+    streaming: bool = False,
+) -> list[Any]:
     """Every rank of datacenter ``dc``, joined by their own gloo group (their own store and port)."""
     port = free_port()
     args = (dc, ranks, port, lighthouse, root, tag, pause_before, pause_in_round, streaming)
@@ -171,11 +236,20 @@ def _scenario(root: Path, ranks: int, rejoin: bool, in_round: bool = False, stre
     lighthouse = start_lighthouse(heartbeat_timeout_ms=1000, join_timeout_ms=5000)
     dcs: dict[str, list[Any]] = {}
     try:
-        dcs["dc0"] = _start(0, ranks, lighthouse.address, root, "dc0", REJOIN_BEFORE if rejoin else None,
-                            streaming=streaming)
+        dcs["dc0"] = _start(
+            0, ranks, lighthouse.address, root, "dc0", REJOIN_BEFORE if rejoin else None, streaming=streaming
+        )
         # dc1 dies between outer rounds (waiting to run step 5), or inside the round at step 6.
-        dcs["dc1"] = _start(1, ranks, lighthouse.address, root, "dc1", None if in_round else KILL_BEFORE,
-                            2 * H if in_round else None, streaming)
+        dcs["dc1"] = _start(
+            1,
+            ranks,
+            lighthouse.address,
+            root,
+            "dc1",
+            None if in_round else KILL_BEFORE,
+            2 * H if in_round else None,
+            streaming,
+        )
         for tag in ("dc0", "dc1"):
             for j in range(ranks):
                 _wait_for(control / f"{tag}.{j}-ready")
@@ -214,11 +288,17 @@ def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     # The test extra installs torchft; without it this fails rather than skips. Found, not imported:
     # its Rust logging reads RUST_LOG once, in the rank processes.
     assert importlib.util.find_spec("torchft") is not None, "torchft is missing: pip install -e '.[test]'"
-    plans = {"kill": (1, False, False), "kill_in_round": (1, False, True), "rejoin": (1, True, False),
-             "rejoin_2ranks": (2, True, False), "rejoin_streaming": (1, True, False, True)}
+    plans = {
+        "kill": (1, False, False),
+        "kill_in_round": (1, False, True),
+        "rejoin": (1, True, False),
+        "rejoin_2ranks": (2, True, False),
+        "rejoin_streaming": (1, True, False, True),
+    }
     with ThreadPoolExecutor(len(plans)) as pool:
-        runs = {name: pool.submit(_scenario, tmp_path_factory.mktemp(f"geo_{name}"), *plan)
-                for name, plan in plans.items()}
+        runs = {
+            name: pool.submit(_scenario, tmp_path_factory.mktemp(f"geo_{name}"), *plan) for name, plan in plans.items()
+        }
         return {name: run.result() for name, run in runs.items()}
 
 
@@ -302,14 +382,19 @@ def _geo(**kw: Any) -> GeoConfig:
     return cfg
 
 
-@pytest.mark.parametrize("kw, key", [
-    ({"sync": "hierarchical"}, "geo.fault_tolerant"),
-    ({"datacenters": 1}, "geo.datacenters"),
-    ({"sync": "streaming_diloco"}, "geo.outer_dtype"),  # auto is int4 for streaming
-    ({"outer_dtype": "bf16"}, "geo.outer_dtype"),
-    ({"sync": "streaming_diloco", "outer_dtype": "fp32", "inner_steps": 8, "fragments": 4, "overlap_steps": 2},
-     "geo.overlap_steps"),
-])
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        ({"sync": "hierarchical"}, "geo.fault_tolerant"),
+        ({"datacenters": 1}, "geo.datacenters"),
+        ({"sync": "streaming_diloco"}, "geo.outer_dtype"),  # auto is int4 for streaming
+        ({"outer_dtype": "bf16"}, "geo.outer_dtype"),
+        (
+            {"sync": "streaming_diloco", "outer_dtype": "fp32", "inner_steps": 8, "fragments": 4, "overlap_steps": 2},
+            "geo.overlap_steps",
+        ),
+    ],
+)
 def test_fault_tolerant_settings_it_cannot_run_are_refused(kw: dict[str, Any], key: str) -> None:
     with pytest.raises(ConfigError) as e:
         check_config(_geo(**kw))

@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from isthmus.errors import ConfigError
-from isthmus.geo import GeoConfig, GeoGroups, validate
-from isthmus.geo import accounting, compress
+from isthmus.geo import GeoConfig, GeoGroups, accounting, compress, validate
 from isthmus.geo.buckets import build_buckets, pack_params, split_fragments, unpack_params
 
 
@@ -97,6 +96,7 @@ def test_validate_names_the_key(key: str, value: object, sync: str) -> None:
 
 def test_ring_tiers_of_a_two_by_two_layout() -> None:
     """Rank r of 2 datacenters x 2: in a flat ring only ranks 1 and 3 send over the WAN."""
+
     def groups(rank: int, per_node: int | None) -> GeoGroups:
         dc, local = divmod(rank, 2)
         no_group: Any = None  # tiers need the layout only

@@ -33,12 +33,35 @@ ALLOWED: dict[str, set[str]] = {
     "api": {"errors", "log", "config", "layout", "models", "parallel", "train"},
     "profile": {"errors", "log", "config", "layout", "models", "parallel", "train", "api", "planner"},
     "launch": {"errors", "log", "config", "layout", "models", "data", "parallel", "geo", "train", "planner"},
-    "cli": {"errors", "log", "config", "layout", "models", "data", "parallel", "geo", "train", "planner", "sim",
-            "profile", "launch", "api"},
+    "cli": {
+        "errors",
+        "log",
+        "config",
+        "layout",
+        "models",
+        "data",
+        "parallel",
+        "geo",
+        "train",
+        "planner",
+        "sim",
+        "profile",
+        "launch",
+        "api",
+    },
 }
 # Parts a user runs without a GPU stack or for planning only: importing them must not load torch.
-TORCH_FREE = ["isthmus.errors", "isthmus.log", "isthmus.config", "isthmus.planner", "isthmus.sim",
-              "isthmus.planner.autoplan", "isthmus.planner.topology", "isthmus.cli", "isthmus.launch.preflight"]
+TORCH_FREE = [
+    "isthmus.errors",
+    "isthmus.log",
+    "isthmus.config",
+    "isthmus.planner",
+    "isthmus.sim",
+    "isthmus.planner.autoplan",
+    "isthmus.planner.topology",
+    "isthmus.cli",
+    "isthmus.launch.preflight",
+]
 
 
 def _part(module: str) -> str:
@@ -68,7 +91,9 @@ def _imports(module: str, path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if base.split(".")[0] != "isthmus":
                 continue
             out.add(base)
@@ -86,13 +111,19 @@ def test_every_part_imports_only_what_it_may() -> None:
         part = _part(module)
         if part == "root":
             continue
-        assert part in ALLOWED, f"{module}: the part {part!r} has no rule in this test (and none in docs/architecture.md)"
+        assert part in ALLOWED, (
+            f"{module}: the part {part!r} has no rule in this test (and none in docs/architecture.md)"
+        )
         for target in sorted(_imports(module, path)):
             other = _part(target)
             if other not in (part, "root") and other not in ALLOWED[part]:
-                broken.append(f"{module} imports {target} ({part} may import: {', '.join(sorted(ALLOWED[part])) or 'nothing'})")
+                broken.append(
+                    f"{module} imports {target} ({part} may import: {', '.join(sorted(ALLOWED[part])) or 'nothing'})"
+                )
             if other == "root" and target == "isthmus" and part != "cli":
-                broken.append(f"{module} imports the package root `isthmus` (its public API), which imports the runtime")
+                broken.append(
+                    f"{module} imports the package root `isthmus` (its public API), which imports the runtime"
+                )
     assert not broken, "\n".join(broken)
 
 
@@ -107,7 +138,7 @@ def test_no_import_cycles_between_modules() -> None:
         seen[m] = 1
         for t in sorted(graph.get(m, ())):
             if seen.get(t) == 1:
-                cycles.append(" -> ".join(stack[stack.index(t):] + [t]) if t in stack else f"{m} -> {t}")
+                cycles.append(" -> ".join(stack[stack.index(t) :] + [t]) if t in stack else f"{m} -> {t}")
             elif t not in seen:
                 visit(t, stack + [t])
         seen[m] = 2

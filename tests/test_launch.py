@@ -13,8 +13,18 @@ from pathlib import Path
 
 from multirank import free_port
 
-ARGS = ["--config", "tiny", "--train.steps", "6", "--train.val_every", "3", "--data.max_bytes", "200000",
-        "--parallel.dp_replicate", "2"]
+ARGS = [
+    "--config",
+    "tiny",
+    "--train.steps",
+    "6",
+    "--train.val_every",
+    "3",
+    "--data.max_bytes",
+    "200000",
+    "--parallel.dp_replicate",
+    "2",
+]
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
@@ -27,9 +37,23 @@ def _losses(path: Path) -> list[float]:
 
 def test_nproc_launch_and_torchrun_train_identically(tmp_path: Path) -> None:
     own = subprocess.run(
-        [sys.executable, "-m", "isthmus", "train", *ARGS, "--parallel.nproc", "2",
-         "--train.run_dir", str(tmp_path / "own"), "--data.cache_dir", str(tmp_path / "cache")],
-        capture_output=True, text=True, timeout=300, env=_env(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "isthmus",
+            "train",
+            *ARGS,
+            "--parallel.nproc",
+            "2",
+            "--train.run_dir",
+            str(tmp_path / "own"),
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(tmp_path),
     )
     assert own.returncode == 0, own.stderr[-3000:]
     assert "on 2 rank(s)" in own.stdout
@@ -41,10 +65,29 @@ def test_nproc_launch_and_torchrun_train_identically(tmp_path: Path) -> None:
 
     port = free_port()
     ext = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "isthmus", "train", *ARGS,
-         "--train.run_dir", str(tmp_path / "ext"), "--data.cache_dir", str(tmp_path / "cache")],
-        capture_output=True, text=True, timeout=300, env=_env(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "-m",
+            "isthmus",
+            "train",
+            *ARGS,
+            "--train.run_dir",
+            str(tmp_path / "ext"),
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(tmp_path),
     )
     assert ext.returncode == 0, ext.stderr[-3000:]
     assert ext.stdout.count("isthmus train: done") == 1  # only rank 0 prints the summary
@@ -56,10 +99,29 @@ def test_nproc_launch_and_torchrun_train_identically(tmp_path: Path) -> None:
 def test_torchrun_world_size_must_match_nproc(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-         "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "isthmus", "train", *ARGS, "--parallel.nproc", "4",
-         "--train.run_dir", str(tmp_path / "r")],
-        capture_output=True, text=True, timeout=300, env=_env(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "-m",
+            "isthmus",
+            "train",
+            *ARGS,
+            "--parallel.nproc",
+            "4",
+            "--train.run_dir",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(tmp_path),
     )
     assert proc.returncode != 0
     assert "isthmus: error: parallel.nproc = 4" in proc.stderr
@@ -72,14 +134,32 @@ def test_user_error_inside_ranks_is_one_line(tmp_path: Path) -> None:
     bad.mkdir(parents=True)
     (bad / "isthmus.json").write_text("not json")
     proc = subprocess.run(
-        [sys.executable, "-m", "isthmus", "train", *ARGS, "--parallel.nproc", "2", "--train.run_dir", str(tmp_path / "r"),
-         "--data.cache_dir", str(tmp_path / "cache"), "--checkpoint.resume", str(bad)],
-        capture_output=True, text=True, timeout=300, env=_env(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "isthmus",
+            "train",
+            *ARGS,
+            "--parallel.nproc",
+            "2",
+            "--train.run_dir",
+            str(tmp_path / "r"),
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+            "--checkpoint.resume",
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(tmp_path),
     )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
-    assert errors == [f"isthmus: error: {bad / 'isthmus.json'}: not a valid checkpoint manifest "
-                      "(JSONDecodeError: Expecting value: line 1 column 1 (char 0)) (rank0)"], proc.stderr
+    assert errors == [
+        f"isthmus: error: {bad / 'isthmus.json'}: not a valid checkpoint manifest "
+        "(JSONDecodeError: Expecting value: line 1 column 1 (char 0)) (rank0)"
+    ], proc.stderr
 
 
 def _process_tree(root: int) -> set[int]:
@@ -102,7 +182,7 @@ def _process_tree(root: int) -> set[int]:
 def _proc_address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     """An address of /proc/net/tcp{,6}: 32-bit words, each in the kernel's (little-endian) byte order."""
     raw = bytes.fromhex(hex_addr)
-    return ipaddress.ip_address(b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4)))
+    return ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
 
 
 def _listening(pids: set[int]) -> list[tuple[int, str, bool]]:
@@ -110,8 +190,11 @@ def _listening(pids: set[int]) -> list[tuple[int, str, bool]]:
     found = []
     for pid in pids:
         try:
-            inodes = {os.readlink(fd)[8:-1] for fd in Path(f"/proc/{pid}/fd").iterdir()
-                      if os.readlink(fd).startswith("socket:[")}
+            inodes = {
+                os.readlink(fd)[8:-1]
+                for fd in Path(f"/proc/{pid}/fd").iterdir()
+                if os.readlink(fd).startswith("socket:[")
+            }
             tables = [Path(f"/proc/{pid}/net/{t}").read_text().splitlines()[1:] for t in ("tcp", "tcp6")]
         except OSError:
             continue
@@ -130,9 +213,27 @@ def test_local_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
     """The agent's rendezvous store, rank 0's store and gloo: every listening socket of the run is on loopback."""
     run = tmp_path / "r"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "isthmus", "train", *ARGS, "--parallel.nproc", "2", "--train.steps", "100000",
-         "--train.val_every", "0", "--train.run_dir", str(run), "--data.cache_dir", str(tmp_path / "cache")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=_env(tmp_path),
+        [
+            sys.executable,
+            "-m",
+            "isthmus",
+            "train",
+            *ARGS,
+            "--parallel.nproc",
+            "2",
+            "--train.steps",
+            "100000",
+            "--train.val_every",
+            "0",
+            "--train.run_dir",
+            str(run),
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(tmp_path),
     )
     try:
         deadline = time.monotonic() + 240
@@ -166,10 +267,29 @@ def test_local_ranks_train_when_the_hostname_resolves_nowhere(tmp_path: Path) ->
     except socket.gaierror:
         pass
     proc = subprocess.run(
-        ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', name,
-         sys.executable, "-m", "isthmus", "train", *ARGS, "--parallel.nproc", "2",
-         "--train.run_dir", str(tmp_path / "r"), "--data.cache_dir", str(tmp_path / "cache")],
-        capture_output=True, text=True, timeout=150, env=_env(tmp_path),
+        [
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            'hostname "$0" && exec "$@"',
+            name,
+            sys.executable,
+            "-m",
+            "isthmus",
+            "train",
+            *ARGS,
+            "--parallel.nproc",
+            "2",
+            "--train.run_dir",
+            str(tmp_path / "r"),
+            "--data.cache_dir",
+            str(tmp_path / "cache"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=_env(tmp_path),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_losses(tmp_path / "r" / "metrics.jsonl")) == 6

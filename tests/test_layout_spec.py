@@ -23,20 +23,74 @@ ARGS = ModelArgs(dim=256, n_layers=8, n_heads=8, n_kv_heads=8, vocab_size=512, f
 
 # (topology, devices, config values): between them every field takes a value other than its default.
 CASES: list[tuple[str, int, dict[str, Any]]] = [
-    ("selene-a100", 16, {"parallel.nproc": 16, "parallel.tp": 2, "parallel.sequence_parallel": True, "parallel.cp": 2,
-                         "parallel.cp_impl": "ulysses", "parallel.pp": 2, "parallel.pp_schedule": "interleaved_1f1b",
-                         "parallel.pp_virtual_stages": 2, "parallel.microbatches": 4, "parallel.dp_shard": 2,
-                         "parallel.dp_replicate": 1, "parallel.zero_stage": 2,
-                         "parallel.activation_checkpoint": "selective", "train.batch_size": 16, "train.seq_len": 256}),
-    ("selene-a100", 4, {"parallel.nproc": 4, "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.zero_stage": 3,
-                        "train.grad_accum": 4, "parallel.activation_checkpoint": "full", "train.batch_size": 32,
-                        "train.seq_len": 128}),
-    ("emulated-2dc", 4, {"parallel.nproc": 4, "parallel.dp_replicate": 2, "parallel.dp_shard": 1, "geo.datacenters": 2,
-                         "geo.dc_axis": "dp", "geo.sync": "streaming_diloco", "geo.inner_steps": 20, "geo.fragments": 2,
-                         "geo.overlap_steps": 3, "train.batch_size": 8, "train.seq_len": 32}),
-    ("emulated-2dc", 4, {"parallel.nproc": 4, "parallel.dp_replicate": 2, "parallel.dp_shard": 1, "parallel.pp": 2,
-                         "parallel.pp_schedule": "gpipe", "parallel.microbatches": 2, "geo.datacenters": 2,
-                         "geo.dc_axis": "pp", "train.batch_size": 8, "train.seq_len": 32}),
+    (
+        "selene-a100",
+        16,
+        {
+            "parallel.nproc": 16,
+            "parallel.tp": 2,
+            "parallel.sequence_parallel": True,
+            "parallel.cp": 2,
+            "parallel.cp_impl": "ulysses",
+            "parallel.pp": 2,
+            "parallel.pp_schedule": "interleaved_1f1b",
+            "parallel.pp_virtual_stages": 2,
+            "parallel.microbatches": 4,
+            "parallel.dp_shard": 2,
+            "parallel.dp_replicate": 1,
+            "parallel.zero_stage": 2,
+            "parallel.activation_checkpoint": "selective",
+            "train.batch_size": 16,
+            "train.seq_len": 256,
+        },
+    ),
+    (
+        "selene-a100",
+        4,
+        {
+            "parallel.nproc": 4,
+            "parallel.dp_replicate": 2,
+            "parallel.dp_shard": 2,
+            "parallel.zero_stage": 3,
+            "train.grad_accum": 4,
+            "parallel.activation_checkpoint": "full",
+            "train.batch_size": 32,
+            "train.seq_len": 128,
+        },
+    ),
+    (
+        "emulated-2dc",
+        4,
+        {
+            "parallel.nproc": 4,
+            "parallel.dp_replicate": 2,
+            "parallel.dp_shard": 1,
+            "geo.datacenters": 2,
+            "geo.dc_axis": "dp",
+            "geo.sync": "streaming_diloco",
+            "geo.inner_steps": 20,
+            "geo.fragments": 2,
+            "geo.overlap_steps": 3,
+            "train.batch_size": 8,
+            "train.seq_len": 32,
+        },
+    ),
+    (
+        "emulated-2dc",
+        4,
+        {
+            "parallel.nproc": 4,
+            "parallel.dp_replicate": 2,
+            "parallel.dp_shard": 1,
+            "parallel.pp": 2,
+            "parallel.pp_schedule": "gpipe",
+            "parallel.microbatches": 2,
+            "geo.datacenters": 2,
+            "geo.dc_axis": "pp",
+            "train.batch_size": 8,
+            "train.seq_len": 32,
+        },
+    ),
 ]
 
 
@@ -57,8 +111,12 @@ def test_every_field_is_a_config_key_or_documented_as_derived() -> None:
 
 def test_the_cases_cover_every_field() -> None:
     default = LayoutSpec()
-    changed = {f.name for _, _, values in CASES for f in dataclasses.fields(LayoutSpec)
-               if getattr(LayoutSpec.from_config(_config(values)), f.name) != getattr(default, f.name)}
+    changed = {
+        f.name
+        for _, _, values in CASES
+        for f in dataclasses.fields(LayoutSpec)
+        if getattr(LayoutSpec.from_config(_config(values)), f.name) != getattr(default, f.name)
+    }
     assert changed == {f.name for f in dataclasses.fields(LayoutSpec)}
 
 
@@ -78,8 +136,9 @@ def test_config_spec_planner_spec_config(topology: str, devices: int, values: di
     for section in ("parallel", "geo", "train", "model"):
         for key, value in planned[section].items():
             set_value(again, f"{section}.{key}", value, from_cli=False)
-    assert {f"{s}.{k}": v for s in ("parallel", "geo", "train") for k, v in planned[s].items()
-            if k != "seq_len"} == back.config_overrides()
+    assert {
+        f"{s}.{k}": v for s in ("parallel", "geo", "train") for k, v in planned[s].items() if k != "seq_len"
+    } == back.config_overrides()
     validate(again)
     for key, value in values.items():
         section, name = key.split(".")
@@ -91,8 +150,20 @@ def test_the_plan_json_speaks_config_keys(capsys: pytest.CaptureFixture[str]) ->
     parser = ArgumentParser(prog="isthmus")
     sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
     plan_cli.add_parser(sub)
-    argv = ["plan", "--model", "tiny", "--topology", "emulated-2dc", "--train.batch_size", "8", "--train.seq_len", "32",
-            "--top", "5", "--json"]
+    argv = [
+        "plan",
+        "--model",
+        "tiny",
+        "--topology",
+        "emulated-2dc",
+        "--train.batch_size",
+        "8",
+        "--train.seq_len",
+        "32",
+        "--top",
+        "5",
+        "--json",
+    ]
     assert plan_cli.run(parser.parse_args(argv)) == 0
     out = json.loads(capsys.readouterr().out)
     keys = section_fields(JobConfig())

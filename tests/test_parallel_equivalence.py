@@ -24,21 +24,38 @@ import torch
 from multirank import run_ranks
 
 BASE = [
-    "--model.flavor", "tiny", "--train.steps", "5", "--train.batch_size", "8", "--train.seq_len", "32",
-    "--train.warmup_steps", "2", "--train.val_every", "0", "--train.val_batches", "1",
-    "--data.max_bytes", "100000", "--metrics.progress", "false", "--train.threads", "1",
+    "--model.flavor",
+    "tiny",
+    "--train.steps",
+    "5",
+    "--train.batch_size",
+    "8",
+    "--train.seq_len",
+    "32",
+    "--train.warmup_steps",
+    "2",
+    "--train.val_every",
+    "0",
+    "--train.val_batches",
+    "1",
+    "--data.max_bytes",
+    "100000",
+    "--metrics.progress",
+    "false",
+    "--train.threads",
+    "1",
 ]
 RTOL = 1e-5
 PARAM_RTOL = 5e-5
 
 
 def _train(overrides: list[str], run_dir: str, cache_dir: str) -> tuple[list[float], list[float]]:
-    from isthmus.config import build_config, parse_overrides
-    from isthmus.log import setup_logging
-    from isthmus.launch.preflight import preflight
-    from isthmus.train.trainer import train
-
     import torch.distributed as dist
+
+    from isthmus.config import build_config, parse_overrides
+    from isthmus.launch.preflight import preflight
+    from isthmus.log import setup_logging
+    from isthmus.train.trainer import train
 
     args = [*BASE, *overrides, "--train.run_dir", run_dir, "--data.cache_dir", cache_dir]
     if dist.is_initialized():
@@ -84,7 +101,11 @@ CASES: list[tuple[str, int, list[str]]] = [
     ("dp_shard2_zero1", 2, ["--parallel.dp_shard", "2", "--parallel.zero_stage", "1"]),
     ("dp_shard2_zero2", 2, ["--parallel.dp_shard", "2", "--parallel.zero_stage", "2"]),
     ("dp_shard2_zero3", 2, ["--parallel.dp_shard", "2", "--parallel.zero_stage", "3"]),
-    ("dp_shard2_zero3_accum2_ac", 2, ["--parallel.dp_shard", "2", "--train.grad_accum", "2", "--parallel.activation_checkpoint", "full"]),
+    (
+        "dp_shard2_zero3_accum2_ac",
+        2,
+        ["--parallel.dp_shard", "2", "--train.grad_accum", "2", "--parallel.activation_checkpoint", "full"],
+    ),
     ("hsdp_2x2", 4, ["--parallel.dp_replicate", "2", "--parallel.dp_shard", "2"]),
     ("tp2", 2, ["--parallel.tp", "2"]),
     ("tp2_sp", 2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
@@ -92,25 +113,90 @@ CASES: list[tuple[str, int, list[str]]] = [
     ("cp2_ulysses", 2, ["--parallel.cp", "2", "--parallel.cp_impl", "ulysses"]),
     ("pp2_gpipe", 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe", "--parallel.microbatches", "2"]),
     ("pp2_1f1b", 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--parallel.microbatches", "2"]),
-    ("pp2_interleaved", 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b", "--parallel.microbatches", "2", "--parallel.pp_virtual_stages", "2"]),
-    ("pp2_zero_bubble", 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "zero_bubble", "--parallel.microbatches", "2", "--parallel.pp_virtual_stages", "2"]),
+    (
+        "pp2_interleaved",
+        2,
+        [
+            "--parallel.pp",
+            "2",
+            "--parallel.pp_schedule",
+            "interleaved_1f1b",
+            "--parallel.microbatches",
+            "2",
+            "--parallel.pp_virtual_stages",
+            "2",
+        ],
+    ),
+    (
+        "pp2_zero_bubble",
+        2,
+        [
+            "--parallel.pp",
+            "2",
+            "--parallel.pp_schedule",
+            "zero_bubble",
+            "--parallel.microbatches",
+            "2",
+            "--parallel.pp_virtual_stages",
+            "2",
+        ],
+    ),
     ("dp2_tp2", 4, ["--parallel.dp_replicate", "2", "--parallel.tp", "2"]),
-    ("dp_shard2_tp2", 4, ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.activation_checkpoint", "selective"]),
+    (
+        "dp_shard2_tp2",
+        4,
+        ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.activation_checkpoint", "selective"],
+    ),
     ("dp2_pp2", 4, ["--parallel.dp_replicate", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
     ("tp2_pp2", 4, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
     ("pp2_cp2", 4, ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.microbatches", "2"]),
     ("dc2_dp_shard2_tp2", 8, ["--geo.datacenters", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"]),
     ("dc2_geo_flat", 4, ["--geo.datacenters", "2", "--parallel.dp_replicate", "2", "--geo.sync", "flat"]),
-    ("dc2_geo_hierarchical", 4, ["--geo.datacenters", "2", "--parallel.dp_replicate", "2", "--geo.sync", "hierarchical"]),
+    (
+        "dc2_geo_hierarchical",
+        4,
+        ["--geo.datacenters", "2", "--parallel.dp_replicate", "2", "--geo.sync", "hierarchical"],
+    ),
     # geo strategies with model parallelism inside each datacenter: one geo grid per model part.
-    ("dc2_tp2_geo_hierarchical", 4, ["--geo.datacenters", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true",
-                                     "--geo.sync", "hierarchical"]),
-    ("dc2_pp2_geo_flat", 4, ["--geo.datacenters", "2", "--parallel.pp", "2", "--parallel.microbatches", "2",
-                             "--geo.sync", "flat"]),
+    (
+        "dc2_tp2_geo_hierarchical",
+        4,
+        [
+            "--geo.datacenters",
+            "2",
+            "--parallel.tp",
+            "2",
+            "--parallel.sequence_parallel",
+            "true",
+            "--geo.sync",
+            "hierarchical",
+        ],
+    ),
+    (
+        "dc2_pp2_geo_flat",
+        4,
+        ["--geo.datacenters", "2", "--parallel.pp", "2", "--parallel.microbatches", "2", "--geo.sync", "flat"],
+    ),
     ("dc2_cp2_geo_hierarchical", 4, ["--geo.datacenters", "2", "--parallel.cp", "2", "--geo.sync", "hierarchical"]),
-    ("dc2_dp_shard2_z3_geo_hierarchical", 4, ["--geo.datacenters", "2", "--parallel.dp_shard", "2", "--parallel.zero_stage", "3",
-                                              "--geo.sync", "hierarchical"]),
-    ("dp2_tp2_pp2", 8, ["--parallel.dp_replicate", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
+    (
+        "dc2_dp_shard2_z3_geo_hierarchical",
+        4,
+        [
+            "--geo.datacenters",
+            "2",
+            "--parallel.dp_shard",
+            "2",
+            "--parallel.zero_stage",
+            "3",
+            "--geo.sync",
+            "hierarchical",
+        ],
+    ),
+    (
+        "dp2_tp2_pp2",
+        8,
+        ["--parallel.dp_replicate", "2", "--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"],
+    ),
 ]
 
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from multirank import run_ranks
 
 from isthmus.errors import ConfigError
 from isthmus.models.flavors import get_flavor
@@ -30,6 +29,7 @@ from isthmus.parallel.pipeline import (
     stage_costs,
     stage_ids_for_rank,
 )
+from multirank import run_ranks
 
 BATCH, SEQ, MICRO, STEPS, RTOL = 8, 32, 4, 3, 1e-5
 # (schedule, virtual stages, n_layers): the 6-layer case reaches ScheduleInterleavedZeroBubble.

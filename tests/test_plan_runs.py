@@ -17,16 +17,36 @@ from isthmus.config import build_config
 from isthmus.errors import ConfigError
 from isthmus.layout.spec import LayoutSpec
 
-PLAN = ["plan", "--model", "tiny", "--topology", "emulated-2dc", "--train.batch_size", "8", "--train.seq_len", "32",
-        "--top", "3", "--json"]
+PLAN = [
+    "plan",
+    "--model",
+    "tiny",
+    "--topology",
+    "emulated-2dc",
+    "--train.batch_size",
+    "8",
+    "--train.seq_len",
+    "32",
+    "--top",
+    "3",
+    "--json",
+]
 
 
-def _isthmus(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def _isthmus(
+    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess[str]:
     # The isthmus under test, whatever directory the command runs in.
     src = str(Path(isthmus.__file__).resolve().parents[1])
     path = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
-    return subprocess.run([sys.executable, "-m", "isthmus", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": path, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "isthmus", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +63,23 @@ def test_a_two_datacenter_plan_trains_locally(plan_file: Path, tmp_path: Path) -
     best = json.loads(plan_file.read_text())["layouts"][0]
     assert best["geo"]["datacenters"] == 2 and best["geo"]["dc_axis"] == "dp" and best["geo"]["sync"] != "none"
     run = tmp_path / "run"
-    done = _isthmus("train", "--config", "tiny", "--parallel.plan", str(plan_file), "--train.run_dir", str(run),
-                    "--data.max_bytes", "60000", "--train.val_every", "0", "--metrics.progress", "false",
-                    cwd=tmp_path, env={"ISTHMUS_MAX_STEPS": "2"})
+    done = _isthmus(
+        "train",
+        "--config",
+        "tiny",
+        "--parallel.plan",
+        str(plan_file),
+        "--train.run_dir",
+        str(run),
+        "--data.max_bytes",
+        "60000",
+        "--train.val_every",
+        "0",
+        "--metrics.progress",
+        "false",
+        cwd=tmp_path,
+        env={"ISTHMUS_MAX_STEPS": "2"},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     ran = tomllib.loads((run / "config.toml").read_text())
     for section in ("parallel", "geo", "train"):
@@ -61,8 +95,9 @@ def test_the_command_line_wins_over_the_plan(plan_file: Path) -> None:
     assert cfg.geo.inner_steps == 7 and cfg.geo.sync == best["geo"]["sync"]
     assert cfg.parallel.nproc == best["parallel"]["nproc"] and cfg.parallel.plan == "manual"
     spec = LayoutSpec.from_config(cfg)
-    assert spec.with_(inner_steps=best["layout"]["inner_steps"], fragments=best["layout"]["fragments"]) == \
-        LayoutSpec.from_dict(best["layout"])
+    assert spec.with_(
+        inner_steps=best["layout"]["inner_steps"], fragments=best["layout"]["fragments"]
+    ) == LayoutSpec.from_dict(best["layout"])
 
 
 def test_a_plan_that_breaks_a_rule_names_the_key(plan_file: Path) -> None:

@@ -19,19 +19,58 @@ def plan(argv: list[str]) -> int:
 
 
 def test_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> None:
-    assert plan(["--model", "small", "--topology", "local", "--train.batch_size", "16", "--train.seq_len", "128", "--top", "2", "--json"]) == 0
+    assert (
+        plan(
+            [
+                "--model",
+                "small",
+                "--topology",
+                "local",
+                "--train.batch_size",
+                "16",
+                "--train.seq_len",
+                "128",
+                "--top",
+                "2",
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert len(out["layouts"]) == 2 and out["topology"] == "local"
     for lay in out["layouts"]:
-        assert {"layout", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu", "mem_per_device_gb",
-                "bubble_fraction", "wan_bytes_per_step"} <= set(lay)
+        assert {
+            "layout",
+            "step_time_s",
+            "tokens_per_s",
+            "tflops_per_device",
+            "mfu",
+            "mem_per_device_gb",
+            "bubble_fraction",
+            "wan_bytes_per_step",
+        } <= set(lay)
         assert lay["parallel"]["nproc"] == 2
     assert out["explanation"].startswith("3.")
 
 
 def test_table_and_explanation(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["--model", "gpt3-1.7b", "--topology", "selene-a100", "--gpus", "32", "--train.batch_size", "512",
-            "--train.seq_len", "2048", "--micro-batch", "1", "--top", "3"]
+    argv = [
+        "--model",
+        "gpt3-1.7b",
+        "--topology",
+        "selene-a100",
+        "--gpus",
+        "32",
+        "--train.batch_size",
+        "512",
+        "--train.seq_len",
+        "2048",
+        "--micro-batch",
+        "1",
+        "--top",
+        "3",
+    ]
     assert plan(argv) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("#"))
@@ -41,21 +80,39 @@ def test_table_and_explanation(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_model_overrides_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    plan(["--model", "gpt3-1.7b", "--model.n_layers", "4", "--topology", "local", "--train.batch_size", "4",
-          "--train.seq_len", "256", "--json", "--top", "1"])
+    plan(
+        [
+            "--model",
+            "gpt3-1.7b",
+            "--model.n_layers",
+            "4",
+            "--topology",
+            "local",
+            "--train.batch_size",
+            "4",
+            "--train.seq_len",
+            "256",
+            "--json",
+            "--top",
+            "1",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["model_params"] < 500_000_000
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--model", "small", "--train.batch_size", "0"], "--train.batch_size = 0: must be at least 1"),
-    (["--model", "small", "--geo.sync", "flat,warp"], "--geo.sync = 'warp'"),
-    (["--model", "small", "--topology", "nowhere.toml"], "--topology = 'nowhere.toml': no such file or preset"),
-    (["--model", "small", "--model.n_heads", "5"], "model.n_heads = 5"),
-    (["--model", "nope"], "model.flavor = 'nope'"),
-    (["--model", "small", "--parallel.activation_checkpoint", "most"], "invalid choice"),
-    (["--model", "small", "--gpus", "3"], "--gpus = 3"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--model", "small", "--train.batch_size", "0"], "--train.batch_size = 0: must be at least 1"),
+        (["--model", "small", "--geo.sync", "flat,warp"], "--geo.sync = 'warp'"),
+        (["--model", "small", "--topology", "nowhere.toml"], "--topology = 'nowhere.toml': no such file or preset"),
+        (["--model", "small", "--model.n_heads", "5"], "model.n_heads = 5"),
+        (["--model", "nope"], "model.flavor = 'nope'"),
+        (["--model", "small", "--parallel.activation_checkpoint", "most"], "invalid choice"),
+        (["--model", "small", "--gpus", "3"], "--gpus = 3"),
+    ],
+)
 def test_bad_flags_are_one_line_errors(argv: list[str], needle: str) -> None:
     with pytest.raises(IsthmusError) as info:
         plan(argv)

@@ -41,7 +41,9 @@ def test_gemm_curve_saturates_in_each_dimension() -> None:
     assert fracs == sorted(fracs)
     # A skinny GEMM is memory-bound: its time follows bytes, not FLOPs.
     t = gemm_time(A100, "bf16", 16384, 16384, 1)
-    assert t == pytest.approx(A100.kernel_launch_s + 2 * (16384 * 16384 + 2 * 16384) / (A100.memory_bandwidth * A100.memory_bw_fraction))
+    assert t == pytest.approx(
+        A100.kernel_launch_s + 2 * (16384 * 16384 + 2 * 16384) / (A100.memory_bandwidth * A100.memory_bw_fraction)
+    )
 
 
 def test_collectives_alpha_beta() -> None:
@@ -67,7 +69,9 @@ def test_cross_dc_strategies_trade_bytes_for_quality() -> None:
     b = 4e9
     times = {}
     for geo in ("flat", "hierarchical", "compressed", "diloco"):
-        times[geo] = cross_dc_all_reduce(b, span, LayoutSpec(datacenters=3, dc_axis="dp", sync=geo, inner_steps=50), ISTH)  # type: ignore[arg-type]
+        times[geo] = cross_dc_all_reduce(
+            b, span, LayoutSpec(datacenters=3, dc_axis="dp", sync=geo, inner_steps=50), ISTH
+        )  # type: ignore[arg-type]
     assert times["compressed"][2] == pytest.approx(ISTH.compress_ratio * times["hierarchical"][2])
     assert times["diloco"][2] == pytest.approx(times["hierarchical"][2] / 50)  # fp32 deltas, 1/H of the steps
     assert times["flat"][0] > times["hierarchical"][0] > times["compressed"][0] > times["diloco"][0]
@@ -99,8 +103,12 @@ def test_korthikanti_activation_formulas_exact() -> None:
     sbh = s * b * h
     assert layer_activation_bytes(args, b, s, 1, 1, False, MEG) == pytest.approx(sbh * (34 + 5 * a * s / h))
     for t in (2, 8):
-        assert layer_activation_bytes(args, b, s, t, 1, False, MEG) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
-        assert layer_activation_bytes(args, b, s, t, 1, True, MEG) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+        assert layer_activation_bytes(args, b, s, t, 1, False, MEG) == pytest.approx(
+            sbh * (10 + 24 / t + 5 * a * s / (h * t))
+        )
+        assert layer_activation_bytes(args, b, s, t, 1, True, MEG) == pytest.approx(
+            sbh * (34 / t + 5 * a * s / (h * t))
+        )
     assert layer_input_bytes(args, b, s, 8, 1, False) == 2 * sbh
     # Fused attention and no dropout drop the 5as/h term and the masks.
     assert layer_activation_bytes(args, b, s, 1, 1, False, ISTH) == pytest.approx(sbh * 32)
@@ -118,22 +126,61 @@ def test_zero_stages_shard_state() -> None:
 def test_estimate_reports_memory_that_does_not_fit() -> None:
     topo = load_topology("selene-a100").subset(8)
     work = Workload(get_flavor("gpt3-145.6b"), 8, 2048)
-    est = estimate(work, topo, LayoutSpec(tp=8, sequence_parallel=True, micro_batch=1, microbatches=8, activation_checkpoint="full"), ISTH)
+    est = estimate(
+        work,
+        topo,
+        LayoutSpec(tp=8, sequence_parallel=True, micro_batch=1, microbatches=8, activation_checkpoint="full"),
+        ISTH,
+    )
     assert not est.fits and est.mem_per_device_gb > 80
-    small = estimate(Workload(get_flavor("gpt3-1.7b"), 64, 2048), topo,
-                     LayoutSpec(dp_replicate=8, micro_batch=1, microbatches=8, activation_checkpoint="full"), ISTH)
+    small = estimate(
+        Workload(get_flavor("gpt3-1.7b"), 64, 2048),
+        topo,
+        LayoutSpec(dp_replicate=8, micro_batch=1, microbatches=8, activation_checkpoint="full"),
+        ISTH,
+    )
     assert small.fits and 0.2 < small.mfu < 0.8 and small.bubble_fraction == 0 and small.wan_bytes_per_step == 0
-    assert set(small.as_json()) >= {"layout", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu",
-                                    "mem_per_device_gb", "bubble_fraction", "wan_bytes_per_step"}
+    assert set(small.as_json()) >= {
+        "layout",
+        "step_time_s",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+        "mem_per_device_gb",
+        "bubble_fraction",
+        "wan_bytes_per_step",
+    }
 
 
 def test_mixed_device_kinds_get_uneven_stages() -> None:
     def dc(name: str, device: str) -> dict:
-        return {"name": name, "device": device, "nodes": 16, "devices_per_node": 8,
-                "intra_node": {"bandwidth_gb_s": 300, "latency_us": 3}, "fabric": {"bandwidth_gb_s": 25, "latency_us": 6}}
-    topo = parse_topology({"name": "mixed", "datacenters": [dc("old", "a100-80g"), dc("new", "h100-sxm")],
-                           "wan": [{"between": ["old", "new"], "bandwidth_gb_s": 50, "latency_us": 5000}]})
-    lay = LayoutSpec(tp=8, sequence_parallel=True, pp=4, dp_replicate=8, micro_batch=1, microbatches=32, activation_checkpoint="full", datacenters=2, dc_axis="pp")
+        return {
+            "name": name,
+            "device": device,
+            "nodes": 16,
+            "devices_per_node": 8,
+            "intra_node": {"bandwidth_gb_s": 300, "latency_us": 3},
+            "fabric": {"bandwidth_gb_s": 25, "latency_us": 6},
+        }
+
+    topo = parse_topology(
+        {
+            "name": "mixed",
+            "datacenters": [dc("old", "a100-80g"), dc("new", "h100-sxm")],
+            "wan": [{"between": ["old", "new"], "bandwidth_gb_s": 50, "latency_us": 5000}],
+        }
+    )
+    lay = LayoutSpec(
+        tp=8,
+        sequence_parallel=True,
+        pp=4,
+        dp_replicate=8,
+        micro_batch=1,
+        microbatches=32,
+        activation_checkpoint="full",
+        datacenters=2,
+        dc_axis="pp",
+    )
     est = estimate(Workload(get_flavor("gpt3-39.1b"), 256, 2048), topo, lay, ISTH)
     a100, h100 = est.stage_layers[:2], est.stage_layers[2:]
     assert sum(est.stage_layers) == 48 and max(a100) < min(h100)

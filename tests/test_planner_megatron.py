@@ -42,8 +42,17 @@ def test_hardcoded_rows_match_shared_csv_when_present() -> None:
         rows = list(csv.DictReader(line for line in fh if not line.startswith("#")))
     assert len(rows) == len(TABLE1)
     for row, ref in zip(rows, TABLE1):
-        got = (float(row["params_b"]), int(row["heads"]), int(row["hidden"]), int(row["layers"]), int(row["tp"]),
-               int(row["pp"]), int(row["gpus"]), int(row["global_batch"]), float(row["tflops_per_gpu"]))
+        got = (
+            float(row["params_b"]),
+            int(row["heads"]),
+            int(row["hidden"]),
+            int(row["layers"]),
+            int(row["tp"]),
+            int(row["pp"]),
+            int(row["gpus"]),
+            int(row["global_batch"]),
+            float(row["tflops_per_gpu"]),
+        )
         assert got == ref
 
 
@@ -52,7 +61,13 @@ def test_per_gpu_tflops_within_ten_percent(ref: tuple) -> None:
     row = MegatronRow(*ref)
     est = megatron_row_estimate(row)
     lay = est.layout
-    assert (lay.tp, lay.pp, lay.world, lay.micro_batch, lay.activation_checkpoint) == (row.tp, row.pp, row.gpus, 1, "full")
+    assert (lay.tp, lay.pp, lay.world, lay.micro_batch, lay.activation_checkpoint) == (
+        row.tp,
+        row.pp,
+        row.gpus,
+        1,
+        "full",
+    )
     assert lay.dp * lay.microbatches == row.global_batch
     assert est.fits, f"{row.params_b}B: {est.mem_per_device_gb:.1f} GB does not fit in 80 GB"
     err = est.tflops_per_device / row.tflops_per_gpu - 1

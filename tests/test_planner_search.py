@@ -40,11 +40,19 @@ def test_big_model_needs_model_parallelism_to_fit() -> None:
 
 def test_fixed_choices_are_kept() -> None:
     topo = load_topology("selene-a100").subset(64)
-    space = SearchSpace(batch_size=128, seq_len=2048, tp=2, pp=4, micro_batch=2, activation_checkpoint="selective", pp_schedule="1f1b")
+    space = SearchSpace(
+        batch_size=128, seq_len=2048, tp=2, pp=4, micro_batch=2, activation_checkpoint="selective", pp_schedule="1f1b"
+    )
     res = search(get_flavor("gpt3-7.5b"), topo, space, ISTH, top=3)
     for e in res.ranked:
         lay = e.layout
-        assert (lay.tp, lay.pp, lay.micro_batch, lay.activation_checkpoint, lay.pp_schedule) == (2, 4, 2, "selective", "1f1b")
+        assert (lay.tp, lay.pp, lay.micro_batch, lay.activation_checkpoint, lay.pp_schedule) == (
+            2,
+            4,
+            2,
+            "selective",
+            "1f1b",
+        )
         assert lay.dp * lay.micro_batch * lay.microbatches == 128
 
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from isthmus.planner.autoplan import choose_local_layout, local_topology, threads_per_rank
 from isthmus.cli import profile as profile_cli
 from isthmus.cli.common import ArgumentParser
 from isthmus.config import build_config
 from isthmus.errors import IsthmusError
-from isthmus.profile.measure import fit_alpha_beta, fit_gemm_curve
+from isthmus.planner.autoplan import choose_local_layout, local_topology, threads_per_rank
 from isthmus.planner.topology import load_topology
+from isthmus.profile.measure import fit_alpha_beta, fit_gemm_curve
 from isthmus.train.device import PEAK_CACHE_FILE, cpu_peak_key
 
 
@@ -25,8 +25,9 @@ def profile(argv: list[str]) -> int:
     return profile_cli.run(parser.parse_args(["profile", *argv]))
 
 
-def test_profile_writes_a_loadable_topology(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_profile_writes_a_loadable_topology(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ISTHMUS_CACHE", str(tmp_path / "cache"))
     peaks = tmp_path / "cache" / PEAK_CACHE_FILE
     peaks.parent.mkdir()
@@ -86,8 +87,15 @@ def test_local_ranks_share_the_cores() -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2, 4])
 def test_plan_auto_chooses_a_valid_local_layout(nproc: int) -> None:
-    cfg = build_config(None, [("model.flavor", "small"), ("parallel.nproc", str(nproc)), ("train.batch_size", "16"),
-                              ("train.seq_len", "128")])
+    cfg = build_config(
+        None,
+        [
+            ("model.flavor", "small"),
+            ("parallel.nproc", str(nproc)),
+            ("train.batch_size", "16"),
+            ("train.seq_len", "128"),
+        ],
+    )
     choice = choose_local_layout(cfg)
     par = choice.parallel
     assert par["nproc"] == nproc
@@ -110,9 +118,29 @@ def test_train_plan_auto_runs_the_choice(tmp_path: Path, capsys: pytest.CaptureF
     from isthmus.cli import main
 
     run = tmp_path / "auto"
-    argv = ["train", "--model.flavor", "tiny", "--train.steps", "3", "--train.val_every", "0", "--train.val_batches", "1",
-            "--train.batch_size", "8", "--train.seq_len", "32", "--metrics.progress", "false",
-            "--parallel.nproc", "2", "--parallel.plan", "auto", "--train.run_dir", str(run)]
+    argv = [
+        "train",
+        "--model.flavor",
+        "tiny",
+        "--train.steps",
+        "3",
+        "--train.val_every",
+        "0",
+        "--train.val_batches",
+        "1",
+        "--train.batch_size",
+        "8",
+        "--train.seq_len",
+        "32",
+        "--metrics.progress",
+        "false",
+        "--parallel.nproc",
+        "2",
+        "--parallel.plan",
+        "auto",
+        "--train.run_dir",
+        str(run),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     line = next(ln for ln in out.splitlines() if ln.startswith("plan auto: "))
@@ -139,14 +167,23 @@ def test_plan_auto_keeps_what_the_command_line_fixes(capsys: pytest.CaptureFixtu
     assert (par["pp"], par["pp_schedule"], par["dp_replicate"] * par["dp_shard"]) == (2, "gpipe", 1)
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--parallel.tp", "3"], "parallel.tp = 3: must divide parallel.nproc = 2"),
-    (["--parallel.nproc", "4", "--parallel.tp", "4"], "parallel.tp = 4: must divide model.n_kv_heads = 2"),
-    (["--parallel.pp", "2", "--parallel.pp_virtual_stages", "4"], "8 stages is more than model.n_layers = 4"),
-    (["--parallel.plan_topology", "nowhere.toml"], "parallel.plan_topology = 'nowhere.toml': no such file or preset"),
-    (["--parallel.plan", "sometimes"], "parallel.plan = 'sometimes'"),
-    (["--parallel.nproc", "4", "--geo.datacenters", "2"], "parallel.plan = 'auto': plans the local ranks of one datacenter"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--parallel.tp", "3"], "parallel.tp = 3: must divide parallel.nproc = 2"),
+        (["--parallel.nproc", "4", "--parallel.tp", "4"], "parallel.tp = 4: must divide model.n_kv_heads = 2"),
+        (["--parallel.pp", "2", "--parallel.pp_virtual_stages", "4"], "8 stages is more than model.n_layers = 4"),
+        (
+            ["--parallel.plan_topology", "nowhere.toml"],
+            "parallel.plan_topology = 'nowhere.toml': no such file or preset",
+        ),
+        (["--parallel.plan", "sometimes"], "parallel.plan = 'sometimes'"),
+        (
+            ["--parallel.nproc", "4", "--geo.datacenters", "2"],
+            "parallel.plan = 'auto': plans the local ranks of one datacenter",
+        ),
+    ],
+)
 def test_plan_auto_bad_input_is_one_line(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     from isthmus.cli import main
 
@@ -157,21 +194,23 @@ def test_plan_auto_bad_input_is_one_line(extra: list[str], message: str, capsys:
 
 def _with_overheads(tp_us: float, sp_us: float, shard_us: float) -> str:
     """Two ranks of the shipped cpu kind on one node, with the given runtime work per block."""
-    return (f'name = "t"\n[devices.cpu-o]\nbase = "cpu"\ntp_block_us = {tp_us}\nsp_block_us = {sp_us}\n'
-            f'shard_block_us = {shard_us}\n[[datacenters]]\nname = "local"\ndevice = "cpu-o"\nnodes = 1\n'
-            'devices_per_node = 2\nintra_node = { bandwidth_gb_s = 1.2, latency_us = 200 }\n')
+    return (
+        f'name = "t"\n[devices.cpu-o]\nbase = "cpu"\ntp_block_us = {tp_us}\nsp_block_us = {sp_us}\n'
+        f'shard_block_us = {shard_us}\n[[datacenters]]\nname = "local"\ndevice = "cpu-o"\nnodes = 1\n'
+        "devices_per_node = 2\nintra_node = { bandwidth_gb_s = 1.2, latency_us = 200 }\n"
+    )
 
 
 def test_runtime_overheads_enter_cost_model_and_simulator_alike() -> None:
     """Measured per-block runtime work: tp per block and pass, FSDP2 per block and collective."""
     import tomllib
 
-    from isthmus.planner.autoplan import local_runtime
     from isthmus.models.flavors import get_flavor
+    from isthmus.planner.autoplan import local_runtime
     from isthmus.planner.cost import estimate
     from isthmus.planner.layout import LayoutSpec, Workload
-    from isthmus.sim import simulate
     from isthmus.planner.topology import parse_topology
+    from isthmus.sim import simulate
 
     plain = parse_topology(tomllib.loads(_with_overheads(0, 0, 0)))
     over = parse_topology(tomllib.loads(_with_overheads(1000, 500, 2000)))
@@ -206,8 +245,8 @@ def test_mechanism_fit_recovers_known_overheads() -> None:
     """Steps made of the planner's own prediction plus known per-block work give that work back."""
     from dataclasses import replace as dc_replace
 
-    from isthmus.planner.autoplan import local_runtime
     from isthmus.models.flavors import get_flavor
+    from isthmus.planner.autoplan import local_runtime
     from isthmus.planner.cost import estimate
     from isthmus.planner.layout import LayoutSpec, Workload
     from isthmus.profile.measure import MECHANISMS, SHARD_EVENTS, fit_mechanisms
@@ -218,12 +257,28 @@ def test_mechanism_fit_recovers_known_overheads() -> None:
     measured = {}
     for name, v in MECHANISMS.items():
         d = v.get("dp_shard", 1)
-        lay = LayoutSpec(tp=v.get("tp", 1), sequence_parallel=v.get("sequence_parallel", False), dp_shard=d,
-                     zero_stage=v.get("zero_stage", 1), micro_batch=16 // d, microbatches=1)
-        per_block = (2 * (tp + (sp if lay.sequence_parallel else 0.0)) if lay.tp > 1 else SHARD_EVENTS[lay.zero_stage] * shard)
-        measured[name] = [estimate(Workload(dc_replace(get_flavor("small"), n_layers=n), 16, 128, "fp32"),
-                                   topo.subset(2), lay, local_runtime()).step_time_s + n * per_block + 0.01
-                          for n in (1, 3)]
+        lay = LayoutSpec(
+            tp=v.get("tp", 1),
+            sequence_parallel=v.get("sequence_parallel", False),
+            dp_shard=d,
+            zero_stage=v.get("zero_stage", 1),
+            micro_batch=16 // d,
+            microbatches=1,
+        )
+        per_block = (
+            2 * (tp + (sp if lay.sequence_parallel else 0.0)) if lay.tp > 1 else SHARD_EVENTS[lay.zero_stage] * shard
+        )
+        measured[name] = [
+            estimate(
+                Workload(dc_replace(get_flavor("small"), n_layers=n), 16, 128, "fp32"),
+                topo.subset(2),
+                lay,
+                local_runtime(),
+            ).step_time_s
+            + n * per_block
+            + 0.01
+            for n in (1, 3)
+        ]
     got = fit_mechanisms(text, "small", 16, 128, measured)
     assert got["tp_block_s"] == pytest.approx(tp, rel=1e-6) and got["sp_block_s"] == pytest.approx(sp, rel=1e-6)
     assert got["shard_block_s"] == pytest.approx(shard, rel=1e-6)
@@ -235,5 +290,7 @@ def test_bad_overhead_key_is_one_line() -> None:
     from isthmus.errors import ConfigError
     from isthmus.planner.topology import parse_topology
 
-    with pytest.raises(ConfigError, match=r"devices.cpu-o.tp_block_us = -1: must be a number of microseconds, 0 or more"):
+    with pytest.raises(
+        ConfigError, match=r"devices.cpu-o.tp_block_us = -1: must be a number of microseconds, 0 or more"
+    ):
         parse_topology(tomllib.loads(_with_overheads(-1, 0, 0)))

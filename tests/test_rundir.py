@@ -13,8 +13,20 @@ import pytest
 
 from isthmus.cli import main
 
-QUICK = ["--config", "tiny", "--train.steps", "2", "--train.val_every", "0", "--train.val_batches", "1",
-         "--data.max_bytes", "60000", "--metrics.progress", "false"]
+QUICK = [
+    "--config",
+    "tiny",
+    "--train.steps",
+    "2",
+    "--train.val_every",
+    "0",
+    "--train.val_batches",
+    "1",
+    "--data.max_bytes",
+    "60000",
+    "--metrics.progress",
+    "false",
+]
 
 
 @pytest.fixture()
@@ -30,8 +42,11 @@ def _train(*extra: str) -> int:
 
 
 def _digest(directory: Path) -> dict[str, str]:
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def _error(capsys: pytest.CaptureFixture[str]) -> str:
@@ -40,7 +55,9 @@ def _error(capsys: pytest.CaptureFixture[str]) -> str:
     return lines[0]
 
 
-def test_every_run_gets_a_fresh_directory_and_latest_names_the_newest(here: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_run_gets_a_fresh_directory_and_latest_names_the_newest(
+    here: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _train() == 0
     assert _train("--train.seed", "1") == 0
     runs = sorted(p for p in (here / "runs").iterdir() if not p.is_symlink())
@@ -72,9 +89,23 @@ def test_a_named_directory_holding_an_earlier_run_is_refused_and_left_as_it_was(
 
 def test_a_second_live_run_on_the_same_directory_gets_one_line(here: Path, capsys: pytest.CaptureFixture[str]) -> None:
     first = subprocess.Popen(
-        [sys.executable, "-m", "isthmus", "train", *QUICK, "--data.cache_dir", "cache", "--train.steps", "400",
-         "--train.run_dir", "runs/shared"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ},
+        [
+            sys.executable,
+            "-m",
+            "isthmus",
+            "train",
+            *QUICK,
+            "--data.cache_dir",
+            "cache",
+            "--train.steps",
+            "400",
+            "--train.run_dir",
+            "runs/shared",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ},
     )
     try:
         lock = here / "runs" / "shared" / ".lock"

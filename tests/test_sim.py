@@ -11,10 +11,10 @@ import pytest
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.pipeline import in_flight
+from isthmus.planner.topology import load_topology
 from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.engine import Device, Engine, Link, Phase, Transfer
 from isthmus.sim.schedule import peak_in_flight, rank_actions, stage_ranks
-from isthmus.planner.topology import load_topology
 
 ISTHMUS = RUNTIMES["isthmus"]
 SMALL = Workload(get_flavor("small"), 16, 128, "fp32")
@@ -22,13 +22,15 @@ SMALL = Workload(get_flavor("small"), 16, 128, "fp32")
 
 # --- engine ---------------------------------------------------------------------------------------
 
+
 def _run_flows(weights: list[float], seconds: float = 1.0, min_stretch: float = 0.0) -> list[float]:
     eng = Engine()
     link = Link(eng, "l", "intra")
     ends: list[float] = []
     for w in weights:
-        Transfer(eng, [Phase(link, 0.0, seconds, w, min_stretch)], "x", "dp", "t", "dp",
-                 on_done=lambda: ends.append(eng.now)).start()
+        Transfer(
+            eng, [Phase(link, 0.0, seconds, w, min_stretch)], "x", "dp", "t", "dp", on_done=lambda: ends.append(eng.now)
+        ).start()
     eng.run()
     return ends
 
@@ -79,9 +81,17 @@ def test_device_runs_its_program_in_order_and_waits() -> None:
 
 # --- schedules ------------------------------------------------------------------------------------
 
-CASES = [("gpipe", 4, 1, 8), ("1f1b", 4, 1, 8), ("1f1b", 3, 1, 3), ("interleaved_1f1b", 4, 2, 8),
-         ("interleaved_1f1b", 4, 3, 6), ("interleaved_1f1b", 2, 2, 3), ("zero_bubble", 4, 2, 8), ("zero_bubble", 2, 2, 2),
-         ("zero_bubble", 4, 3, 8)]
+CASES = [
+    ("gpipe", 4, 1, 8),
+    ("1f1b", 4, 1, 8),
+    ("1f1b", 3, 1, 3),
+    ("interleaved_1f1b", 4, 2, 8),
+    ("interleaved_1f1b", 4, 3, 6),
+    ("interleaved_1f1b", 2, 2, 3),
+    ("zero_bubble", 4, 2, 8),
+    ("zero_bubble", 2, 2, 2),
+    ("zero_bubble", 4, 3, 8),
+]
 
 
 @pytest.mark.parametrize("schedule, pp, v, m", CASES)
@@ -129,20 +139,84 @@ AGREE = [
     ("small", "local", LayoutSpec(dp_replicate=2, micro_batch=8), 16, 128),
     ("small", "local", LayoutSpec(tp=2, sequence_parallel=True, micro_batch=16), 16, 128),
     ("small", "local", LayoutSpec(pp=2, pp_schedule="1f1b", micro_batch=4, microbatches=4), 16, 128),
-    ("small", "local", LayoutSpec(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, micro_batch=4, microbatches=4), 16, 128),
-    ("llama3-8b", "selene-a100", LayoutSpec(tp=8, sequence_parallel=True, dp_replicate=8, micro_batch=2, microbatches=4), 64, 4096),
-    ("llama3-8b", "selene-a100", LayoutSpec(tp=8, sequence_parallel=True, pp=2, dp_replicate=4, micro_batch=1, microbatches=16), 64, 4096),
-    ("llama3-8b", "selene-a100", LayoutSpec(tp=8, sequence_parallel=True, pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2,
-                                        dp_replicate=2, micro_batch=1, microbatches=32), 64, 4096),
-    ("llama3-70b", "selene-a100", LayoutSpec(tp=8, sequence_parallel=True, pp=8, dp_shard=8, zero_stage=2, micro_batch=1, microbatches=64,
-                                         activation_checkpoint="selective"), 512, 4096),
-    ("llama3-70b", "selene-a100", LayoutSpec(tp=8, sequence_parallel=True, pp=8, pp_schedule="interleaved_1f1b", pp_virtual_stages=5, dp_shard=8,
-                                         zero_stage=2, micro_batch=1, microbatches=64, activation_checkpoint="full"), 512, 4096),
+    (
+        "small",
+        "local",
+        LayoutSpec(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, micro_batch=4, microbatches=4),
+        16,
+        128,
+    ),
+    (
+        "llama3-8b",
+        "selene-a100",
+        LayoutSpec(tp=8, sequence_parallel=True, dp_replicate=8, micro_batch=2, microbatches=4),
+        64,
+        4096,
+    ),
+    (
+        "llama3-8b",
+        "selene-a100",
+        LayoutSpec(tp=8, sequence_parallel=True, pp=2, dp_replicate=4, micro_batch=1, microbatches=16),
+        64,
+        4096,
+    ),
+    (
+        "llama3-8b",
+        "selene-a100",
+        LayoutSpec(
+            tp=8,
+            sequence_parallel=True,
+            pp=4,
+            pp_schedule="interleaved_1f1b",
+            pp_virtual_stages=2,
+            dp_replicate=2,
+            micro_batch=1,
+            microbatches=32,
+        ),
+        64,
+        4096,
+    ),
+    (
+        "llama3-70b",
+        "selene-a100",
+        LayoutSpec(
+            tp=8,
+            sequence_parallel=True,
+            pp=8,
+            dp_shard=8,
+            zero_stage=2,
+            micro_batch=1,
+            microbatches=64,
+            activation_checkpoint="selective",
+        ),
+        512,
+        4096,
+    ),
+    (
+        "llama3-70b",
+        "selene-a100",
+        LayoutSpec(
+            tp=8,
+            sequence_parallel=True,
+            pp=8,
+            pp_schedule="interleaved_1f1b",
+            pp_virtual_stages=5,
+            dp_shard=8,
+            zero_stage=2,
+            micro_batch=1,
+            microbatches=64,
+            activation_checkpoint="full",
+        ),
+        512,
+        4096,
+    ),
 ]
 
 
 @pytest.mark.parametrize("flavor, topology, layout, batch, seq", AGREE, ids=[f"{a[0]}:{a[2].label()}" for a in AGREE])
-def test_simulator_agrees_with_the_cost_model(flavor: str, topology: str, layout: LayoutSpec, batch: int, seq: int) -> None:
+def test_simulator_agrees_with_the_cost_model(
+    flavor: str, topology: str, layout: LayoutSpec, batch: int, seq: int
+) -> None:
     topo = load_topology(topology).subset(layout.world)
     work = Workload(get_flavor(flavor), batch, seq, topo.datacenters[0].kind.default_dtype)
     res = simulate(work, topo, layout, ISTHMUS)
@@ -172,19 +246,73 @@ def test_zero_bubble_fills_the_1f1b_bubble() -> None:
 
 # --- across datacenters ---------------------------------------------------------------------------
 
+
 def _two_node_geo() -> object:
     topo = load_topology("geo-3dc-h100")
     return replace(topo, datacenters=tuple(replace(d, nodes=2) for d in topo.datacenters))
 
 
 GEO = [
-    LayoutSpec(tp=8, sequence_parallel=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, datacenters=3, dc_axis="dp", sync="hierarchical"),
-    LayoutSpec(tp=8, sequence_parallel=True, dp_replicate=6, micro_batch=1, microbatches=8, datacenters=3, dc_axis="dp", sync="flat"),
-    LayoutSpec(tp=8, sequence_parallel=True, dp_replicate=6, micro_batch=1, microbatches=8, datacenters=3, dc_axis="dp", sync="compressed"),
-    LayoutSpec(tp=8, sequence_parallel=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, datacenters=3, dc_axis="dp", sync="diloco", inner_steps=50),
-    LayoutSpec(tp=8, sequence_parallel=True, pp=3, dp_replicate=2, micro_batch=1, microbatches=24, datacenters=3, dc_axis="pp"),
-    LayoutSpec(tp=8, sequence_parallel=True, pp=2, dp_replicate=3, micro_batch=1, microbatches=16, datacenters=3, dc_axis="dp",
-           sync="streaming_diloco", inner_steps=20, fragments=4, overlap_steps=1),
+    LayoutSpec(
+        tp=8,
+        sequence_parallel=True,
+        pp=2,
+        dp_replicate=3,
+        micro_batch=1,
+        microbatches=16,
+        datacenters=3,
+        dc_axis="dp",
+        sync="hierarchical",
+    ),
+    LayoutSpec(
+        tp=8,
+        sequence_parallel=True,
+        dp_replicate=6,
+        micro_batch=1,
+        microbatches=8,
+        datacenters=3,
+        dc_axis="dp",
+        sync="flat",
+    ),
+    LayoutSpec(
+        tp=8,
+        sequence_parallel=True,
+        dp_replicate=6,
+        micro_batch=1,
+        microbatches=8,
+        datacenters=3,
+        dc_axis="dp",
+        sync="compressed",
+    ),
+    LayoutSpec(
+        tp=8,
+        sequence_parallel=True,
+        pp=2,
+        dp_replicate=3,
+        micro_batch=1,
+        microbatches=16,
+        datacenters=3,
+        dc_axis="dp",
+        sync="diloco",
+        inner_steps=50,
+    ),
+    LayoutSpec(
+        tp=8, sequence_parallel=True, pp=3, dp_replicate=2, micro_batch=1, microbatches=24, datacenters=3, dc_axis="pp"
+    ),
+    LayoutSpec(
+        tp=8,
+        sequence_parallel=True,
+        pp=2,
+        dp_replicate=3,
+        micro_batch=1,
+        microbatches=16,
+        datacenters=3,
+        dc_axis="dp",
+        sync="streaming_diloco",
+        inner_steps=20,
+        fragments=4,
+        overlap_steps=1,
+    ),
 ]
 
 
@@ -208,8 +336,17 @@ def test_streaming_diloco_hides_what_its_overlap_covers(mbit: float, tau: int) -
 
     rate = mbit * 1e6 / 8
     topo = load_topology("emulated-2dc").with_wan(bandwidth_gb_s=rate / 1e9)
-    lay = LayoutSpec(dp_replicate=4, datacenters=2, dc_axis="dp", sync="streaming_diloco", inner_steps=20, fragments=4,
-                 overlap_steps=tau, micro_batch=4, microbatches=1)
+    lay = LayoutSpec(
+        dp_replicate=4,
+        datacenters=2,
+        dc_axis="dp",
+        sync="streaming_diloco",
+        inner_steps=20,
+        fragments=4,
+        overlap_steps=tau,
+        micro_batch=4,
+        microbatches=1,
+    )
     est, sim = estimate(SMALL, topo, lay, ISTHMUS), simulate(SMALL, topo, lay, ISTHMUS)
     assert sim.step_time_s == pytest.approx(est.step_time_s, rel=0.05)
     assert sim.wan_bytes_per_step == pytest.approx(est.wan_bytes_per_step, rel=1e-6)
@@ -228,8 +365,11 @@ def test_streaming_diloco_hides_what_its_overlap_covers(mbit: float, tau: int) -
 
 # --- outputs --------------------------------------------------------------------------------------
 
+
 def test_trace_has_a_process_per_device_and_link(tmp_path) -> None:  # noqa: ANN001
-    lay = LayoutSpec(tp=8, sequence_parallel=True, pp=3, dp_replicate=2, micro_batch=1, microbatches=24, datacenters=3, dc_axis="pp")
+    lay = LayoutSpec(
+        tp=8, sequence_parallel=True, pp=3, dp_replicate=2, micro_batch=1, microbatches=24, datacenters=3, dc_axis="pp"
+    )
     work = Workload(get_flavor("llama3-8b"), 48, 4096, "bf16")
     res = simulate(work, _two_node_geo(), lay, ISTHMUS, record=True)  # type: ignore[arg-type]
     path = tmp_path / "t.json"
@@ -247,8 +387,13 @@ def test_trace_has_a_process_per_device_and_link(tmp_path) -> None:  # noqa: ANN
 
 def test_png_timeline(tmp_path) -> None:  # noqa: ANN001
     pytest.importorskip("matplotlib")
-    res = simulate(SMALL, load_topology("local"), LayoutSpec(pp=2, pp_schedule="1f1b", micro_batch=4, microbatches=4), ISTHMUS,
-                   record=True)
+    res = simulate(
+        SMALL,
+        load_topology("local"),
+        LayoutSpec(pp=2, pp_schedule="1f1b", micro_batch=4, microbatches=4),
+        ISTHMUS,
+        record=True,
+    )
     path = tmp_path / "t.png"
     write_png(res, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -40,7 +40,12 @@ def test_a_partial_plan_fixes_what_it_names(capsys: pytest.CaptureFixture[str]) 
     assert run("simulate", [*LOCAL, "--plan", plan, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     par = out["parallel"]
-    assert (par["pp"], par["pp_schedule"], par["pp_virtual_stages"], par["microbatches"]) == (2, "interleaved_1f1b", 2, 4)
+    assert (par["pp"], par["pp_schedule"], par["pp_virtual_stages"], par["microbatches"]) == (
+        2,
+        "interleaved_1f1b",
+        2,
+        4,
+    )
     assert run("simulate", [*LOCAL, "--plan", "tp=2,sequence_parallel=false", "--json"]) == 0
     par = json.loads(capsys.readouterr().out)["parallel"]
     assert par["tp"] == 2 and par["sequence_parallel"] is False
@@ -51,8 +56,17 @@ def test_a_partial_plan_fixes_what_it_names(capsys: pytest.CaptureFixture[str]) 
 def test_table_trace_and_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("matplotlib")
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
-    argv = [*LOCAL, "--plan", "pp=2,pp_schedule=1f1b,microbatches=4", "--iterations", "2", "--trace", str(trace),
-            "--png", str(png)]
+    argv = [
+        *LOCAL,
+        "--plan",
+        "pp=2,pp_schedule=1f1b,microbatches=4",
+        "--iterations",
+        "2",
+        "--trace",
+        str(trace),
+        "--png",
+        str(png),
+    ]
     assert run("simulate", argv) == 0
     out = capsys.readouterr().out
     for word in ("step time", "tokens/s", "bubble", "simulated", "cost model", "trace:", "timeline:"):
@@ -62,14 +76,17 @@ def test_table_trace_and_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert png.stat().st_size > 1000
 
 
-@pytest.mark.parametrize("plan, needle", [
-    ("bogus=1", "--plan = 'bogus=1': expected key=value"),
-    ("tp=two", "--plan tp = 'two': must be an integer"),
-    ("pp_schedule=warp", "--plan pp_schedule = 'warp': must be one of"),
-    ("sequence_parallel=maybe", "must be true or false"),
-    ("tp=0", "must be at least 1"),
-    ("tp=3", "--plan = 'tp=3': no layout that fits matches it"),
-])
+@pytest.mark.parametrize(
+    "plan, needle",
+    [
+        ("bogus=1", "--plan = 'bogus=1': expected key=value"),
+        ("tp=two", "--plan tp = 'two': must be an integer"),
+        ("pp_schedule=warp", "--plan pp_schedule = 'warp': must be one of"),
+        ("sequence_parallel=maybe", "must be true or false"),
+        ("tp=0", "must be at least 1"),
+        ("tp=3", "--plan = 'tp=3': no layout that fits matches it"),
+    ],
+)
 def test_bad_plans_are_one_line_errors(plan: str, needle: str) -> None:
     with pytest.raises(IsthmusError) as info:
         run("simulate", [*LOCAL, "--plan", plan])

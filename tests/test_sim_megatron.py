@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 
+from isthmus.models.flavors import gpt3
 from isthmus.planner.layout import RUNTIMES, Workload
 from isthmus.planner.reference import MEGATRON_2021_TABLE1, SEQ_LEN, MegatronRow, megatron_layout
-from isthmus.models.flavors import gpt3
-from isthmus.sim import simulate
 from isthmus.planner.topology import load_topology
+from isthmus.sim import simulate
 
 TOLERANCE = 0.10
 

@@ -14,10 +14,22 @@ REPO = Path(__file__).resolve().parents[1]
 TWO_DC = {
     "name": "two",
     "datacenters": [
-        {"name": "a", "device": "h100-sxm", "nodes": 2, "devices_per_node": 8,
-         "intra_node": {"bandwidth_gb_s": 360, "latency_us": 3}, "fabric": {"bandwidth_gb_s": 45, "latency_us": 6}},
-        {"name": "b", "device": "h200", "nodes": 4, "devices_per_node": 8,
-         "intra_node": {"bandwidth_gb_s": 360, "latency_us": 3}, "fabric": {"bandwidth_gb_s": 45, "latency_us": 6}},
+        {
+            "name": "a",
+            "device": "h100-sxm",
+            "nodes": 2,
+            "devices_per_node": 8,
+            "intra_node": {"bandwidth_gb_s": 360, "latency_us": 3},
+            "fabric": {"bandwidth_gb_s": 45, "latency_us": 6},
+        },
+        {
+            "name": "b",
+            "device": "h200",
+            "nodes": 4,
+            "devices_per_node": 8,
+            "intra_node": {"bandwidth_gb_s": 360, "latency_us": 3},
+            "fabric": {"bandwidth_gb_s": 45, "latency_us": 6},
+        },
     ],
     "wan": [{"between": ["a", "b"], "bandwidth_gb_s": 10, "latency_us": 20000}],
 }
@@ -80,18 +92,26 @@ def _copy(x: object) -> object:
 _DELETE = object()
 
 
-@pytest.mark.parametrize("path, value, key, rule", [
-    ("datacenters.1.nodes", 0, "topology.datacenters[1].nodes", "at least 1"),
-    ("datacenters.1.nodes", "four", "topology.datacenters[1].nodes", "integer"),
-    ("datacenters.0.device", "tpu9", "topology.datacenters[0].device", "unknown device kind"),
-    ("datacenters.1.fabric", _DELETE, "topology.datacenters[1].fabric", "required when nodes > 1"),
-    ("datacenters.0.intra_node.bandwidth_gb_s", -1, "topology.datacenters[0].intra_node.bandwidth_gb_s", "positive"),
-    ("datacenters.0.gpus", 8, "topology.datacenters[0].gpus", "unknown key"),
-    ("datacenters.1.name", "a", "topology.datacenters[1].name", "unique"),
-    ("wan.0.between", ["a", "c"], "topology.wan[0].between", "unknown datacenter"),
-    ("wan", [], "topology.wan", "missing a [[wan]] link"),
-    ("wan.0.latency_us", -5, "topology.wan[0].latency_us", "0 or more"),
-])
+@pytest.mark.parametrize(
+    "path, value, key, rule",
+    [
+        ("datacenters.1.nodes", 0, "topology.datacenters[1].nodes", "at least 1"),
+        ("datacenters.1.nodes", "four", "topology.datacenters[1].nodes", "integer"),
+        ("datacenters.0.device", "tpu9", "topology.datacenters[0].device", "unknown device kind"),
+        ("datacenters.1.fabric", _DELETE, "topology.datacenters[1].fabric", "required when nodes > 1"),
+        (
+            "datacenters.0.intra_node.bandwidth_gb_s",
+            -1,
+            "topology.datacenters[0].intra_node.bandwidth_gb_s",
+            "positive",
+        ),
+        ("datacenters.0.gpus", 8, "topology.datacenters[0].gpus", "unknown key"),
+        ("datacenters.1.name", "a", "topology.datacenters[1].name", "unique"),
+        ("wan.0.between", ["a", "c"], "topology.wan[0].between", "unknown datacenter"),
+        ("wan", [], "topology.wan", "missing a [[wan]] link"),
+        ("wan.0.latency_us", -5, "topology.wan[0].latency_us", "0 or more"),
+    ],
+)
 def test_bad_topology_names_key_and_rule(path: str, value: object, key: str, rule: str) -> None:
     data = _copy(TWO_DC)
     node: object = data

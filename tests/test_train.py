@@ -12,13 +12,33 @@ import pytest
 
 from isthmus.cli import main
 
-TINY = ["--config", "tiny", "--train.steps", "6", "--train.val_every", "3", "--data.max_bytes", "200000", "--metrics.progress", "false"]
+TINY = [
+    "--config",
+    "tiny",
+    "--train.steps",
+    "6",
+    "--train.val_every",
+    "3",
+    "--data.max_bytes",
+    "200000",
+    "--metrics.progress",
+    "false",
+]
 
 
 def _train(tmp_path: Path, name: str, *extra: str) -> list[dict]:
     jsonl = tmp_path / f"{name}.jsonl"
-    args = ["train", *TINY, "--train.run_dir", str(tmp_path / name), "--metrics.jsonl", str(jsonl),
-            "--data.cache_dir", str(tmp_path / "cache"), *extra]
+    args = [
+        "train",
+        *TINY,
+        "--train.run_dir",
+        str(tmp_path / name),
+        "--metrics.jsonl",
+        str(jsonl),
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        *extra,
+    ]
     assert main(args) == 0
     return [json.loads(line) for line in jsonl.read_text().splitlines()]
 
@@ -58,7 +78,7 @@ def test_metrics_records_and_loss_falls(tmp_path: Path) -> None:
     assert lrs[4] == pytest.approx(3e-3) and lrs[-1] < lrs[4]
     run = tmp_path / "m"
     assert (run / "config.toml").is_file() and (run / "final" / "model.pt").is_file()
-    assert "flavor = \"tiny\"" in (run / "config.toml").read_text()
+    assert 'flavor = "tiny"' in (run / "config.toml").read_text()
 
 
 def test_bf16_autocast_trains(tmp_path: Path) -> None:
@@ -76,6 +96,7 @@ def test_generate_prints_text(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_tensorboard_events(tmp_path: Path) -> None:
     import tensorboard  # noqa: F401  (the test extra installs it; a missing install must fail, not skip)
+
     _train(tmp_path, "tb", "--metrics.tensorboard", "true")
     assert list((tmp_path / "tb" / "tb").glob("events.out.tfevents.*"))
 

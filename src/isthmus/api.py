@@ -68,26 +68,39 @@ def parallelize(
     With pp > 1 the result's ``schedule`` runs the stages in ``modules``; run it with :func:`step`.
     """
     if not isinstance(model, Transformer):
-        raise ConfigError("model", type(model).__name__, "isthmus.parallelize takes an isthmus Transformer (isthmus.build_model)")
+        raise ConfigError(
+            "model", type(model).__name__, "isthmus.parallelize takes an isthmus Transformer (isthmus.build_model)"
+        )
     if dims.world_size > 1 and not dist.is_initialized():
         raise ConfigError(
-            "dims.world_size", dims.world_size,
+            "dims.world_size",
+            dims.world_size,
             "needs the default process group: run under torchrun and call torch.distributed.init_process_group() first",
         )
     if dist.is_initialized() and dist.get_world_size() != dims.world_size:
-        raise ConfigError("dims.world_size", dims.world_size, f"must equal the process group's size, {dist.get_world_size()}")
+        raise ConfigError(
+            "dims.world_size", dims.world_size, f"must equal the process group's size, {dist.get_world_size()}"
+        )
     args = model.args
     p = _with_degrees(parallel or ParallelConfig(), dims)
     if dims.pp_enabled and seq_len is None:
-        raise ConfigError("seq_len", None, "is needed for pp > 1: the pipeline balances its stages by their cost at this length")
+        raise ConfigError(
+            "seq_len", None, "is needed for pp > 1: the pipeline balances its stages by their cost at this length"
+        )
     # check_layout holds every layout rule; the batch fields are placeholders that satisfy the
     # batch rule, because a custom loop's batch size is not known here (pipeline_step checks it).
     micro = dims.dp * (p.microbatches if dims.pp_enabled else 1)
     checked_len = seq_len if seq_len is not None else 2 * dims.cp * dims.tp
     check_layout(
-        JobConfig(parallel=p, train=TrainConfig(seq_len=checked_len, batch_size=micro, grad_accum=1),
-                  geo=GeoConfig(datacenters=dims.dc)),
-        args.n_heads, args.n_kv_heads, args.n_layers, world_size=dims.world_size,
+        JobConfig(
+            parallel=p,
+            train=TrainConfig(seq_len=checked_len, batch_size=micro, grad_accum=1),
+            geo=GeoConfig(datacenters=dims.dc),
+        ),
+        args.n_heads,
+        args.n_kv_heads,
+        args.n_layers,
+        world_size=dims.world_size,
     )
     if any(t.device.type != "meta" for t in model.parameters()):
         model = build_model(args, device="meta")
@@ -110,7 +123,9 @@ def shard_batch(
     cp_rank = 0
     if pm.dims.cp_enabled:
         if mesh is None:
-            raise ConfigError("mesh", None, "context parallelism needs the mesh that parallelize used (dims.build_mesh)")
+            raise ConfigError(
+                "mesh", None, "context parallelism needs the mesh that parallelize used (dims.build_mesh)"
+            )
         cp_rank = mesh["cp"].get_local_rank()
     return _step.shard_batch(pm, inputs, targets, cp_rank)
 
@@ -144,7 +159,9 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float, mesh: Meshes | None) -> f
     pp_group = None
     if pm.dims.pp_enabled:
         if mesh is None:
-            raise ConfigError("mesh", None, "pipeline parallelism needs the mesh that parallelize used (dims.build_mesh)")
+            raise ConfigError(
+                "mesh", None, "pipeline parallelism needs the mesh that parallelize used (dims.build_mesh)"
+            )
         pp_group = mesh["pp"].get_group()
     return _clip(pm.parameters(), max_norm, pp_group)
 

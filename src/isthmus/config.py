@@ -239,27 +239,47 @@ class JobConfig:
 
 
 RESUME_MAY_CHANGE = (
-    "parallel.", "geo.", "checkpoint.", "metrics.", "train.steps", "train.run_dir", "train.overwrite",
-    "train.val_every", "train.val_batches", "train.threads", "train.device", "data.cache_dir",
+    "parallel.",
+    "geo.",
+    "checkpoint.",
+    "metrics.",
+    "train.steps",
+    "train.run_dir",
+    "train.overwrite",
+    "train.val_every",
+    "train.val_batches",
+    "train.threads",
+    "train.device",
+    "data.cache_dir",
 )
 """Settings a run may change when it continues from its checkpoint: the layout (checkpoints reshard),
 how long it trains, where and how it logs. Everything else (model, data, optimizer, batch) defines the run."""
 
 
-def settings_that_differ(saved_toml: str, current_toml: str, may_change: tuple[str, ...] = RESUME_MAY_CHANGE) -> list[str]:
+def settings_that_differ(
+    saved_toml: str, current_toml: str, may_change: tuple[str, ...] = RESUME_MAY_CHANGE
+) -> list[str]:
     """``key: saved -> current`` for every setting (outside ``may_change``) where two resolved configs differ."""
+
     def flat(text: str) -> dict[str, Any]:
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError:
             return {}
-        return {f"{section}.{key}": value for section, values in data.items() if isinstance(values, dict)
-                for key, value in values.items()}
+        return {
+            f"{section}.{key}": value
+            for section, values in data.items()
+            if isinstance(values, dict)
+            for key, value in values.items()
+        }
 
     saved, current = flat(saved_toml), flat(current_toml)
     keys = sorted(set(saved) | set(current))
-    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in keys
-            if not k.startswith(may_change) and saved.get(k) != current.get(k)]
+    return [
+        f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
+        for k in keys
+        if not k.startswith(may_change) and saved.get(k) != current.get(k)
+    ]
 
 
 _TOML_ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r", '"': '\\"', "\\": "\\\\"}
@@ -292,9 +312,7 @@ def toml_string(text: str) -> str:
 
 def section_fields(cfg: JobConfig) -> dict[str, dict[str, dataclasses.Field[Any]]]:
     """Map section name -> key -> dataclass field."""
-    return {
-        s.name: {f.name: f for f in dataclasses.fields(getattr(cfg, s.name))} for s in dataclasses.fields(cfg)
-    }
+    return {s.name: {f.name: f for f in dataclasses.fields(getattr(cfg, s.name))} for s in dataclasses.fields(cfg)}
 
 
 def _type_name(tp: Any) -> str:
@@ -417,7 +435,9 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str]]:
         if "=" in name:
             name, value = name.split("=", 1)
         else:
-            if i + 1 >= len(args) or (args[i + 1].startswith("--") and len(args[i + 1]) > 2 and not _is_number(args[i + 1])):
+            if i + 1 >= len(args) or (
+                args[i + 1].startswith("--") and len(args[i + 1]) > 2 and not _is_number(args[i + 1])
+            ):
                 raise ConfigError(f"--{name}", None, "missing value (write --section.key VALUE)")
             value = args[i + 1]
             i += 1
@@ -489,17 +509,25 @@ def validate(cfg: JobConfig) -> None:
     _require(t.device in ("auto", "cpu", "cuda"), "train.device", t.device, "must be one of 'auto', 'cpu', 'cuda'")
     _require(
         t.batch_size % t.grad_accum == 0,
-        "train.grad_accum", t.grad_accum, f"must divide train.batch_size = {t.batch_size}",
+        "train.grad_accum",
+        t.grad_accum,
+        f"must divide train.batch_size = {t.batch_size}",
     )
     _require(bool(t.run_dir.strip()), "train.run_dir", t.run_dir, "must not be empty")
     unknown = t.run_dir
     for placeholder in RUN_DIR_PLACEHOLDERS:
         unknown = unknown.replace(placeholder, "")
-    _require("{" not in unknown and "}" not in unknown, "train.run_dir", t.run_dir,
-             f"may hold only the placeholders {' and '.join(RUN_DIR_PLACEHOLDERS)}")
+    _require(
+        "{" not in unknown and "}" not in unknown,
+        "train.run_dir",
+        t.run_dir,
+        f"may hold only the placeholders {' and '.join(RUN_DIR_PLACEHOLDERS)}",
+    )
     _require(0.0 < d.val_fraction < 0.5, "data.val_fraction", d.val_fraction, "must be in (0, 0.5)")
     _require(d.max_bytes >= 0, "data.max_bytes", d.max_bytes, "must be 0 (no limit) or positive")
-    _require(d.bpe_vocab_size >= 300, "data.bpe_vocab_size", d.bpe_vocab_size, "must be at least 300 (256 bytes + merges)")
+    _require(
+        d.bpe_vocab_size >= 300, "data.bpe_vocab_size", d.bpe_vocab_size, "must be at least 300 (256 bytes + merges)"
+    )
     if d.path:
         _require(Path(d.path).exists(), "data.path", d.path, "no such file or folder")
     for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
@@ -508,27 +536,46 @@ def validate(cfg: JobConfig) -> None:
     for key in ("nproc", "tp", "cp", "pp", "microbatches", "pp_virtual_stages"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be at least 1")
     for key in ("dp_replicate", "dp_shard"):
-        _require(getattr(p, key) >= 1 or getattr(p, key) == -1, f"parallel.{key}", getattr(p, key),
-                 "must be at least 1, or -1 to fill what the other degrees leave")
+        _require(
+            getattr(p, key) >= 1 or getattr(p, key) == -1,
+            f"parallel.{key}",
+            getattr(p, key),
+            "must be at least 1, or -1 to fill what the other degrees leave",
+        )
     _require(p.zero_stage in (1, 2, 3), "parallel.zero_stage", p.zero_stage, "must be 1, 2 or 3")
     c = cfg.checkpoint
     _require(p.timeout_s >= 1, "parallel.timeout_s", p.timeout_s, "must be at least 1 (seconds)")
     _require(p.max_restarts >= 0, "parallel.max_restarts", p.max_restarts, "must be 0 (no restart) or positive")
     if p.max_restarts > 0:
-        _require(c.every > 0, "parallel.max_restarts", p.max_restarts, "needs checkpoint.every > 0 (a restart resumes from a checkpoint)")
+        _require(
+            c.every > 0,
+            "parallel.max_restarts",
+            p.max_restarts,
+            "needs checkpoint.every > 0 (a restart resumes from a checkpoint)",
+        )
     _require(c.every >= 0, "checkpoint.every", c.every, "must be 0 (final only) or positive")
     _require(c.keep >= 1, "checkpoint.keep", c.keep, "must be at least 1")
     _require(bool(c.resume.strip()), "checkpoint.resume", c.resume, "must be none, auto or a checkpoint directory")
     if c.resume not in ("none", "auto"):
-        _require(Path(c.resume).is_dir(), "checkpoint.resume", c.resume, "no such checkpoint directory (or use none or auto)")
+        _require(
+            Path(c.resume).is_dir(), "checkpoint.resume", c.resume, "no such checkpoint directory (or use none or auto)"
+        )
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", cfg.metrics.log_every, "must be at least 1")
     validate_geo(cfg.geo)
     g = cfg.geo
     if g.dc_axis == "pp":
-        _require(p.pp % g.datacenters == 0, "parallel.pp", p.pp,
-                 f"must be a multiple of geo.datacenters = {g.datacenters} with geo.dc_axis = pp (each holds pp / datacenters stages)")
-        _require(g.sync == "none", "geo.sync", g.sync,
-                 "must be none with geo.dc_axis = pp: data parallelism stays inside each datacenter")
+        _require(
+            p.pp % g.datacenters == 0,
+            "parallel.pp",
+            p.pp,
+            f"must be a multiple of geo.datacenters = {g.datacenters} with geo.dc_axis = pp (each holds pp / datacenters stages)",
+        )
+        _require(
+            g.sync == "none",
+            "geo.sync",
+            g.sync,
+            "must be none with geo.dc_axis = pp: data parallelism stays inside each datacenter",
+        )
 
 
 def validate_geo(cfg: GeoConfig) -> None:
@@ -554,6 +601,7 @@ def validate_geo(cfg: GeoConfig) -> None:
             )
         if not 0 <= cfg.overlap_steps < cfg.inner_steps:
             raise ConfigError(
-                "geo.overlap_steps", cfg.overlap_steps,
+                "geo.overlap_steps",
+                cfg.overlap_steps,
                 f"must be in [0, geo.inner_steps = {cfg.inner_steps}): a result must land before the next sync",
             )

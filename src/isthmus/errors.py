@@ -81,7 +81,9 @@ def is_no_space(exc: BaseException | None) -> bool:
 
 def no_space(what: str, path: str | Path, key: str) -> RunFailed:
     """The one line for a write that found the disk full: what, where, and the key that moves it."""
-    return RunFailed(f"no space left on device writing the {what} {path}; free space there or set {key} to another disk")
+    return RunFailed(
+        f"no space left on device writing the {what} {path}; free space there or set {key} to another disk"
+    )
 
 
 @contextmanager

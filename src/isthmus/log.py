@@ -39,7 +39,10 @@ class _LogFile(logging.FileHandler):
 
 
 def setup_logging(
-    level: int = logging.INFO, log_file: str | None = None, console: bool = True, console_stream: TextIO | None = None,
+    level: int = logging.INFO,
+    log_file: str | None = None,
+    console: bool = True,
+    console_stream: TextIO | None = None,
 ) -> logging.Logger:
     """Configure the isthmus logger: a console handler (rich when available) and an optional file.
 
@@ -55,7 +58,6 @@ def setup_logging(
         stream = console_stream or sys.stderr
         handler: logging.Handler
         if stream.isatty():
-
             handler = RichHandler(console=Console(file=stream), show_path=False, show_time=False, markup=False)
         else:  # logs and CI: plain lines, no wrapping at 80 columns
             handler = logging.StreamHandler(stream)
@@ -111,8 +113,14 @@ def route_library_warnings() -> None:
                     logger.addHandler(h)
     package = str(Path(__file__).parent)
 
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-             file: TextIO | None = None, line: str | None = None) -> None:
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
         text = f"{category.__name__}: {message} ({filename}:{lineno})"
         if filename.startswith(package):
             get_logger().warning("%s", text)

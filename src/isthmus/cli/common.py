@@ -11,13 +11,15 @@ LATEST_RUN = "runs/latest"
 """The newest run of the default train.run_dir (a link `isthmus train` updates)."""
 KEY_HELP = "secret key file (default: $ISTHMUS_CHECKPOINT_KEY_FILE): {what} must be signed with it"
 
+
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line naming the problem (not a usage block)."""
 
     def error(self, message: str) -> NoReturn:
         raise IsthmusError(f"{self.prog}: {message}")
 
-def subcommand_parser() -> tuple[ArgumentParser, argparse._SubParsersAction]:  # type: ignore[type-arg]
+
+def subcommand_parser() -> tuple[ArgumentParser, argparse._SubParsersAction]:
     """The top-level parser and its sub-command table, for `main` and for a parser of one sub-command."""
     parser = ArgumentParser(
         prog="isthmus",

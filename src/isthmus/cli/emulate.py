@@ -35,13 +35,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "run the train command after `--` with each datacenter's ranks inside its namespace, and remove it all "
         "on exit. Latency is not emulated (tc netem is unavailable on this kernel).",
     )
-    p.add_argument("--topology", default="emulated-2dc", help="topology preset name or TOML file (default: emulated-2dc)")
+    p.add_argument(
+        "--topology", default="emulated-2dc", help="topology preset name or TOML file (default: emulated-2dc)"
+    )
     p.add_argument("--wan-mbit", type=float, default=None, help="override every WAN link's rate, in Mbit/s")
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
-    p.add_argument("--log-dir", default=None, help="write each datacenter's output to DIR/dc<i>.log (default: this console)")
-    p.add_argument("--dc-restarts", type=int, default=0, metavar="N",
-                   help="with --geo.fault_tolerant true: restart a datacenter's ranks up to N times when they die; "
-                   "they rejoin from the global model (default: 0)")
+    p.add_argument(
+        "--log-dir", default=None, help="write each datacenter's output to DIR/dc<i>.log (default: this console)"
+    )
+    p.add_argument(
+        "--dc-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --geo.fault_tolerant true: restart a datacenter's ranks up to N times when they die; "
+        "they rejoin from the global model (default: 0)",
+    )
 
 
 @dataclass(frozen=True)
@@ -70,24 +79,37 @@ def train_command(argv: list[str], topology: str, n_dc: int, ranks_per_dc: int) 
     from isthmus.launch.local import check_external_launch
 
     if not argv or argv[0] != "train":
-        raise IsthmusError("isthmus emulate: give the training command after --, e.g. `isthmus emulate -- train --config tiny`")
+        raise IsthmusError(
+            "isthmus emulate: give the training command after --, e.g. `isthmus emulate -- train --config tiny`"
+        )
     ns, rest = parse_train_command(argv)
     given = dict(parse_overrides(rest))
     asked = build_config(find_config(ns.config), list(given.items()))
     world = n_dc * ranks_per_dc
     job_world = ranks_per_dc if asked.geo.fault_tolerant else world
     if "geo.datacenters" in given and asked.geo.datacenters != n_dc:
-        raise ConfigError("geo.datacenters", asked.geo.datacenters,
-                          f"the topology {topology} has {n_dc} datacenters (leave it out: isthmus emulate sets it)")
+        raise ConfigError(
+            "geo.datacenters",
+            asked.geo.datacenters,
+            f"the topology {topology} has {n_dc} datacenters (leave it out: isthmus emulate sets it)",
+        )
     if "parallel.nproc" in given and asked.parallel.nproc not in (1, job_world):
-        each = f"; each datacenter is a job of {ranks_per_dc} under geo.fault_tolerant" if asked.geo.fault_tolerant else ""
-        raise ConfigError("parallel.nproc", asked.parallel.nproc,
-                          f"the topology {topology} runs {world} ranks ({n_dc} datacenters x {ranks_per_dc}){each}; "
-                          f"set it to {job_world} or leave it out")
+        each = (
+            f"; each datacenter is a job of {ranks_per_dc} under geo.fault_tolerant" if asked.geo.fault_tolerant else ""
+        )
+        raise ConfigError(
+            "parallel.nproc",
+            asked.parallel.nproc,
+            f"the topology {topology} runs {world} ranks ({n_dc} datacenters x {ranks_per_dc}){each}; "
+            f"set it to {job_world} or leave it out",
+        )
     if asked.parallel.max_restarts:
-        raise ConfigError("parallel.max_restarts", asked.parallel.max_restarts,
-                          "is not used by isthmus emulate: restart a datacenter's ranks with --dc-restarts N "
-                          "(with --geo.fault_tolerant true)")
+        raise ConfigError(
+            "parallel.max_restarts",
+            asked.parallel.max_restarts,
+            "is not used by isthmus emulate: restart a datacenter's ranks with --dc-restarts N "
+            "(with --geo.fault_tolerant true)",
+        )
     args = list(argv)
     if "geo.datacenters" not in given:
         args += ["--geo.datacenters", str(n_dc)]
@@ -122,13 +144,17 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
         raise ConfigError("--topology", ns.topology, "needs at least 2 datacenters to emulate")
     sizes = {dc.devices for dc in topo.datacenters}
     if len(sizes) != 1:
-        raise ConfigError("--topology", ns.topology, f"datacenters must hold equal numbers of ranks to train across them (got {sorted(sizes)})")
+        raise ConfigError(
+            "--topology",
+            ns.topology,
+            f"datacenters must hold equal numbers of ranks to train across them (got {sorted(sizes)})",
+        )
     if ns.wan_mbit is not None and ns.wan_mbit <= 0:
         raise ConfigError("--wan-mbit", ns.wan_mbit, "must be positive")
     names = [dc.name for dc in topo.datacenters]
     per_pair: dict[tuple[int, int], float] = {}
     for i, a in enumerate(names):
-        for j, b in enumerate(names[i + 1:], i + 1):
+        for j, b in enumerate(names[i + 1 :], i + 1):
             link = topo.wan.get(frozenset((a, b)))
             if link is None:
                 raise ConfigError("--topology", ns.topology, f"no WAN link between {a!r} and {b!r}")
@@ -148,13 +174,20 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
     if command.print_config:
         sys.stdout.write(command.config.to_toml())
         return 0
-    added = command.argv[len(rest):]
+    added = command.argv[len(rest) :]
     if added:
         get_logger().info("the topology's part of the train command: %s", " ".join(added))
     log_dir = Path(ns.log_dir) if ns.log_dir else None
     with _claimed_run_dir(command) as (argv, env):
-        rc = launch_emulated(net, argv, env=env, log_dir=log_dir, timeout_s=ns.timeout,
-                             fault_tolerant=fault_tolerant, max_restarts=ns.dc_restarts)
+        rc = launch_emulated(
+            net,
+            argv,
+            env=env,
+            log_dir=log_dir,
+            timeout_s=ns.timeout,
+            fault_tolerant=fault_tolerant,
+            max_restarts=ns.dc_restarts,
+        )
     return _exit_code(rc, ns.timeout, log_dir, Path(command.config.train.run_dir) / "logs")
 
 

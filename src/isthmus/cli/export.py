@@ -8,20 +8,30 @@ import sys
 from isthmus.cli.common import KEY_HELP, LATEST_RUN
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser(
-        "export", allow_abbrev=False, help="write a run's model as one .safetensors file that one process loads",
+        "export",
+        allow_abbrev=False,
+        help="write a run's model as one .safetensors file that one process loads",
         description="Write a run's model (its final model, else its newest good checkpoint; any layout) as one "
         "safetensors file, with its shape, config and tokenizer in the metadata.",
     )
-    export.add_argument("--run", default=LATEST_RUN, help=f"run directory (train.run_dir of the run; default: {LATEST_RUN})")
+    export.add_argument(
+        "--run", default=LATEST_RUN, help=f"run directory (train.run_dir of the run; default: {LATEST_RUN})"
+    )
     export.add_argument("--out", required=True, help="the file to write, FILE.safetensors")
     export.add_argument(
-        "--checkpoint", nargs="?", const="latest", default=None, metavar="DIR",
+        "--checkpoint",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="DIR",
         help="export a checkpoint instead of the final model: the newest good one, or the checkpoint directory DIR",
     )
     export.add_argument(
-        "--key-file", default="", metavar="FILE",
+        "--key-file",
+        default="",
+        metavar="FILE",
         help=KEY_HELP.format(what="a checkpoint") + "; the exported file is signed with it",
     )
 

@@ -9,10 +9,12 @@ from isthmus.cli.common import KEY_HELP, LATEST_RUN
 from isthmus.errors import ConfigError
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     gen = sub.add_parser("generate", help="sample text from a trained run or an exported model", allow_abbrev=False)
     model = gen.add_mutually_exclusive_group()
-    model.add_argument("--run", help=f"run directory (train.run_dir of the run): its final model (default: {LATEST_RUN})")
+    model.add_argument(
+        "--run", help=f"run directory (train.run_dir of the run): its final model (default: {LATEST_RUN})"
+    )
     model.add_argument("--model", help="a .safetensors file written by isthmus export")
     gen.add_argument("--prompt", default="def ", help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=200)

@@ -13,24 +13,40 @@ import argparse
 import json
 import sys
 import textwrap
+
 from isthmus.config import ModelConfig
 from isthmus.errors import ConfigError
+from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.explain import explain, format_table, result_json
-from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES
 from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace, search
 from isthmus.planner.topology import load_topology
 
-
 SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
-    ("n_layers", int), ("dim", int), ("n_heads", int), ("n_kv_heads", int), ("ffn_dim", int), ("vocab_size", int),
+    ("n_layers", int),
+    ("dim", int),
+    ("n_heads", int),
+    ("n_kv_heads", int),
+    ("ffn_dim", int),
+    ("vocab_size", int),
 )
-_POSITIVE = {"batch_size": "--train.batch_size", "seq_len": "--train.seq_len", "micro_batch": "--micro-batch",
-             "top": "--top", "gpus": "--gpus", "tp": "--parallel.tp", "pp": "--parallel.pp", "cp": "--parallel.cp",
-             "dp_shard": "--parallel.dp_shard", "pp_virtual_stages": "--parallel.pp_virtual_stages",
-             "inner_steps": "--geo.inner_steps", "fragments": "--geo.fragments", "overlap_steps": "--geo.overlap_steps",
-             "max_batch_tokens": "--max-batch-tokens"}
+_POSITIVE = {
+    "batch_size": "--train.batch_size",
+    "seq_len": "--train.seq_len",
+    "micro_batch": "--micro-batch",
+    "top": "--top",
+    "gpus": "--gpus",
+    "tp": "--parallel.tp",
+    "pp": "--parallel.pp",
+    "cp": "--parallel.cp",
+    "dp_shard": "--parallel.dp_shard",
+    "pp_virtual_stages": "--parallel.pp_virtual_stages",
+    "inner_steps": "--geo.inner_steps",
+    "fragments": "--geo.fragments",
+    "overlap_steps": "--geo.overlap_steps",
+    "max_batch_tokens": "--max-batch-tokens",
+}
 
 
 def _bool(text: str) -> bool:
@@ -41,54 +57,144 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``plan`` sub-command; the parser class (one-line errors) comes from ``subparsers``."""
     p = subparsers.add_parser(
-        "plan", allow_abbrev=False,
+        "plan",
+        allow_abbrev=False,
         help="rank every parallel layout of a model on a topology (no GPU needed)",
         description="Search data/tensor/sequence/context/pipeline parallelism, ZeRO stage, microbatching, "
         "recomputation and cross-datacenter placement; print the ranked layouts and why the best one wins.",
     )
     p.add_argument("--model", required=True, metavar="FLAVOR", help="model flavor (e.g. gpt3-145.6b, llama3-70b)")
     for key, typ in SHAPE_FLAGS:
-        p.add_argument(f"--model.{key}", dest=f"model_{key}", type=typ, default=None, metavar="N", help=f"override the flavor's {key}")
-    p.add_argument("--model.mlp", dest="model_mlp", choices=("swiglu", "gelu"), default=None, help="override the MLP kind")
-    p.add_argument("--model.tie_embeddings", dest="model_tie_embeddings", type=_bool, default=None, metavar="BOOL",
-                   help="override whether embedding and head share weights")
-    p.add_argument("--topology", default="local", metavar="FILE|PRESET", help="topology TOML file or preset (default: local)")
+        p.add_argument(
+            f"--model.{key}",
+            dest=f"model_{key}",
+            type=typ,
+            default=None,
+            metavar="N",
+            help=f"override the flavor's {key}",
+        )
+    p.add_argument(
+        "--model.mlp", dest="model_mlp", choices=("swiglu", "gelu"), default=None, help="override the MLP kind"
+    )
+    p.add_argument(
+        "--model.tie_embeddings",
+        dest="model_tie_embeddings",
+        type=_bool,
+        default=None,
+        metavar="BOOL",
+        help="override whether embedding and head share weights",
+    )
+    p.add_argument(
+        "--topology", default="local", metavar="FILE|PRESET", help="topology TOML file or preset (default: local)"
+    )
     p.add_argument("--gpus", type=int, default=None, metavar="N", help="use only the first N devices of the topology")
-    p.add_argument("--wan-bandwidth", type=float, default=None, metavar="GB/S", help="replace every WAN link's bandwidth")
+    p.add_argument(
+        "--wan-bandwidth", type=float, default=None, metavar="GB/S", help="replace every WAN link's bandwidth"
+    )
     # Layout settings take the names `isthmus train` gives them (--section.key); the rest is searched.
-    p.add_argument("--train.batch_size", dest="batch_size", type=int, default=None, metavar="N",
-                   help="sequences per step (default: searched)")
-    p.add_argument("--train.seq_len", dest="seq_len", type=int, default=None, metavar="N",
-                   help="tokens per sequence (default: searched)")
-    p.add_argument("--micro-batch", dest="micro_batch", type=int, default=None, metavar="N",
-                   help="sequences per microbatch, the layout's micro_batch (derived, no config key; default: searched)")
-    p.add_argument("--max-batch-tokens", type=int, default=None, metavar="N",
-                   help="tokens per step when --train.batch_size is searched (default: 4,194,304)")
+    p.add_argument(
+        "--train.batch_size",
+        dest="batch_size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sequences per step (default: searched)",
+    )
+    p.add_argument(
+        "--train.seq_len",
+        dest="seq_len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per sequence (default: searched)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        dest="micro_batch",
+        type=int,
+        default=None,
+        metavar="N",
+        help="sequences per microbatch, the layout's micro_batch (derived, no config key; default: searched)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per step when --train.batch_size is searched (default: 4,194,304)",
+    )
     for key in ("tp", "pp", "cp", "dp_shard", "pp_virtual_stages"):
         p.add_argument(f"--parallel.{key}", dest=key, type=int, default=None, metavar="N", help=f"fix parallel.{key}")
-    p.add_argument("--parallel.zero_stage", dest="zero_stage", type=int, choices=(1, 2, 3), default=None,
-                   help="fix the ZeRO stage")
-    p.add_argument("--parallel.pp_schedule", dest="pp_schedule", choices=PP_SCHEDULES, default=None,
-                   help="fix the pipeline schedule")
-    p.add_argument("--parallel.activation_checkpoint", dest="activation_checkpoint", choices=ACTIVATION_CHECKPOINTS,
-                   default=None, help="fix the activation recomputation")
-    p.add_argument("--geo.dc_axis", dest="dc_axis", choices=DC_AXES, default=None,
-                   help="what crosses datacenters: none (use one), dp replicas or pp stages")
-    p.add_argument("--geo.sync", dest="sync", default=None, metavar="LIST", help="cross-datacenter sync kinds to consider "
-                   f"(comma list of {', '.join(GEO_SYNCS)}; default: all)")
-    p.add_argument("--geo.inner_steps", dest="inner_steps", type=int, default=100, metavar="H",
-                   help="diloco / streaming_diloco: inner steps between syncs (default: 100)")
-    p.add_argument("--geo.fragments", dest="fragments", type=int, default=4, metavar="F",
-                   help="streaming_diloco: fragments synchronised in turn (default: 4)")
-    p.add_argument("--geo.overlap_steps", dest="overlap_steps", type=int, default=1, metavar="T",
-                   help="streaming_diloco: inner steps a fragment's transfer overlaps (default: 1)")
-    p.add_argument("--dtype", choices=("fp32", "tf32", "bf16", "fp16", "fp8"), default=None,
-                   help="matmul dtype (default: the devices' own, bf16 on GPUs, fp32 on CPUs)")
-    p.add_argument("--runtime", choices=("isthmus", "megatron-2021"), default="isthmus",
-                   help="software assumptions: isthmus (default) or Megatron-LM as in its 2021 paper")
+    p.add_argument(
+        "--parallel.zero_stage", dest="zero_stage", type=int, choices=(1, 2, 3), default=None, help="fix the ZeRO stage"
+    )
+    p.add_argument(
+        "--parallel.pp_schedule",
+        dest="pp_schedule",
+        choices=PP_SCHEDULES,
+        default=None,
+        help="fix the pipeline schedule",
+    )
+    p.add_argument(
+        "--parallel.activation_checkpoint",
+        dest="activation_checkpoint",
+        choices=ACTIVATION_CHECKPOINTS,
+        default=None,
+        help="fix the activation recomputation",
+    )
+    p.add_argument(
+        "--geo.dc_axis",
+        dest="dc_axis",
+        choices=DC_AXES,
+        default=None,
+        help="what crosses datacenters: none (use one), dp replicas or pp stages",
+    )
+    p.add_argument(
+        "--geo.sync",
+        dest="sync",
+        default=None,
+        metavar="LIST",
+        help=f"cross-datacenter sync kinds to consider (comma list of {', '.join(GEO_SYNCS)}; default: all)",
+    )
+    p.add_argument(
+        "--geo.inner_steps",
+        dest="inner_steps",
+        type=int,
+        default=100,
+        metavar="H",
+        help="diloco / streaming_diloco: inner steps between syncs (default: 100)",
+    )
+    p.add_argument(
+        "--geo.fragments",
+        dest="fragments",
+        type=int,
+        default=4,
+        metavar="F",
+        help="streaming_diloco: fragments synchronised in turn (default: 4)",
+    )
+    p.add_argument(
+        "--geo.overlap_steps",
+        dest="overlap_steps",
+        type=int,
+        default=1,
+        metavar="T",
+        help="streaming_diloco: inner steps a fragment's transfer overlaps (default: 1)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "tf32", "bf16", "fp16", "fp8"),
+        default=None,
+        help="matmul dtype (default: the devices' own, bf16 on GPUs, fp32 on CPUs)",
+    )
+    p.add_argument(
+        "--runtime",
+        choices=("isthmus", "megatron-2021"),
+        default="isthmus",
+        help="software assumptions: isthmus (default) or Megatron-LM as in its 2021 paper",
+    )
     p.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default: 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
@@ -106,7 +212,9 @@ def check_arguments(ns: argparse.Namespace) -> None:
     if ns.fragments > ns.inner_steps:
         raise ConfigError("--geo.fragments", ns.fragments, f"must be at most --geo.inner_steps = {ns.inner_steps}")
     if ns.overlap_steps >= ns.inner_steps:
-        raise ConfigError("--geo.overlap_steps", ns.overlap_steps, f"must be less than --geo.inner_steps = {ns.inner_steps}")
+        raise ConfigError(
+            "--geo.overlap_steps", ns.overlap_steps, f"must be less than --geo.inner_steps = {ns.inner_steps}"
+        )
     if ns.wan_bandwidth is not None and not ns.wan_bandwidth > 0:
         raise ConfigError("--wan-bandwidth", ns.wan_bandwidth, "must be positive (GB/s)")
 
@@ -119,11 +227,23 @@ def search_space(ns: argparse.Namespace) -> SearchSpace:
         if g not in GEO_SYNCS:
             raise ConfigError("--geo.sync", g, f"choose from: {', '.join(GEO_SYNCS)}")
     return SearchSpace(
-        batch_size=ns.batch_size, seq_len=ns.seq_len, micro_batch=ns.micro_batch,
-        activation_checkpoint=ns.activation_checkpoint, tp=ns.tp, pp=ns.pp, cp=ns.cp, dp_shard=ns.dp_shard,
-        zero_stage=ns.zero_stage, pp_schedule=ns.pp_schedule, pp_virtual_stages=ns.pp_virtual_stages,
-        dc_axis=ns.dc_axis, sync=sync, inner_steps=ns.inner_steps, fragments=ns.fragments,
-        overlap_steps=ns.overlap_steps, max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
+        batch_size=ns.batch_size,
+        seq_len=ns.seq_len,
+        micro_batch=ns.micro_batch,
+        activation_checkpoint=ns.activation_checkpoint,
+        tp=ns.tp,
+        pp=ns.pp,
+        cp=ns.cp,
+        dp_shard=ns.dp_shard,
+        zero_stage=ns.zero_stage,
+        pp_schedule=ns.pp_schedule,
+        pp_virtual_stages=ns.pp_virtual_stages,
+        dc_axis=ns.dc_axis,
+        sync=sync,
+        inner_steps=ns.inner_steps,
+        fragments=ns.fragments,
+        overlap_steps=ns.overlap_steps,
+        max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
     )
 
 

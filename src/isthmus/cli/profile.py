@@ -19,21 +19,32 @@ from isthmus.planner.topology import load_topology
 from isthmus.train.short_run import capped, max_steps_override
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "profile", allow_abbrev=False,
+        "profile",
+        allow_abbrev=False,
         help="measure this machine's compute and gloo bandwidth and write a topology file",
         description="Time fp32 matmuls (1 and N threads), elementwise bandwidth, per-op overhead and gloo "
         "all-reduce between two local ranks; fit the planner's constants and write a topology TOML.",
     )
-    p.add_argument("--out", default="local-profile.toml", metavar="FILE.toml",
-                   help="where to write (default: local-profile.toml)")
+    p.add_argument(
+        "--out", default="local-profile.toml", metavar="FILE.toml", help="where to write (default: local-profile.toml)"
+    )
     p.add_argument("--seconds", type=float, default=20.0, metavar="S", help="measurement budget, roughly (default: 20)")
-    p.add_argument("--threads", type=int, default=0, metavar="T",
-                   help="threads of a rank that has the machine alone (default: the cores, %d)" % (os.cpu_count() or 1))
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        metavar="T",
+        help=f"threads of a rank that has the machine alone (default: the cores, {os.cpu_count() or 1})",
+    )
     p.add_argument("--name", default="local-profile", help="the topology's name (default: local-profile)")
-    p.add_argument("--model", default="small", metavar="FLAVOR", help="calibrate at this model's shapes (default: small)")
-    p.add_argument("--batch", type=int, default=16, metavar="N", help="sequences per step to calibrate at (default: 16)")
+    p.add_argument(
+        "--model", default="small", metavar="FLAVOR", help="calibrate at this model's shapes (default: small)"
+    )
+    p.add_argument(
+        "--batch", type=int, default=16, metavar="N", help="sequences per step to calibrate at (default: 16)"
+    )
     p.add_argument("--seq-len", type=int, default=128, metavar="N", help="tokens per sequence (default: 128)")
     return p
 
@@ -82,12 +93,17 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         f"  gloo all-reduce, 2 ranks: {prof['gloo_bw'] / 1e9:.2f} GB/s, latency {prof['gloo_lat'] * 1e6:.0f} us\n"
         f"  runtime work per block on 2 ranks: tp {dc.kind.tp_block_s * 1e3:.1f} ms per pass "
         f"(sp {dc.kind.sp_block_s * 1e3:+.1f} ms), FSDP2 {dc.kind.shard_block_s * 1e3:.1f} ms per collective\n"
-        f"  CPU peak for MFU: " + "; ".join(
+        f"  CPU peak for MFU: "
+        + "; ".join(
             f"{t} thread(s) {peaks[t, 'fp32'] / 1e9:.1f} GFLOP/s fp32, {peaks[t, 'bf16'] / 1e9:.1f} bf16"
-            for t in sorted({t for t, _ in peaks})) + f" (rewritten in {default_cache_dir() / PEAK_CACHE_FILE})\n"
+            for t in sorted({t for t, _ in peaks})
+        )
+        + f" (rewritten in {default_cache_dir() / PEAK_CACHE_FILE})\n"
         f"wrote {out} ({dc.devices} x {dc.kind.name}); use it with --topology {out}\n"
     )
     if max(load, os.getloadavg()[0]) > 0.5 * cores:
-        sys.stdout.write(f"note: the load average was {max(load, os.getloadavg()[0]):.1f} on {cores} cores: other work "
-                         "shared the CPU, so these numbers understate an idle machine; profile again when it is quiet\n")
+        sys.stdout.write(
+            f"note: the load average was {max(load, os.getloadavg()[0]):.1f} on {cores} cores: other work "
+            "shared the CPU, so these numbers understate an idle machine; profile again when it is quiet\n"
+        )
     return 0

@@ -28,25 +28,34 @@ from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.run import SimResult
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``simulate`` sub-command: every ``plan`` flag, plus the layout and the outputs."""
     # The plan flags, from `isthmus plan` itself so the two commands never drift apart.
     scratch = argparse.ArgumentParser(add_help=False).add_subparsers()
     plan = plan_cli.add_parser(scratch)
     p = subparsers.add_parser(
-        "simulate", parents=[plan], conflict_handler="resolve", allow_abbrev=False,
+        "simulate",
+        parents=[plan],
+        conflict_handler="resolve",
+        allow_abbrev=False,
         help="simulate a layout event by event: step time, bubbles, a trace and a timeline (no GPU needed)",
         description="Simulate one or more training steps of a layout op by op (compute per device, transfers "
         "sharing links, the pipeline schedule per microbatch) and report the planner's figures; write a "
         "Chrome/Perfetto trace and a PNG timeline.",
     )
-    p.add_argument("--plan", default=None, metavar="K=V,...",
-                   help="the layout, as [parallel] keys (e.g. 'tp=8,pp=4,dp_shard=16,pp_schedule=interleaved_1f1b,"
-                   "pp_virtual_stages=3,sequence_parallel=true'); what it leaves out is searched (default: the best)")
+    p.add_argument(
+        "--plan",
+        default=None,
+        metavar="K=V,...",
+        help="the layout, as [parallel] keys (e.g. 'tp=8,pp=4,dp_shard=16,pp_schedule=interleaved_1f1b,"
+        "pp_virtual_stages=3,sequence_parallel=true'); what it leaves out is searched (default: the best)",
+    )
     p.add_argument("--iterations", type=int, default=1, metavar="N", help="optimizer steps to simulate (default: 1)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
     p.add_argument("--png", default=None, metavar="FILE.png", help="write a timeline (needs the plot extra)")
-    p.add_argument("--json", action="store_true", help="print JSON (the fields of isthmus plan --json) instead of a table")
+    p.add_argument(
+        "--json", action="store_true", help="print JSON (the fields of isthmus plan --json) instead of a table"
+    )
     return p
 
 
@@ -56,8 +65,12 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     if ns.iterations < 1:
         raise ConfigError("--iterations", ns.iterations, "must be at least 1")
     fixed = parse_plan(ns.plan) if ns.plan else {}
-    model = ModelConfig(flavor=ns.model, mlp=ns.model_mlp, tie_embeddings=ns.model_tie_embeddings,
-                        **{key: getattr(ns, f"model_{key}") for key, _ in plan_cli.SHAPE_FLAGS})
+    model = ModelConfig(
+        flavor=ns.model,
+        mlp=ns.model_mlp,
+        tie_embeddings=ns.model_tie_embeddings,
+        **{key: getattr(ns, f"model_{key}") for key, _ in plan_cli.SHAPE_FLAGS},
+    )
     args = resolve_model_args(model)
     topo = load_topology(ns.topology)
     if ns.gpus is not None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from isthmus.train.trainer import TrainResult
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def add_parser(sub: argparse._SubParsersAction) -> None:
     train = sub.add_parser(
         "train",
         allow_abbrev=False,
@@ -30,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         description="Train a model. Any config key can be overridden as --section.key VALUE, "
         "e.g. --model.flavor tiny --train.steps 20 --metrics.jsonl a.jsonl.",
     )
-    train.add_argument("--config", default=None, help="job config TOML file, or a shipped config name (default: default)")
+    train.add_argument(
+        "--config", default=None, help="job config TOML file, or a shipped config name (default: default)"
+    )
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
 

@@ -205,7 +205,9 @@ def load_bin(cfg: DataConfig) -> np.ndarray:
     except OSError as e:
         raise DataError(f"{_describe(cfg.path)}: cannot read ({e.strerror or e})") from None
     if size % itemsize:
-        raise DataError(f"{_describe(cfg.path)}: {size} bytes is not a multiple of {itemsize} (data.bin_dtype {cfg.bin_dtype})")
+        raise DataError(
+            f"{_describe(cfg.path)}: {size} bytes is not a multiple of {itemsize} (data.bin_dtype {cfg.bin_dtype})"
+        )
     if size < 2 * itemsize:
         raise DataError(f"{_describe(cfg.path)}: {size // itemsize} tokens; a .bin file needs at least 2")
     return np.memmap(path, dtype=cfg.bin_dtype, mode="r")
@@ -241,6 +243,10 @@ def prepare_data(cfg: DataConfig, seq_len: int) -> PreparedData:
         tokens = load_token_array(cfg, tokenizer, files)
     train, val = split_tokens(tokens, cfg, seq_len)
     get_logger().info(
-        "data: %d train + %d val tokens, %s tokenizer (vocab %d)", len(train), len(val), tokenizer.kind, tokenizer.vocab_size
+        "data: %d train + %d val tokens, %s tokenizer (vocab %d)",
+        len(train),
+        len(val),
+        tokenizer.kind,
+        tokenizer.vocab_size,
     )
     return PreparedData(tokenizer=tokenizer, train=train, val=val)

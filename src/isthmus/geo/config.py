@@ -25,7 +25,8 @@ def ranks_per_datacenter(cfg: GeoConfig, world_size: int) -> int:
     """Data-parallel ranks per datacenter; ConfigError when the ranks do not split evenly."""
     if world_size % cfg.datacenters:
         raise ConfigError(
-            "geo.datacenters", cfg.datacenters,
+            "geo.datacenters",
+            cfg.datacenters,
             f"must divide the {world_size} data-parallel ranks into equal datacenters",
         )
     return world_size // cfg.datacenters

@@ -88,8 +88,10 @@ class DiLoCoSync(GeoSync):
         self.offsets = [f * self.inner_steps // self.n_fragments for f in range(self.n_fragments)]
         """Fragment f syncs after inner step t when (t + offsets[f]) % inner_steps == 0."""
         # Outer state, this rank's slice of each bucket. The snapshot is the global parameters.
-        self.snapshot = [[self._shard(pack_params(params, b, self._zeros(b.padded)), b).clone() for b in frag]
-                         for frag in self.fragments]
+        self.snapshot = [
+            [self._shard(pack_params(params, b, self._zeros(b.padded)), b).clone() for b in frag]
+            for frag in self.fragments
+        ]
         self.momentum = [[torch.zeros_like(s) for s in frag] for frag in self.snapshot]
         self.residuals: list[list[Tensor]] | None = None
         if self.lossy and cfg.error_feedback:
@@ -222,7 +224,6 @@ class DiLoCoSync(GeoSync):
             _Transfer(fragment=p["fragment"], apply_at=p["apply_at"], mean=[m.clone() for m in p["mean"]])
             for p in state["pending"]
         ]
-
 
 
 def _clone(nested: list[list[Tensor]] | None) -> list[list[Tensor]] | None:

@@ -103,12 +103,14 @@ def check_config(cfg: GeoConfig) -> None:
     wire = resolved_outer_dtype(cfg)
     if wire != "fp32":
         raise ConfigError(
-            "geo.outer_dtype", cfg.outer_dtype,
-            f"resolves to {wire}; geo.fault_tolerant sends fp32 only (set geo.outer_dtype = \"fp32\")",
+            "geo.outer_dtype",
+            cfg.outer_dtype,
+            f'resolves to {wire}; geo.fault_tolerant sends fp32 only (set geo.outer_dtype = "fp32")',
         )
     if cfg.sync == "streaming_diloco" and cfg.overlap_steps >= max(1, cfg.inner_steps // cfg.fragments):
         raise ConfigError(
-            "geo.overlap_steps", cfg.overlap_steps,
+            "geo.overlap_steps",
+            cfg.overlap_steps,
             f"must be below geo.inner_steps // geo.fragments = {cfg.inner_steps // cfg.fragments} with "
             "geo.fault_tolerant: a fragment's round must end before the next one begins",
         )
@@ -206,13 +208,22 @@ class FaultTolerantDiLoCo(DiLoCoSync):
         pg = ProcessGroupGloo(timeout=timeout)
         store_addr, store_port = self._store_address()
         manager = Manager(
-            pg=pg, load_state_dict=None, state_dict=None, min_replica_size=1,
+            pg=pg,
+            load_state_dict=None,
+            state_dict=None,
+            min_replica_size=1,
             # Quorum and healing before the round's collectives, on this thread (DiLoCo needs sync).
             use_async_quorum=False,
-            timeout=timeout, quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S), connect_timeout=timeout,
-            rank=self.groups.intra_rank, world_size=self.groups.intra_size,
-            store_addr=store_addr, store_port=store_port, lighthouse_addr=self.job.lighthouse,
-            replica_id=f"isthmus_dc{self.job.dc_index}", hostname=self.job.address,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=QUORUM_TIMEOUT_S),
+            connect_timeout=timeout,
+            rank=self.groups.intra_rank,
+            world_size=self.groups.intra_size,
+            store_addr=store_addr,
+            store_port=store_port,
+            lighthouse_addr=self.job.lighthouse,
+            replica_id=f"isthmus_dc{self.job.dc_index}",
+            hostname=self.job.address,
             # Recovery state travels over the same gloo group as the outer gradients (bound to the
             # WAN interface like them), not torchft's default HTTP server on the host name.
             checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
@@ -300,12 +311,21 @@ class FaultTolerantDiLoCo(DiLoCoSync):
             if not fresh or n >= self.job.n_dc:
                 return False
             if attempt == 0:
-                log.info("geo: datacenter %d waits for the other datacenters to start (%d of %d here)",
-                         self.job.dc_index, n, self.job.n_dc)
+                log.info(
+                    "geo: datacenter %d waits for the other datacenters to start (%d of %d here)",
+                    self.job.dc_index,
+                    n,
+                    self.job.n_dc,
+                )
             if attempt < attempts - 1:
                 time.sleep(_START_POLL_S)
-        log.warning("geo: datacenter %d starts with %d of %d datacenters: the others did not join within %s s",
-                    self.job.dc_index, n, self.job.n_dc, os.environ.get(START_WAIT_ENV, START_WAIT_S))
+        log.warning(
+            "geo: datacenter %d starts with %d of %d datacenters: the others did not join within %s s",
+            self.job.dc_index,
+            n,
+            self.job.n_dc,
+            os.environ.get(START_WAIT_ENV, START_WAIT_S),
+        )
         return False
 
     def _launch(self, f: int, t: int, params: list[nn.Parameter]) -> _Transfer:
@@ -369,8 +389,12 @@ class FaultTolerantDiLoCo(DiLoCoSync):
         self.history.append(rec)
         get_logger().info(
             "geo: outer round at step %d (datacenter %d): %d datacenter(s) in the quorum, %d contributed%s%s",
-            rec.step, self.job.dc_index, rec.participants, rec.contributors,
-            "" if rec.committed else ", not committed (dropped)", ", healed from a peer" if rec.healed else "",
+            rec.step,
+            self.job.dc_index,
+            rec.participants,
+            rec.contributors,
+            "" if rec.committed else ", not committed (dropped)",
+            ", healed from a peer" if rec.healed else "",
         )
 
     def global_snapshot(self) -> Tensor:
@@ -415,15 +439,25 @@ def build_fault_tolerant_sync(
     # No torch group spans datacenters here: world_dp is this datacenter's, and "inter" is the
     # torchft manager's (FaultTolerantDiLoCo never hands the inter scope to torch.distributed).
     local = dist.group.WORLD if initialized else None
-    groups = GeoGroups(
-        world_dp=local, intra=local, inter=local,  # type: ignore[arg-type]
-        dc_index=job.dc_index, n_dc=job.n_dc, intra_rank=rank, intra_size=size,
-        rank=job.dc_index * size + rank, ranks_per_node=ranks_per_node,
+    groups = GeoGroups(  # (None only without a process group: one rank, where no group is used)
+        world_dp=local,  # type: ignore[arg-type]
+        intra=local,  # type: ignore[arg-type]
+        inter=local,  # type: ignore[arg-type]
+        dc_index=job.dc_index,
+        n_dc=job.n_dc,
+        intra_rank=rank,
+        intra_size=size,
+        rank=job.dc_index * size + rank,
+        ranks_per_node=ranks_per_node,
     )
     sync = FaultTolerantDiLoCo(groups, list(params), cfg, streaming=kind == "streaming_diloco", job=job)
     get_logger().info(
         "geo sync %s (fault tolerant, torchft): datacenter %d of %d, %d rank(s), lighthouse %s",
-        kind, job.dc_index, job.n_dc, size, job.lighthouse,
+        kind,
+        job.dc_index,
+        job.n_dc,
+        size,
+        job.lighthouse,
     )
     return sync
 
@@ -440,8 +474,9 @@ class Lighthouse:
         self.server.shutdown()
 
 
-def start_lighthouse(host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_ms: int = 5000,
-                     join_timeout_ms: int = 10000) -> Lighthouse:
+def start_lighthouse(
+    host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_ms: int = 5000, join_timeout_ms: int = 10000
+) -> Lighthouse:
     """Serve a Lighthouse on ``host:port`` that forms quorums of any size from 1 up.
 
     ``heartbeat_timeout_ms`` is how long a silent datacenter keeps its place (the survivors' next
@@ -451,7 +486,11 @@ def start_lighthouse(host: str = "127.0.0.1", port: int = 0, heartbeat_timeout_m
     os.environ.setdefault("RUST_LOG", "warn")
     from torchft._torchft import LighthouseServer
 
-    server = LighthouseServer(bind=f"{host}:{port}", min_replicas=1, join_timeout_ms=join_timeout_ms,
-                              heartbeat_timeout_ms=heartbeat_timeout_ms)
+    server = LighthouseServer(
+        bind=f"{host}:{port}",
+        min_replicas=1,
+        join_timeout_ms=join_timeout_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
     # address() names the machine's host name, which need not resolve where the datacenters run.
     return Lighthouse(server, f"http://{host}:{server.address().rsplit(':', 1)[1]}")

@@ -13,6 +13,7 @@ every grid, makes all their groups (every rank must create every group) and keep
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -79,7 +80,7 @@ def build_geo_groups(
             )
         grids = [[[d * ranks_per_dc + j for j in range(ranks_per_dc)] for d in range(n_dc)]]
     assert sorted(r for g in grids for row in g for r in row) == list(range(world)), "grids must cover every rank once"
-    mine: dict[str, object] = {}
+    mine: dict[str, Any] = {}  # this rank's grid, groups and place in them
     for grid in grids:
         here = any(rank in row for row in grid)
         world_dp = dist.new_group([r for row in grid for r in row])
@@ -91,11 +92,18 @@ def build_geo_groups(
                 mine["intra"], mine["dc"], mine["local"] = group, d, row.index(rank)
         for j in range(ranks_per_dc):
             group = dist.new_group([row[j] for row in grid])
-            if here and grid[mine["dc"]][j] == rank:  # type: ignore[call-overload]
+            if here and grid[mine["dc"]][j] == rank:
                 mine["inter"] = group
-    dc, local = int(mine["dc"]), int(mine["local"])  # type: ignore[call-overload]
+    dc, local = int(mine["dc"]), int(mine["local"])
     return GeoGroups(
-        world_dp=mine["world_dp"], intra=mine["intra"], inter=mine["inter"],  # type: ignore[arg-type]
-        dc_index=dc, n_dc=n_dc, intra_rank=local, intra_size=ranks_per_dc, rank=dc * ranks_per_dc + local,
-        ranks_per_node=ranks_per_node, grid=None if plain else mine["grid"],  # type: ignore[arg-type]
+        world_dp=mine["world_dp"],
+        intra=mine["intra"],
+        inter=mine["inter"],
+        dc_index=dc,
+        n_dc=n_dc,
+        intra_rank=local,
+        intra_size=ranks_per_dc,
+        rank=dc * ranks_per_dc + local,
+        ranks_per_node=ranks_per_node,
+        grid=None if plain else mine["grid"],
     )

@@ -131,7 +131,11 @@ def build_geo_sync(kind: str, groups: GeoGroups, params: list[nn.Parameter], cfg
     sync: GeoSync = strategies[kind](groups, list(params), cfg)
     numel = sum(local(p).numel() for p in params)
     get_logger().info(
-        "geo sync %s: %d datacenters x %d replicas, %d parameters on this rank (%s fp32)", kind, groups.n_dc,
-        groups.intra_size, numel, format_bytes(4 * numel),
+        "geo sync %s: %d datacenters x %d replicas, %d parameters on this rank (%s fp32)",
+        kind,
+        groups.n_dc,
+        groups.intra_size,
+        numel,
+        format_bytes(4 * numel),
     )
     return sync

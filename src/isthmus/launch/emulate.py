@@ -57,8 +57,7 @@ from isthmus.launch.reaper import dismiss_reaper, start_reaper
 from isthmus.log import get_logger
 
 LATENCY_NOTE = (
-    "latency is NOT emulated (tc netem is unavailable on this kernel): "
-    "only the bandwidth between datacenters is shaped"
+    "latency is NOT emulated (tc netem is unavailable on this kernel): only the bandwidth between datacenters is shaped"
 )
 
 # These addresses live only inside the namespaces made here: no route to or from the root
@@ -108,7 +107,9 @@ class EmulatedNetwork:
             raise ConfigError("emulate.wan_mbit", self.wan_mbit, "must be > 0 Mbit/s")
         for (i, j), rate in (self.wan_mbit_per_pair or {}).items():
             if not (0 <= i < n and 0 <= j < n and i != j):
-                raise ConfigError("emulate.wan_mbit_per_pair", (i, j), f"needs two different datacenter indices in 0..{n - 1}")
+                raise ConfigError(
+                    "emulate.wan_mbit_per_pair", (i, j), f"needs two different datacenter indices in 0..{n - 1}"
+                )
             if not rate > 0:
                 raise ConfigError(f"emulate.wan_mbit_per_pair[{i},{j}]", rate, "must be > 0 Mbit/s")
 
@@ -177,7 +178,9 @@ class Emulation:
             "ISTHMUS_DC_LAYOUT": ",".join(str(d.ranks) for d in self.dcs),
         }
 
-    def run_in(self, dc_index: int, argv: Sequence[str], env: dict[str, str] | None = None, **popen: Any) -> subprocess.Popen[Any]:
+    def run_in(
+        self, dc_index: int, argv: Sequence[str], env: dict[str, str] | None = None, **popen: Any
+    ) -> subprocess.Popen[Any]:
         """Start ``argv`` inside datacenter ``dc_index``'s namespace; ``env`` adds to this process's.
 
         The child gets its own session (a Ctrl-C at the terminal reaches only this process, which
@@ -274,19 +277,76 @@ def _shape(net: EmulatedNetwork, dc: DatacenterNamespace, dcs: list[DatacenterNa
         return
     if all(r == net.wan_mbit for r in rates.values()):
         burst = _burst_bytes(net.wan_mbit)
-        netns.sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf",
-                 "rate", _rate(net.wan_mbit), "burst", str(burst), "latency", "100ms")
+        netns.sh(
+            "tc",
+            "-n",
+            ns,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            _rate(net.wan_mbit),
+            "burst",
+            str(burst),
+            "latency",
+            "100ms",
+        )
         return
     netns.sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
     classes = [(1, net.wan_mbit, None)] + [(10 + d.index, rates[d.index], d.address) for d in others]
     for minor, mbit, dst in classes:
         bucket = str(_burst_bytes(mbit))
         quantum = str(min(200_000, max(1514, int(mbit * 1e6 / 8 / 10))))
-        netns.sh("tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{minor:x}", "htb",
-                 "rate", _rate(mbit), "ceil", _rate(mbit), "burst", bucket, "cburst", bucket, "quantum", quantum)
+        netns.sh(
+            "tc",
+            "-n",
+            ns,
+            "class",
+            "add",
+            "dev",
+            dev,
+            "parent",
+            "1:",
+            "classid",
+            f"1:{minor:x}",
+            "htb",
+            "rate",
+            _rate(mbit),
+            "ceil",
+            _rate(mbit),
+            "burst",
+            bucket,
+            "cburst",
+            bucket,
+            "quantum",
+            quantum,
+        )
         if dst is not None:
-            netns.sh("tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
-                     "u32", "match", "ip", "dst", f"{dst}/32", "flowid", f"1:{minor:x}")
+            netns.sh(
+                "tc",
+                "-n",
+                ns,
+                "filter",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:",
+                "protocol",
+                "ip",
+                "prio",
+                "1",
+                "u32",
+                "match",
+                "ip",
+                "dst",
+                f"{dst}/32",
+                "flowid",
+                f"1:{minor:x}",
+            )
 
 
 def _build(em: Emulation) -> None:
@@ -335,7 +395,9 @@ def emulated_network(net: EmulatedNetwork, clean_stale: bool = True) -> Iterator
             _build(em)
             log.info(
                 "emulated %d datacenter(s) in namespaces %s*: %s; WAN %s Mbit/s",
-                len(dcs), prefix, ", ".join(f"{d.name}={d.address} x{d.ranks}" for d in dcs),
+                len(dcs),
+                prefix,
+                ", ".join(f"{d.name}={d.address} x{d.ranks}" for d in dcs),
                 "/".join(f"{r:g}" for r in net.distinct_rates_mbit()),
             )
             log.warning(LATENCY_NOTE)
@@ -389,8 +451,14 @@ except (socket.timeout, OSError):
 """
 
 
-def throughput_probe(em: Emulation, src_dc: int, dst_dc: int, n_bytes: int = 5_000_000,
-                     time_limit_s: float = 10.0, port: int = PROBE_PORT) -> float:
+def throughput_probe(
+    em: Emulation,
+    src_dc: int,
+    dst_dc: int,
+    n_bytes: int = 5_000_000,
+    time_limit_s: float = 10.0,
+    port: int = PROBE_PORT,
+) -> float:
     """Bits/s of one TCP transfer of ``n_bytes`` from datacenter ``src_dc`` to ``dst_dc``.
 
     Timed at the receiver from the first chunk to the last (the first chunk's bytes are not
@@ -419,8 +487,9 @@ def throughput_probe(em: Emulation, src_dc: int, dst_dc: int, n_bytes: int = 5_0
     return counted * 8 / seconds
 
 
-def torchrun_argv(em: Emulation, dc_index: int, train_argv: Sequence[str], script: str | None = None,
-                  rdzv_port: int = RDZV_PORT) -> list[str]:
+def torchrun_argv(
+    em: Emulation, dc_index: int, train_argv: Sequence[str], script: str | None = None, rdzv_port: int = RDZV_PORT
+) -> list[str]:
     """The elastic agent of datacenter ``dc_index``: node ``dc_index`` of an N-node c10d job
     (torchrun's, through :mod:`isthmus.launch.agent`).
 
@@ -432,36 +501,60 @@ def torchrun_argv(em: Emulation, dc_index: int, train_argv: Sequence[str], scrip
     dc, dc0 = em.dcs[dc_index], em.dcs[0]
     target = ["-m", "isthmus"] if script is None else [script]
     return [
-        sys.executable, "-m", "isthmus.launch.agent",  # torchrun, quiet about its exit
-        "--nnodes", str(len(em.dcs)),
-        "--nproc-per-node", str(dc.ranks),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{dc0.address}:{rdzv_port}",
-        "--rdzv-id", f"isthmus-{em.run_id}",
-        "--rdzv-conf", "is_host=0",
-        "--local-addr", dc.address,
-        "--max-restarts", "0",
-        *target, *train_argv,
+        sys.executable,
+        "-m",
+        "isthmus.launch.agent",  # torchrun, quiet about its exit
+        "--nnodes",
+        str(len(em.dcs)),
+        "--nproc-per-node",
+        str(dc.ranks),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{dc0.address}:{rdzv_port}",
+        "--rdzv-id",
+        f"isthmus-{em.run_id}",
+        "--rdzv-conf",
+        "is_host=0",
+        "--local-addr",
+        dc.address,
+        "--max-restarts",
+        "0",
+        *target,
+        *train_argv,
     ]
 
 
-def torchrun_dc_job_argv(em: Emulation, dc_index: int, train_argv: Sequence[str], max_restarts: int,
-                         rdzv_port: int = RDZV_PORT) -> list[str]:
+def torchrun_dc_job_argv(
+    em: Emulation, dc_index: int, train_argv: Sequence[str], max_restarts: int, rdzv_port: int = RDZV_PORT
+) -> list[str]:
     """Datacenter ``dc_index`` as a job of its own (``geo.fault_tolerant``): one node, its own c10d
     store on its own address, and torch's elastic restarts of its ranks (up to ``max_restarts``),
     which then rejoin the others through torchft."""
     dc = em.dcs[dc_index]
     return [
-        sys.executable, "-m", "isthmus.launch.agent",  # torchrun, quiet about its exit
-        "--nnodes", "1",
-        "--nproc-per-node", str(dc.ranks),
-        "--rdzv-backend", "c10d",
-        "--rdzv-endpoint", f"{dc.address}:{rdzv_port}",
-        "--rdzv-id", f"isthmus-{em.run_id}-dc{dc_index}",
-        "--rdzv-conf", "is_host=1",
-        "--local-addr", dc.address,
-        "--max-restarts", str(max_restarts),
-        "-m", "isthmus", *train_argv,
+        sys.executable,
+        "-m",
+        "isthmus.launch.agent",  # torchrun, quiet about its exit
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(dc.ranks),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{dc.address}:{rdzv_port}",
+        "--rdzv-id",
+        f"isthmus-{em.run_id}-dc{dc_index}",
+        "--rdzv-conf",
+        "is_host=1",
+        "--local-addr",
+        dc.address,
+        "--max-restarts",
+        str(max_restarts),
+        "-m",
+        "isthmus",
+        *train_argv,
     ]
 
 
@@ -491,7 +584,9 @@ def _serve(em: Emulation, namespace: str, code: str, args: Sequence[str], what: 
     others at teardown) and return the first line it prints, which says it is ready."""
     proc = subprocess.Popen(
         ["ip", "netns", "exec", namespace, sys.executable, "-c", code, *args],
-        stdout=subprocess.PIPE, text=True, start_new_session=True,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     em._children.append(proc)
     assert proc.stdout is not None
@@ -502,8 +597,9 @@ def _serve(em: Emulation, namespace: str, code: str, args: Sequence[str], what: 
     return line
 
 
-def serve_lighthouse(em: Emulation, heartbeat_timeout_ms: int = 5000, join_timeout_ms: int = 10000,
-                     port: int = LIGHTHOUSE_PORT) -> str:
+def serve_lighthouse(
+    em: Emulation, heartbeat_timeout_ms: int = 5000, join_timeout_ms: int = 10000, port: int = LIGHTHOUSE_PORT
+) -> str:
     """Start a torchft Lighthouse on the bridge (``LIGHTHOUSE_ADDRESS``, given to the bridge here)
     and return its ``http://`` address; it is stopped with the emulation's other children."""
     wan = em.bridge_namespace
@@ -535,15 +631,19 @@ def _wait_all(procs: list[subprocess.Popen[Any]], names: list[str], timeout_s: f
                 if c not in (None, 0) and i not in reported:
                     reported.add(i)
                     others = [n for j, n in enumerate(names) if codes[j] is None]
-                    log.warning("datacenter %s ended with exit code %d; %s train on", names[i], c,
-                                ", ".join(others) if others else "no other datacenter is running to")
+                    log.warning(
+                        "datacenter %s ended with exit code %d; %s train on",
+                        names[i],
+                        c,
+                        ", ".join(others) if others else "no other datacenter is running to",
+                    )
             if all(c is not None for c in codes):
                 done = [n for n, c in zip(names, codes) if c == 0]
                 if done:
                     if reported:
                         log.info("the run survived: %s completed", ", ".join(done))
                     return 0
-                return next(c for c in codes if c)  # type: ignore[return-value]
+                return next(c for c in codes if c)
             if deadline is not None and time.monotonic() > deadline:
                 log.error("emulated run passed its %ss limit: stopping every datacenter", timeout_s)
                 rc = 124
@@ -621,8 +721,11 @@ def launch_emulated(
                     # As in launch/local.py: restarted ranks must not read the dead ones' gloo
                     # addresses from the agent's shared store (pytorch/pytorch#135712).
                     extra["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-                log.info("fault tolerant: torchft lighthouse at %s; each datacenter is its own job (restarts: %d)",
-                         extra["TORCHFT_LIGHTHOUSE"], max_restarts)
+                log.info(
+                    "fault tolerant: torchft lighthouse at %s; each datacenter is its own job (restarts: %d)",
+                    extra["TORCHFT_LIGHTHOUSE"],
+                    max_restarts,
+                )
             else:
                 serve_rendezvous_store(em, rdzv_port)
             # What torchrun would set (and announce in a banner per agent) when it is not set; each
@@ -638,8 +741,16 @@ def launch_emulated(
                     argv = torchrun_dc_job_argv(em, dc.index, train_argv, max_restarts, rdzv_port)
                 else:
                     argv = torchrun_argv(em, dc.index, train_argv, script, rdzv_port)
-                procs.append(em.run_in(dc.index, argv, env={**em.dc_env(dc.index), **extra, **(env or {})},
-                                       stdout=out, stderr=subprocess.STDOUT if out else None, text=True))
+                procs.append(
+                    em.run_in(
+                        dc.index,
+                        argv,
+                        env={**em.dc_env(dc.index), **extra, **(env or {})},
+                        stdout=out,
+                        stderr=subprocess.STDOUT if out else None,
+                        text=True,
+                    )
+                )
             log.info("started %d rank(s) in %d emulated datacenter(s)", net.world_size, len(em.dcs))
             if fault_tolerant:
                 rc = _wait_all(procs, [dc.name for dc in em.dcs], timeout_s, grace_s)

@@ -64,7 +64,6 @@ LAUNCH_DIR_ENV = "ISTHMUS_LAUNCH_DIR"
 """The launcher's temporary directory (rank errors, heartbeats), set for the ranks it starts."""
 
 
-
 def launched_externally() -> bool:
     """True inside a process started by torchrun (or another launcher that sets the env:// variables)."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -96,8 +95,9 @@ def loopback_store_server(port: int = 0) -> Iterator[int]:
         sock.close()
         raise
     # The server owns the socket from here on and closes it when the last store using it goes.
-    server = TCPStore(LOOPBACK, port, is_master=True, multi_tenant=True, wait_for_workers=False,
-                      master_listen_fd=sock.detach())
+    server = TCPStore(
+        LOOPBACK, port, is_master=True, multi_tenant=True, wait_for_workers=False, master_listen_fd=sock.detach()
+    )
     try:
         yield port
     finally:
@@ -166,7 +166,12 @@ def _rank_log_file(cfg: JobConfig, rank: int) -> Path:
 
 
 def _rank_exit(
-    e: BaseException, stop: StopState, cfg: JobConfig, rank: int, progress: Progress, launch_dir: Path | None,
+    e: BaseException,
+    stop: StopState,
+    cfg: JobConfig,
+    rank: int,
+    progress: Progress,
+    launch_dir: Path | None,
     error_dir: Path,
 ) -> BaseException:
     """What a rank that failed raises: a quiet exit with the right code, the error itself otherwise.
@@ -179,7 +184,9 @@ def _rank_exit(
         silence_console()
         get_logger().info("stopped by signal %d after step %d", stop.signum, progress.step)
         if launch_dir is None and rank == 0:  # an external launcher: rank 0 says it
-            return Interrupted(stop.signum, interrupted_line(stop.signum, progress.step, _checkpoint_root(cfg), cfg.checkpoint.every))
+            return Interrupted(
+                stop.signum, interrupted_line(stop.signum, progress.step, _checkpoint_root(cfg), cfg.checkpoint.every)
+            )
         return SystemExit(128 + stop.signum)
     if isinstance(e, IsthmusError):
         try:
@@ -223,14 +230,20 @@ def prepare_restart(cfg: JobConfig, restart: int, launched_at: float | None) -> 
     reached = last_logged_step(_metrics_path(cfg))
     of = f"restart {restart}/{os.environ.get('TORCHELASTIC_MAX_RESTARTS', cfg.parallel.max_restarts)}"
     if not ours:
-        start = "starting over" if c.resume == "none" else f"starting as the first attempt did (checkpoint.resume = {c.resume})"
+        start = (
+            "starting over"
+            if c.resume == "none"
+            else f"starting as the first attempt did (checkpoint.resume = {c.resume})"
+        )
         return f"{of}: a rank failed after step {reached}, before this run's first checkpoint; {start} (steps 1..{reached} are redone)"
     step, path = ours[0]
     # auto also falls back to an older good one if this one is damaged; an older run's checkpoints
     # with higher steps in the same directory are not this run's, so then name ours explicitly.
     c.resume = "auto" if committed[0][1] == path else str(path)
-    redone = f"steps {step + 1}..{reached} are redone" if reached > step + 1 else (
-        f"step {reached} is redone" if reached == step + 1 else "no step is redone"
+    redone = (
+        f"steps {step + 1}..{reached} are redone"
+        if reached > step + 1
+        else (f"step {reached} is redone" if reached == step + 1 else "no step is redone")
     )
     return f"{of}: a rank failed after step {reached}; resuming from {path.name} ({redone})"
 
@@ -267,7 +280,9 @@ def last_logged_step(path: Path) -> int:
 def check_external_launch(cfg: JobConfig, world: int) -> None:
     """What a run started by an external launcher of ``world`` ranks (torchrun) may not ask for."""
     if cfg.parallel.nproc not in (1, world):
-        raise IsthmusError(f"parallel.nproc = {cfg.parallel.nproc}: the launcher started {world} ranks; set it to {world} or leave it at 1")
+        raise IsthmusError(
+            f"parallel.nproc = {cfg.parallel.nproc}: the launcher started {world} ranks; set it to {world} or leave it at 1"
+        )
     if cfg.parallel.max_restarts:
         raise IsthmusError(
             f"parallel.max_restarts = {cfg.parallel.max_restarts}: under an external launcher restarts are its own "
@@ -315,7 +330,6 @@ def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | Non
     """
     if os.environ.get(CLAIMED_ENV) == cfg.train.run_dir:
         return None
-
 
     device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     world = init_distributed(cfg.parallel.backend, device)
@@ -409,7 +423,9 @@ def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
     except ChildFailedError as e:
         raise _launch_failure(cfg, e, monitor, launch_dir) from None
     except json.JSONDecodeError:  # torch reads a rank's error file that a full disk cut short
-        raise RunFailed(f"a rank failed and its error report in {launch_dir} is unreadable (a full disk?); see {run_dir / 'logs'}") from None
+        raise RunFailed(
+            f"a rank failed and its error report in {launch_dir} is unreadable (a full disk?); see {run_dir / 'logs'}"
+        ) from None
     finally:
         monitor.stop()
 

@@ -41,7 +41,11 @@ def preflight(cfg: JobConfig) -> ModelArgs:
         world = layout_world(cfg.geo, world or cfg.parallel.nproc)
     dims = check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers, world_size=world)
     if cfg.model.tie_embeddings and cfg.parallel.pp > 1:
-        raise ConfigError("model.tie_embeddings", True, "cannot be combined with parallel.pp > 1 (embedding and head live on different stages)")
+        raise ConfigError(
+            "model.tie_embeddings",
+            True,
+            "cannot be combined with parallel.pp > 1 (embedding and head live on different stages)",
+        )
     if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
         _check_fits_in_memory(cfg, args, dims, bin_ids)
 
@@ -81,7 +85,11 @@ def _check_writable(key: str, value: str, folder: Path) -> None:
         raise ConfigError(key, value, f"cannot be read ({e.strerror or e})") from None
     # os.access also sees a read-only file system, which permission bits do not show (and root ignores).
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise ConfigError(key, value, f"{existing} is not writable" + ("" if existing == folder else " (the folder would be made there)"))
+        raise ConfigError(
+            key,
+            value,
+            f"{existing} is not writable" + ("" if existing == folder else " (the folder would be made there)"),
+        )
 
 
 # --- memory ----------------------------------------------------------------------------------------
@@ -121,10 +129,23 @@ def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
     worst: MemoryBreakdown | None = None
     for first, last in ((True, dims.pp == 1), (False, True)) if dims.pp > 1 else ((True, True),):
         m = device_memory(
-            args, RUNTIMES["isthmus"], layers=layers, first=first, last=last, pp=dims.pp, tp=dims.tp, cp=dims.cp,
-            sp=p.sequence_parallel, micro_batch=micro, seq_len=t.seq_len, recompute=p.activation_checkpoint,
+            args,
+            RUNTIMES["isthmus"],
+            layers=layers,
+            first=first,
+            last=last,
+            pp=dims.pp,
+            tp=dims.tp,
+            cp=dims.cp,
+            sp=p.sequence_parallel,
+            micro_batch=micro,
+            seq_len=t.seq_len,
+            recompute=p.activation_checkpoint,
             in_flight=in_flight(p.pp_schedule, dims.pp, p.pp_virtual_stages, p.microbatches),
-            zero_stage=p.zero_stage, shard=shard, accumulate=t.grad_accum > 1, dtype=t.dtype,
+            zero_stage=p.zero_stage,
+            shard=shard,
+            accumulate=t.grad_accum > 1,
+            dtype=t.dtype,
         )
         if worst is None or m.total > worst.total:
             worst = m
@@ -154,7 +175,8 @@ def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, b
                 f"{_gib(ram)}: set model.vocab_size, or check data.bin_dtype ({cfg.data.bin_dtype})"
             )
         raise ConfigError(
-            "model.flavor", cfg.model.flavor,
+            "model.flavor",
+            cfg.model.flavor,
             f"needs about {_gib(state)} for weights, gradients and optimizer state on this machine's "
             f"{_gib(ram)}; use `isthmus plan` for large models or a smaller flavor",
         )
@@ -162,7 +184,8 @@ def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, b
     sequences = t.batch_size // dims.dp
     key, value = ("train.seq_len", t.seq_len) if t.seq_len >= sequences else ("train.batch_size", t.batch_size)
     raise ConfigError(
-        key, value,
+        key,
+        value,
         f"needs about {_gib(need)} on this machine's {_gib(ram)} ({ranks} rank(s), each "
         f"{_gib(m.activations + m.transient)} of activations for {sequences} sequence(s) of {t.seq_len} tokens "
         f"and {_gib(m.weights + m.grads + m.optimizer)} of model state); lower train.seq_len or "

@@ -31,7 +31,9 @@ def start_reaper(run_id: str) -> subprocess.Popen[bytes]:
     """Start the reaper of run ``run_id``; the returned process's stdin is the pipe it watches."""
     return subprocess.Popen(
         [sys.executable, "-m", "isthmus.launch.reaper", run_id],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
     )
 
 

@@ -101,7 +101,11 @@ def _newest_resumable(template: str, config_name: str, cfg: JobConfig) -> Path |
         return None
     candidates = sorted(parent.glob(Path(pattern).name), key=lambda p: p.stat().st_mtime, reverse=True)
     for candidate in candidates:
-        if candidate.is_dir() and not candidate.is_symlink() and committed_checkpoints(_checkpoint_root(cfg, candidate)):
+        if (
+            candidate.is_dir()
+            and not candidate.is_symlink()
+            and committed_checkpoints(_checkpoint_root(cfg, candidate))
+        ):
             return candidate
     return None
 
@@ -135,7 +139,9 @@ def _lock(directory: Path, key: str) -> IO[str]:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise ConfigError(key, str(directory), f"is in use by a live run ({holder}); wait for it, or choose another directory") from None
+        raise ConfigError(
+            key, str(directory), f"is in use by a live run ({holder}); wait for it, or choose another directory"
+        ) from None
     f.seek(0)
     f.truncate()
     command = " ".join(["isthmus", *sys.argv[1:]])[:200]
@@ -219,8 +225,8 @@ def _check_earlier_run(cfg: JobConfig, run_dir: Path, root: Path, root_outside: 
         leftovers += [path for _, path in checkpoints]
     if not leftovers:
         return False
-    continuing = c.resume == "auto" and bool(checkpoints) or (
-        c.resume not in ("none", "auto") and _inside(Path(c.resume), root)
+    continuing = (
+        c.resume == "auto" and bool(checkpoints) or (c.resume not in ("none", "auto") and _inside(Path(c.resume), root))
     )
     if continuing and not cfg.train.overwrite:
         if c.resume == "auto":
@@ -234,11 +240,15 @@ def _check_earlier_run(cfg: JobConfig, run_dir: Path, root: Path, root_outside: 
     shown = str(root) if where == "checkpoint.dir" else str(run_dir)
     earlier = _describe(root, leftovers)
     if c.resume == "auto":
-        rule = (f"holds an earlier run ({earlier}) but no checkpoint to continue from; "
-                f"pass --train.overwrite true to replace it, or choose another {where}")
+        rule = (
+            f"holds an earlier run ({earlier}) but no checkpoint to continue from; "
+            f"pass --train.overwrite true to replace it, or choose another {where}"
+        )
     else:
-        rule = (f"holds an earlier run ({earlier}); pass --checkpoint.resume auto to continue it, "
-                f"--train.overwrite true to replace it, or choose another {where}")
+        rule = (
+            f"holds an earlier run ({earlier}); pass --checkpoint.resume auto to continue it, "
+            f"--train.overwrite true to replace it, or choose another {where}"
+        )
     raise ConfigError(where, shown, rule)
 
 
@@ -255,7 +265,8 @@ def _check_same_settings(checkpoint: Path, cfg: JobConfig) -> None:
     differ = settings_that_differ(saved, cfg.to_toml())
     if differ:
         raise ConfigError(
-            "checkpoint.resume", "auto",
+            "checkpoint.resume",
+            "auto",
             f"{checkpoint} was saved by a run with other settings ({'; '.join(differ)}); auto continues only the same "
             "run: name the checkpoint (--checkpoint.resume PATH) to start from it anyway, or choose another train.run_dir",
         )

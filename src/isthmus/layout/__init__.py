@@ -24,6 +24,16 @@ from isthmus.layout.spec import (
 )
 
 __all__ = [
-    "ACTIVATION_CHECKPOINTS", "CP_IMPLS", "DC_AXES", "GEO_SYNCS", "PP_SCHEDULES", "SYNC_KINDS",
-    "ActivationCheckpoint", "CpImpl", "DcAxis", "LayoutSpec", "PpSchedule", "SyncKind",
+    "ACTIVATION_CHECKPOINTS",
+    "CP_IMPLS",
+    "DC_AXES",
+    "GEO_SYNCS",
+    "PP_SCHEDULES",
+    "SYNC_KINDS",
+    "ActivationCheckpoint",
+    "CpImpl",
+    "DcAxis",
+    "LayoutSpec",
+    "PpSchedule",
+    "SyncKind",
 ]

@@ -47,7 +47,8 @@ class ParallelDims:
         if product != self.world_size:
             dc = f"{self.dc}*" if self.dc > 1 else ""
             raise ConfigError(
-                "parallel.nproc", self.world_size,
+                "parallel.nproc",
+                self.world_size,
                 f"must equal {'dc*' if self.dc > 1 else ''}dp_replicate*dp_shard*cp*tp*pp = {dc}{self.dp_replicate}"
                 f"*{self.dp_shard}*{self.cp}*{self.tp}*{self.pp} = {product}",
             )
@@ -152,7 +153,9 @@ def fill_data_parallel(p: Any, world_size: int, dc: int = 1) -> None:
     for name in ("dp_replicate", "dp_shard"):
         value = getattr(p, name)
         if value < 1 and value != FILL:
-            raise ConfigError(f"parallel.{name}", value, f"must be at least 1, or {FILL} to fill what the other degrees leave")
+            raise ConfigError(
+                f"parallel.{name}", value, f"must be at least 1, or {FILL} to fill what the other degrees leave"
+            )
     filler = "dp_shard" if p.dp_shard == FILL else "dp_replicate" if p.dp_replicate == FILL else None
     if filler is None:
         return
@@ -164,16 +167,15 @@ def fill_data_parallel(p: Any, world_size: int, dc: int = 1) -> None:
     if world_size % product:
         shown = {k: v for k, v in named.items() if k != "dc" or dc > 1}
         raise ConfigError(
-            "parallel.nproc", world_size,
+            "parallel.nproc",
+            world_size,
             f"must be a multiple of {'*'.join(shown)} = {'*'.join(map(str, shown.values()))} = {product} "
             f"(parallel.{filler} = {FILL} fills what the other degrees leave)",
         )
     setattr(p, filler, world_size // product)
 
 
-def check_layout(
-    cfg: Any, n_heads: int, n_kv_heads: int, n_layers: int, world_size: int | None = None
-) -> ParallelDims:
+def check_layout(cfg: Any, n_heads: int, n_kv_heads: int, n_layers: int, world_size: int | None = None) -> ParallelDims:
     """Every layout rule that needs no process, with the numbers in the message.
 
     ``world_size`` is the launcher's (under torchrun); by default ``parallel.nproc``. A
@@ -189,19 +191,29 @@ def check_layout(
     rules.raise_for(rules.tensor_parallel_heads(p.tp, n_heads, n_kv_heads))
     rules.raise_for(rules.pipeline_stages(p.pp, p.pp_virtual_stages, n_layers))
     if t.seq_len % (2 * p.cp):
-        raise ConfigError("parallel.cp", p.cp, f"2*cp = {2 * p.cp} must divide train.seq_len = {t.seq_len} (load-balanced chunks)")
+        raise ConfigError(
+            "parallel.cp", p.cp, f"2*cp = {2 * p.cp} must divide train.seq_len = {t.seq_len} (load-balanced chunks)"
+        )
     if p.cp_impl == "ulysses" and dims.cp_enabled and (n_heads // p.tp) % p.cp:
-        raise ConfigError("parallel.cp", p.cp, f"ulysses needs cp to divide the heads per tensor-parallel rank, n_heads/tp = {n_heads // p.tp}")
+        raise ConfigError(
+            "parallel.cp",
+            p.cp,
+            f"ulysses needs cp to divide the heads per tensor-parallel rank, n_heads/tp = {n_heads // p.tp}",
+        )
     if p.sequence_parallel and not dims.tp_enabled:
         raise ConfigError("parallel.sequence_parallel", True, "needs parallel.tp > 1")
     if p.sequence_parallel and t.seq_len % (p.tp * p.cp):
-        raise ConfigError("parallel.sequence_parallel", True, f"tp*cp = {p.tp * p.cp} must divide train.seq_len = {t.seq_len}")
+        raise ConfigError(
+            "parallel.sequence_parallel", True, f"tp*cp = {p.tp * p.cp} must divide train.seq_len = {t.seq_len}"
+        )
     micro = dims.dp * t.grad_accum * (p.microbatches if dims.pp_enabled else 1)
     if t.batch_size % micro:
         raise ConfigError(
-            "train.batch_size", t.batch_size,
+            "train.batch_size",
+            t.batch_size,
             f"must be divisible by dp ({dims.dp}) x grad_accum ({t.grad_accum})"
-            + (f" x microbatches ({p.microbatches})" if dims.pp_enabled else "") + f" = {micro}",
+            + (f" x microbatches ({p.microbatches})" if dims.pp_enabled else "")
+            + f" = {micro}",
         )
     rules.raise_for(rules.zero_stage(p.zero_stage, dims.dp_shard, dims.tp, dims.pp, dims.cp, dims.replicate))
     g = cfg.geo
@@ -212,11 +224,15 @@ def check_layout(
         if g.fault_tolerant and inner:
             k, v = next(iter(inner.items()))
             raise ConfigError(
-                f"parallel.{k}", v,
+                f"parallel.{k}",
+                v,
                 "is not combined with geo.fault_tolerant yet: each datacenter's job runs data-parallel replicas (dp_replicate) only",
             )
         if cfg.checkpoint.every and g.fault_tolerant:
-            raise ConfigError("checkpoint.every", cfg.checkpoint.every,
-                              "is not combined with geo.fault_tolerant yet: a datacenter that fails rejoins from the live ones")
+            raise ConfigError(
+                "checkpoint.every",
+                cfg.checkpoint.every,
+                "is not combined with geo.fault_tolerant yet: a datacenter that fails rejoins from the live ones",
+            )
     rules.raise_for(rules.pipeline_schedule(p.pp_schedule, p.pp, p.microbatches, p.pp_virtual_stages))
     return dims

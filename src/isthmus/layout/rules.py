@@ -54,23 +54,29 @@ def pipeline_schedule(schedule: str, pp: int, microbatches: int, virtual_stages:
     interleaved = schedule == "interleaved_1f1b" or (schedule == "zero_bubble" and virtual_stages > 2)
     if interleaved and microbatches % rounds:
         # torch's flexible interleaving runs rounds of microbatches // pp micro-batches.
-        return Reason("parallel.microbatches", microbatches, f"{schedule} needs a multiple of max(1, mb // pp) = {rounds}")
+        return Reason(
+            "parallel.microbatches", microbatches, f"{schedule} needs a multiple of max(1, mb // pp) = {rounds}"
+        )
     return None
 
 
 def pipeline_stages(pp: int, virtual_stages: int, n_layers: int) -> Reason | None:
     """Every pipeline stage holds at least one block."""
     if pp * virtual_stages > n_layers:
-        return Reason("parallel.pp", pp, f"pp * pp_virtual_stages = {pp * virtual_stages} stages is more than "
-                      f"model.n_layers = {n_layers}")
+        return Reason(
+            "parallel.pp",
+            pp,
+            f"pp * pp_virtual_stages = {pp * virtual_stages} stages is more than model.n_layers = {n_layers}",
+        )
     return None
 
 
 DataParallelKind = Literal["none", "ddp", "zero1", "fsdp"]
 
 
-def data_parallel_kind(dp_shard: int, cp: int, tp: int, pp: int, replicas: int, zero_stage: int,
-                       geo_sync: bool = False) -> DataParallelKind:
+def data_parallel_kind(
+    dp_shard: int, cp: int, tp: int, pp: int, replicas: int, zero_stage: int, geo_sync: bool = False
+) -> DataParallelKind:
     """How the runtime keeps data-parallel (and context-parallel) replicas in step.
 
     ``replicas``: every replica, datacenters included. Under a geo sync the strategy averages
@@ -101,8 +107,11 @@ def zero_stage(stage: int, dp_shard: int, tp: int, pp: int, cp: int, replicas: i
     ``replicas``: every replica, datacenters included (dp_replicate x datacenters on dc_axis dp).
     """
     if stage == 1 and dp_shard > 1 and (tp > 1 or pp > 1 or cp > 1 or replicas > 1):
-        return Reason("parallel.zero_stage", 1,
-                      "ZeRO-1 composes with dp_shard alone; use zero_stage 2 or 3 with tp, pp, cp or dp_replicate")
+        return Reason(
+            "parallel.zero_stage",
+            1,
+            "ZeRO-1 composes with dp_shard alone; use zero_stage 2 or 3 with tp, pp, cp or dp_replicate",
+        )
     return None
 
 

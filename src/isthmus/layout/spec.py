@@ -42,13 +42,38 @@ from isthmus.layout.choices import (
 from isthmus.layout.rules import shard_degree
 
 __all__ = [
-    "ACTIVATION_CHECKPOINTS", "CP_IMPLS", "DC_AXES", "DERIVED", "DILOCO_SYNCS", "GEO_KEYS", "GEO_SYNCS",
-    "PARALLEL_KEYS", "PP_SCHEDULES", "SYNC_KINDS", "ActivationCheckpoint", "CpImpl", "DcAxis", "LayoutSpec",
-    "PpSchedule", "SyncKind",
+    "ACTIVATION_CHECKPOINTS",
+    "CP_IMPLS",
+    "DC_AXES",
+    "DERIVED",
+    "DILOCO_SYNCS",
+    "GEO_KEYS",
+    "GEO_SYNCS",
+    "PARALLEL_KEYS",
+    "PP_SCHEDULES",
+    "SYNC_KINDS",
+    "ActivationCheckpoint",
+    "CpImpl",
+    "DcAxis",
+    "LayoutSpec",
+    "PpSchedule",
+    "SyncKind",
 ]
 
-PARALLEL_KEYS = ("dp_replicate", "dp_shard", "zero_stage", "tp", "sequence_parallel", "cp", "cp_impl", "pp",
-                 "pp_schedule", "pp_virtual_stages", "microbatches", "activation_checkpoint")
+PARALLEL_KEYS = (
+    "dp_replicate",
+    "dp_shard",
+    "zero_stage",
+    "tp",
+    "sequence_parallel",
+    "cp",
+    "cp_impl",
+    "pp",
+    "pp_schedule",
+    "pp_virtual_stages",
+    "microbatches",
+    "activation_checkpoint",
+)
 """The ``[parallel]`` keys a layout sets (besides ``nproc``, its world size)."""
 GEO_KEYS = ("datacenters", "dc_axis", "sync", "inner_steps", "fragments", "overlap_steps")
 """The ``[geo]`` keys a layout sets."""
@@ -136,11 +161,24 @@ class LayoutSpec:
         dp_replicate = p.dp_replicate * (g.datacenters if axis == "dp" else 1)
         dp = dp_replicate * p.dp_shard
         return cls(
-            dp_replicate=dp_replicate, dp_shard=p.dp_shard, zero_stage=p.zero_stage, tp=p.tp,
-            sequence_parallel=p.sequence_parallel, cp=p.cp, cp_impl=p.cp_impl, pp=p.pp, pp_schedule=p.pp_schedule,
-            pp_virtual_stages=p.pp_virtual_stages, microbatches=microbatches,
-            activation_checkpoint=p.activation_checkpoint, datacenters=g.datacenters, dc_axis=axis, sync=g.sync,
-            inner_steps=g.inner_steps, fragments=g.fragments, overlap_steps=g.overlap_steps,
+            dp_replicate=dp_replicate,
+            dp_shard=p.dp_shard,
+            zero_stage=p.zero_stage,
+            tp=p.tp,
+            sequence_parallel=p.sequence_parallel,
+            cp=p.cp,
+            cp_impl=p.cp_impl,
+            pp=p.pp,
+            pp_schedule=p.pp_schedule,
+            pp_virtual_stages=p.pp_virtual_stages,
+            microbatches=microbatches,
+            activation_checkpoint=p.activation_checkpoint,
+            datacenters=g.datacenters,
+            dc_axis=axis,
+            sync=g.sync,
+            inner_steps=g.inner_steps,
+            fragments=g.fragments,
+            overlap_steps=g.overlap_steps,
             micro_batch=max(1, t.batch_size // max(1, dp * microbatches)),
         )
 
@@ -165,7 +203,9 @@ class LayoutSpec:
             out[f"geo.{key}"] = getattr(self, key)
         return out
 
-    def config_sections(self, seq_len: int | None = None, tie_embeddings: bool | None = None) -> dict[str, dict[str, object]]:
+    def config_sections(
+        self, seq_len: int | None = None, tie_embeddings: bool | None = None
+    ) -> dict[str, dict[str, object]]:
         """:meth:`config_overrides` as ``{section: {key: value}}`` (the form ``isthmus plan --json`` prints),
         with ``train.seq_len`` when given, and ``model.tie_embeddings = false`` when a tied head is pipelined
         (isthmus unties it: embedding and head live on different stages)."""
@@ -202,13 +242,21 @@ class LayoutSpec:
     def manifest(self, world_size: int, summary: str) -> dict[str, object]:
         """The ``layout`` a checkpoint manifest records (``isthmus.json``; see train.checkpoint_manifest)."""
         return {
-            "summary": summary, "world_size": world_size,
+            "summary": summary,
+            "world_size": world_size,
             "dp_replicate": self.dp_replicate // (self.datacenters if self.dc_axis == "dp" else 1),
-            "dp_shard": self.dp_shard, "zero_stage": self.zero_stage, "tp": self.tp,
-            "sequence_parallel": self.sequence_parallel, "cp": self.cp, "cp_impl": self.cp_impl, "pp": self.pp,
-            "pp_schedule": self.pp_schedule, "pp_virtual_stages": self.pp_virtual_stages,
+            "dp_shard": self.dp_shard,
+            "zero_stage": self.zero_stage,
+            "tp": self.tp,
+            "sequence_parallel": self.sequence_parallel,
+            "cp": self.cp,
+            "cp_impl": self.cp_impl,
+            "pp": self.pp,
+            "pp_schedule": self.pp_schedule,
+            "pp_virtual_stages": self.pp_virtual_stages,
             "microbatches": self.microbatches if self.pp > 1 else 1,
-            "datacenters": self.datacenters, "dc_axis": "dp" if self.dc_axis == "none" else self.dc_axis,
+            "datacenters": self.datacenters,
+            "dc_axis": "dp" if self.dc_axis == "none" else self.dc_axis,
             "geo_sync": self.sync,
         }
 
@@ -218,18 +266,26 @@ class LayoutSpec:
         if self.cp > 1:
             parts.append(f"cp{self.cp}{'u' if self.cp_impl == 'ulysses' else ''}")
         if self.pp > 1:
-            sched = {"interleaved_1f1b": f"i1f1b v{self.pp_virtual_stages}", "zero_bubble": f"zb v{self.pp_virtual_stages}"}
-            parts.append(f"pp{self.pp}" + ("/dc" if self.dc_axis == "pp" else "") + " "
-                         + sched.get(self.pp_schedule, self.pp_schedule))
+            sched = {
+                "interleaved_1f1b": f"i1f1b v{self.pp_virtual_stages}",
+                "zero_bubble": f"zb v{self.pp_virtual_stages}",
+            }
+            parts.append(
+                f"pp{self.pp}"
+                + ("/dc" if self.dc_axis == "pp" else "")
+                + " "
+                + sched.get(self.pp_schedule, self.pp_schedule)
+            )
         dp = f"dp{self.dp}"
         if self.dp_replicate > 1 and self.dp_shard > 1:
             dp += f"(r{self.dp_replicate} s{self.dp_shard})"
         if self.shard_degree > 1:
             dp += f" z{self.zero_stage}"
         if self.dc_axis == "dp":
-            dp += "/dc " + {"diloco": f"diloco H{self.inner_steps}",
-                            "streaming_diloco": f"sdiloco H{self.inner_steps} F{self.fragments} t{self.overlap_steps}",
-                            }.get(self.sync, self.sync)
+            dp += "/dc " + {
+                "diloco": f"diloco H{self.inner_steps}",
+                "streaming_diloco": f"sdiloco H{self.inner_steps} F{self.fragments} t{self.overlap_steps}",
+            }.get(self.sync, self.sync)
         parts.append(dp)
         parts.append(f"mb{self.micro_batch}x{self.microbatches}")
         if self.activation_checkpoint != "none":

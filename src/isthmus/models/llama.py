@@ -152,7 +152,7 @@ class Transformer(nn.Module):
         if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
 
-    def _apply(self, fn: Any, recurse: bool = True) -> "Transformer":
+    def _apply(self, fn: Any, recurse: bool = True) -> Transformer:
         # to_empty()/to() give each module its own new Parameter when the device
         # changes, which silently unties the head; tie again afterwards.
         super()._apply(fn, recurse)

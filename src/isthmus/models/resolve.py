@@ -24,7 +24,9 @@ def resolve_model_args(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> 
     args = base.with_overrides(**overrides)
     check_args(args)
     if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab:
-        raise ConfigError("model.vocab_size", args.vocab_size, f"must be at least the tokenizer's vocabulary ({tokenizer_vocab})")
+        raise ConfigError(
+            "model.vocab_size", args.vocab_size, f"must be at least the tokenizer's vocabulary ({tokenizer_vocab})"
+        )
     return args
 
 

@@ -65,9 +65,7 @@ def cp_unshard(shards: Sequence[Tensor], dim: int) -> Tensor:
     return torch.cat(ordered, dim=dim)
 
 
-def cp_positions(
-    seq_len: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None
-) -> Tensor:
+def cp_positions(seq_len: int, cp_rank: int, cp_size: int, device: torch.device | str | None = None) -> Tensor:
     """Global positions (LongTensor [seq_len / cp]) of this rank's tokens, for RoPE."""
     return cp_shard(torch.arange(seq_len, device=device), 0, cp_rank, cp_size)
 
@@ -138,10 +136,9 @@ class RingAttention(torch.autograd.Function):
                 # Online softmax merge; step 0 always has the diagonal block, so lse is
                 # finite before any -inf could meet -inf.
                 new = torch.logaddexp(lse[..., rows], lse_b)
-                out[..., rows, :] = (
-                    out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(-1)
-                    + out_b * torch.exp(lse_b - new).unsqueeze(-1)
-                )
+                out[..., rows, :] = out[..., rows, :] * torch.exp(lse[..., rows] - new).unsqueeze(
+                    -1
+                ) + out_b * torch.exp(lse_b - new).unsqueeze(-1)
                 lse[..., rows] = new
             if step < size - 1:
                 _wait(works)

@@ -14,8 +14,9 @@ Order, fixed (each step needs the one before it):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -77,7 +78,11 @@ def _inject_cp_positions(module: Transformer, cp_rank: int, cp_size: int) -> Non
 
 
 def _shard_stage(
-    module: Transformer, mesh: Meshes | None, dims: ParallelDims, p: ParallelConfig, dp_kind: DataParallelKind,
+    module: Transformer,
+    mesh: Meshes | None,
+    dims: ParallelDims,
+    p: ParallelConfig,
+    dp_kind: DataParallelKind,
     geo_sync: bool = False,
 ) -> Transformer:
     """Steps 2-5 on one module (the whole model, or one pipeline stage)."""
@@ -85,7 +90,6 @@ def _shard_stage(
         assert mesh is not None
         apply_tp(module, mesh["tp"], p.sequence_parallel)
     if dims.cp_enabled:
-
         assert mesh is not None
         apply_cp(module, mesh["cp"].get_group(), p.cp_impl)
         _inject_cp_positions(module, mesh["cp"].get_local_rank(), dims.cp)
@@ -124,13 +128,22 @@ def parallelize(
         return module
 
     if dims.pp_enabled:
-
         assert mesh is not None and loss_fn is not None
         pp_mesh = mesh["pp"]
         schedule, stages, has_first, has_last = build_pipeline(
-            model, args, pp_mesh.get_group(), pp_mesh.get_local_rank(), dims.pp, parallel.pp_schedule,
-            parallel.microbatches, parallel.pp_virtual_stages, loss_fn, device, seq_len,
-            prepare_stage=materialise, seed=seed,
+            model,
+            args,
+            pp_mesh.get_group(),
+            pp_mesh.get_local_rank(),
+            dims.pp,
+            parallel.pp_schedule,
+            parallel.microbatches,
+            parallel.pp_virtual_stages,
+            loss_fn,
+            device,
+            seq_len,
+            prepare_stage=materialise,
+            seed=seed,
         )
         return ParallelModel(list(stages), dims, dp_kind, schedule, has_first, has_last, loss_parallel)
 

@@ -96,9 +96,7 @@ def build_stage_modules(
 ) -> list[Transformer]:
     """Meta-device copies of the model holding only the blocks (and ends) of ``stage_ids``."""
     if args.tie_embeddings and len(ranges) > 1:
-        raise ConfigError(
-            "model.tie_embeddings", True, "a tied head cannot span pipeline stages; untie it for pp > 1"
-        )
+        raise ConfigError("model.tie_embeddings", True, "a tied head cannot span pipeline stages; untie it for pp > 1")
     stages = []
     for sid in stage_ids:
         start, end = ranges[sid]
@@ -187,9 +185,7 @@ def build_pipeline(
 def _check_even_split(batch: Tensor | None, microbatches: int) -> None:
     # Unequal micro-batches would weight their per-micro-batch means unequally.
     if batch is not None and batch.shape[0] % microbatches:
-        raise ConfigError(
-            "parallel.microbatches", microbatches, f"must divide the local batch size {batch.shape[0]}"
-        )
+        raise ConfigError("parallel.microbatches", microbatches, f"must divide the local batch size {batch.shape[0]}")
 
 
 def _local_stages(schedule: _PipelineSchedule) -> list[PipelineStage]:
@@ -245,7 +241,7 @@ def pipeline_step(
     _check_even_split(targets if has_last else None, n_mb)
     losses: list[Tensor] = []
     args = (inputs,) if has_first else ()
-    kwargs = {"target": targets, "losses": losses} if has_last else {}
+    kwargs: dict[str, Any] = {"target": targets, "losses": losses} if has_last else {}
     # return_outputs=False: the logits are only needed for the loss, which torch keeps.
     schedule.step(*args, return_outputs=False, **kwargs)
     return torch.stack([loss.detach() for loss in losses]).mean() if has_last else None
@@ -271,7 +267,7 @@ def pipeline_eval(
     _check_even_split(inputs if has_first else None, n_mb)
     _check_even_split(targets if has_last else None, n_mb)
     local: dict[int, list[Tensor]] = {}  # stage index -> its micro-batch outputs
-    pending: list[tuple[dist.Work, Tensor]] = []
+    pending: list[tuple[dist.Work | None, Tensor]] = []
     losses: list[Tensor] = []
     for st in stages:
         prev_rank = st.stage_index_to_group_rank.get(st.stage_index - 1)
@@ -284,6 +280,7 @@ def pipeline_eval(
             elif prev_rank == st.group_rank:
                 x = local[st.stage_index - 1][m]
             else:
+                assert st.group is not None and prev_rank is not None  # a stage on another rank has both
                 x = _recv_activation(st.group, prev_rank, st.device)
             out = st.submod(x)
             if st.is_last:
@@ -291,14 +288,16 @@ def pipeline_eval(
             elif next_rank == st.group_rank:
                 outputs.append(out)
             else:
+                assert st.group is not None and next_rank is not None
                 pending.extend(_send_activation(out, st.group, next_rank))
         local[st.stage_index] = outputs
     for work, _ in pending:
-        work.wait()
+        if work is not None:  # (None only when this rank is not in the group, which a stage's rank always is)
+            work.wait()
     return torch.stack(losses).mean() if has_last else None
 
 
-def _send_activation(x: Tensor, group: dist.ProcessGroup, peer: int) -> list[tuple[dist.Work, Tensor]]:
+def _send_activation(x: Tensor, group: dist.ProcessGroup, peer: int) -> list[tuple[dist.Work | None, Tensor]]:
     assert x.dim() < HEADER_LEN - 1 and x.dtype in DTYPES
     header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=x.device)
     header[0], header[1] = DTYPES.index(x.dtype), x.dim()

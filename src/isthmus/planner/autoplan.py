@@ -34,8 +34,12 @@ from isthmus.planner.topology import DeviceKind, Topology, load_topology, parse_
 
 PLAN_KEYS: dict[str, type] = {"nproc": int, **{k: type(getattr(LayoutSpec(), k)) for k in PARALLEL_KEYS}}
 """The ``[parallel]`` keys a plan may name, with their types (LayoutSpec's fields)."""
-_CHOICES = {"cp_impl": CP_IMPLS, "pp_schedule": PP_SCHEDULES, "activation_checkpoint": ACTIVATION_CHECKPOINTS,
-            "zero_stage": (1, 2, 3)}
+_CHOICES = {
+    "cp_impl": CP_IMPLS,
+    "pp_schedule": PP_SCHEDULES,
+    "activation_checkpoint": ACTIVATION_CHECKPOINTS,
+    "zero_stage": (1, 2, 3),
+}
 
 
 def parse_plan(text: str, flag: str = "--plan") -> dict[str, Any]:
@@ -71,7 +75,16 @@ def parse_plan(text: str, flag: str = "--plan") -> dict[str, Any]:
 def _space_with(space: SearchSpace, fixed: dict[str, Any], world: int, global_batch: int | None) -> SearchSpace:
     """The search space with what ``fixed`` names pinned (the rest is checked on the results)."""
     pins: dict[str, Any] = {}
-    for key in ("tp", "pp", "cp", "dp_shard", "zero_stage", "pp_schedule", "pp_virtual_stages", "activation_checkpoint"):
+    for key in (
+        "tp",
+        "pp",
+        "cp",
+        "dp_shard",
+        "zero_stage",
+        "pp_schedule",
+        "pp_virtual_stages",
+        "activation_checkpoint",
+    ):
         if key in fixed:
             pins[key] = fixed[key]  # the search space's fields are the config's keys
     if fixed.get("pp") == 1:
@@ -86,8 +99,11 @@ def _space_with(space: SearchSpace, fixed: dict[str, Any], world: int, global_ba
 
 
 def _matches(lay: LayoutSpec, fixed: dict[str, Any]) -> bool:
-    want = {"dp_replicate": lay.dp_replicate, "microbatches": lay.microbatches if lay.pp > 1 else None,
-            "cp_impl": lay.cp_impl}
+    want = {
+        "dp_replicate": lay.dp_replicate,
+        "microbatches": lay.microbatches if lay.pp > 1 else None,
+        "cp_impl": lay.cp_impl,
+    }
     if "microbatches" in fixed and lay.pp == 1:
         if fixed["microbatches"] != 1:
             return False
@@ -95,8 +111,16 @@ def _matches(lay: LayoutSpec, fixed: dict[str, Any]) -> bool:
     return all(want[k] == fixed[k] for k in want if k in fixed)
 
 
-def choose_layout(args: ModelArgs, topo: Topology, space: SearchSpace, fixed: dict[str, Any], runtime: Runtime,
-                  dtype: str, top: int = 10, band: float = 0.0) -> Estimate:
+def choose_layout(
+    args: ModelArgs,
+    topo: Topology,
+    space: SearchSpace,
+    fixed: dict[str, Any],
+    runtime: Runtime,
+    dtype: str,
+    top: int = 10,
+    band: float = 0.0,
+) -> Estimate:
     """The best layout whose ``[parallel]`` values include ``fixed``.
 
     The search pins what it can (degrees, schedule, ZeRO stage, recomputation); the best result
@@ -113,12 +137,17 @@ def choose_layout(args: ModelArgs, topo: Topology, space: SearchSpace, fixed: di
     except ConfigError as e:
         if not fixed:
             raise
-        raise ConfigError("--plan", names, f"no layout that fits matches it on {topo.name} "
-                          f"({topo.n_devices} devices: {e.rule})") from None
+        raise ConfigError(
+            "--plan", names, f"no layout that fits matches it on {topo.name} ({topo.n_devices} devices: {e.rule})"
+        ) from None
     pool = [e for e in result.ranked if _matches(e.layout, fixed)]
     if not pool:
-        raise ConfigError("--plan", names, f"no layout that fits matches it on {topo.name} "
-                          f"({topo.n_devices} devices; best: {result.best.layout.label()})")
+        raise ConfigError(
+            "--plan",
+            names,
+            f"no layout that fits matches it on {topo.name} "
+            f"({topo.n_devices} devices; best: {result.best.layout.label()})",
+        )
     best = pool[0]
     if band > 0:
         near = [e for e in pool if e.effective_tokens_per_s >= (1 - band) * best.effective_tokens_per_s]
@@ -136,8 +165,17 @@ def choose_layout(args: ModelArgs, topo: Topology, space: SearchSpace, fixed: di
 def mechanisms(lay: LayoutSpec) -> int:
     """How many parallel mechanisms a layout runs: tp, sp, cp, pp (and its interleaving), sharding
     (and its stage), gradient accumulation. Each brings runtime work the cost model does not see."""
-    return (sum([lay.tp > 1, lay.sequence_parallel, lay.cp > 1, lay.pp > 1, lay.pp_virtual_stages > 1, lay.shard_degree > 1,
-                 lay.pp == 1 and lay.microbatches > 1]) + (lay.zero_stage - 1 if lay.shard_degree > 1 else 0))
+    return sum(
+        [
+            lay.tp > 1,
+            lay.sequence_parallel,
+            lay.cp > 1,
+            lay.pp > 1,
+            lay.pp_virtual_stages > 1,
+            lay.shard_degree > 1,
+            lay.pp == 1 and lay.microbatches > 1,
+        ]
+    ) + (lay.zero_stage - 1 if lay.shard_degree > 1 else 0)
 
 
 # --- local ranks ---------------------------------------------------------------------------------------
@@ -185,14 +223,18 @@ def local_topology(nproc: int, source: str = "local", threads: int = 0, cores: i
     kind = dc.kind
     threaded = f"{kind.name}-{t}t"
     if t > 1 and threaded in raw.get("devices", {}):
-        kind = parse_topology({**raw, "datacenters": [{**raw["datacenters"][0], "device": threaded}]}).datacenters[0].kind
+        kind = (
+            parse_topology({**raw, "datacenters": [{**raw["datacenters"][0], "device": threaded}]}).datacenters[0].kind
+        )
     elif t > 1:
         kind = _scaled(kind, t * THREAD_EFFICIENCY, f"{kind.name}-{t}t")
     busy = nproc * t
     if busy > cores:  # time-sliced: each rank gets cores / (ranks x threads) of its threads' time
         share = cores / busy
         kind = _scaled(kind, share, f"{kind.name}/{busy / cores:g}")
-        links = {k: replace(getattr(dc, k), bandwidth=getattr(dc, k).bandwidth * share) for k in ("intra_node", "fabric")}
+        links = {
+            k: replace(getattr(dc, k), bandwidth=getattr(dc, k).bandwidth * share) for k in ("intra_node", "fabric")
+        }
     else:
         links = {}
     node = replace(dc, kind=kind, nodes=1, devices_per_node=nproc, **links)
@@ -202,9 +244,15 @@ def local_topology(nproc: int, source: str = "local", threads: int = 0, cores: i
 def _scaled(kind: DeviceKind, factor: float, name: str) -> DeviceKind:
     """A kind whose compute and memory bandwidth are ``factor`` times ``kind``'s (its per-block
     runtime work, CPU time too, takes 1 / ``factor`` as long)."""
-    return replace(kind, name=name, peak_flops={k: v * factor for k, v in kind.peak_flops.items()},
-                   memory_bandwidth=kind.memory_bandwidth * factor, tp_block_s=kind.tp_block_s / factor,
-                   sp_block_s=kind.sp_block_s / factor, shard_block_s=kind.shard_block_s / factor)
+    return replace(
+        kind,
+        name=name,
+        peak_flops={k: v * factor for k, v in kind.peak_flops.items()},
+        memory_bandwidth=kind.memory_bandwidth * factor,
+        tp_block_s=kind.tp_block_s / factor,
+        sp_block_s=kind.sp_block_s / factor,
+        shard_block_s=kind.shard_block_s / factor,
+    )
 
 
 @dataclass(frozen=True)
@@ -229,8 +277,12 @@ def apply_local_choice(cfg: Any, fixed: dict[str, Any] | None = None, world_size
 
     g = cfg.geo
     if g.datacenters > 1 or g.sync != "none" or g.fault_tolerant:
-        raise ConfigError("parallel.plan", "auto", "plans the local ranks of one datacenter; set the layout by hand "
-                          "with geo.*, or plan it with isthmus plan --topology ... --json > plan.json and run --parallel.plan plan.json")
+        raise ConfigError(
+            "parallel.plan",
+            "auto",
+            "plans the local ranks of one datacenter; set the layout by hand "
+            "with geo.*, or plan it with isthmus plan --topology ... --json > plan.json and run --parallel.plan plan.json",
+        )
     if world_size is not None:
         set_value(cfg, "parallel.nproc", world_size, from_cli=False)
     choice = choose_local_layout(cfg, cfg.parallel.plan_topology, fixed or {})
@@ -257,28 +309,38 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
         topo = local_topology(p.nproc, topology, t.threads)
     except ConfigError as e:
         raise ConfigError("parallel.plan_topology", topology, e.rule) from None
-    space = SearchSpace(batch_size=t.batch_size, seq_len=t.seq_len, activation_checkpoint=p.activation_checkpoint, dc_axis="none")
+    space = SearchSpace(
+        batch_size=t.batch_size, seq_len=t.seq_len, activation_checkpoint=p.activation_checkpoint, dc_axis="none"
+    )
     if args.tie_embeddings:
         space = replace(space, pp=1)  # a tied head cannot be pipelined; the config's model is kept as given
     pins = {k: v for k, v in (fixed or {}).items() if k in PLAN_KEYS and k != "activation_checkpoint"}
     _check_pins(pins, args, p.nproc)
     if pins.get("pp", 1) > 1 and args.tie_embeddings:
-        raise ConfigError("parallel.pp", pins["pp"], "cannot be combined with model.tie_embeddings (embedding and head live on different stages)")
+        raise ConfigError(
+            "parallel.pp",
+            pins["pp"],
+            "cannot be combined with model.tie_embeddings (embedding and head live on different stages)",
+        )
     try:
-        est = choose_layout(args, topo, space, {**pins, "nproc": p.nproc}, local_runtime(), t.dtype, top=50,
-                            band=SIMPLEST_WITHIN)
+        est = choose_layout(
+            args, topo, space, {**pins, "nproc": p.nproc}, local_runtime(), t.dtype, top=50, band=SIMPLEST_WITHIN
+        )
     except ConfigError as e:
         if not pins:
             raise
         named = ",".join(f"{k}={v}" for k, v in pins.items())
-        raise ConfigError("parallel.plan", "auto", f"no layout of {p.nproc} local rank(s) with {named} fits "
-                          f"({e.rule})") from None
+        raise ConfigError(
+            "parallel.plan", "auto", f"no layout of {p.nproc} local rank(s) with {named} fits ({e.rule})"
+        ) from None
     lay = est.layout
     parallel = {k: v for k, v in lay.parallel_config().items() if k != "activation_checkpoint"}
     train = {"grad_accum": lay.microbatches if lay.pp == 1 else 1}
-    summary = (f"plan auto: {lay.label()} on {p.nproc} local rank(s) ({topo.datacenters[0].kind.name}): "
-               f"predicted {est.step_time_s:.3g} s/step, {est.tokens_per_s:,.0f} tokens/s, "
-               f"{est.mem_per_device_gb:.2f} GB/rank")
+    summary = (
+        f"plan auto: {lay.label()} on {p.nproc} local rank(s) ({topo.datacenters[0].kind.name}): "
+        f"predicted {est.step_time_s:.3g} s/step, {est.tokens_per_s:,.0f} tokens/s, "
+        f"{est.mem_per_device_gb:.2f} GB/rank"
+    )
     return LocalChoice(parallel, train, summary, est)
 
 

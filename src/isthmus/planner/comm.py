@@ -134,4 +134,3 @@ def wan_bytes_all_reduce(nbytes: float, span: Span, algo: Algo = "hierarchical")
         return 2 * (span.size - 1) * nbytes / span.size * k
     # Each datacenter sends 2 (k-1)/k of the buffer in the cross-datacenter phase.
     return 2 * (k - 1) * nbytes
-

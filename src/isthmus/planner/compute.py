@@ -78,8 +78,15 @@ def _mem_ops(kind: DeviceKind, name: str, fwd_bytes: float, kernels: int = 1) ->
 
 
 def layer_ops(
-    kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int,
-    tp: int, cp: int, sp: bool, runtime: Runtime,
+    kind: DeviceKind,
+    dtype: str,
+    args: ModelArgs,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    cp: int,
+    sp: bool,
+    runtime: Runtime,
 ) -> list[Op]:
     """Every operator of one transformer block for one microbatch on one device."""
     e = ELEM_BYTES[dtype]
@@ -103,8 +110,12 @@ def layer_ops(
     else:
         flops = 4 * micro_batch * heads * s_local * seq_len * hd
         fwd = kind.kernel_launch_s + CAUSAL_SKIP * flops / (
-            kind.peak(dtype) * gemm_fraction(kind, s_local, seq_len, hd) * FLASH_EFFICIENCY)
-        ops += [Op("attn.flash", "fwd", flops, 0.0, fwd), Op("attn.flash.bwd", "bwd", 2 * flops, 0.0, FLASH_BACKWARD_FACTOR * fwd)]
+            kind.peak(dtype) * gemm_fraction(kind, s_local, seq_len, hd) * FLASH_EFFICIENCY
+        )
+        ops += [
+            Op("attn.flash", "fwd", flops, 0.0, fwd),
+            Op("attn.flash.bwd", "bwd", 2 * flops, 0.0, FLASH_BACKWARD_FACTOR * fwd),
+        ]
     ops += _gemm_ops(kind, dtype, "proj", tokens, h, q / tp)
     ops += _mem_ops(kind, "residual1", (3 * e + mask) * rep * h)
     ops += _mem_ops(kind, "norm2", 2 * e * rep * h)
@@ -116,7 +127,9 @@ def layer_ops(
     return ops
 
 
-def head_ops(kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool) -> list[Op]:
+def head_ops(
+    kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool
+) -> list[Op]:
     """Final norm, output projection (vocabulary split over tp) and cross-entropy of one microbatch."""
     e = ELEM_BYTES[dtype]
     tokens = micro_batch * seq_len / cp
@@ -125,16 +138,20 @@ def head_ops(kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, se
     ops = _mem_ops(kind, "final_norm", 2 * e * rep * args.dim)
     ops += _gemm_ops(kind, dtype, "head", tokens, args.vocab_size / tp, args.dim)
     # fp32 softmax cross-entropy: read logits, write fp32 probabilities, reduce; backward writes grads.
-    ops += [Op("loss", "fwd", 0.0, 12 * logits, memory_time(kind, 12 * logits, 3)),
-            Op("loss.bwd", "bwd", 0.0, 8 * logits, memory_time(kind, 8 * logits, 2))]
+    ops += [
+        Op("loss", "fwd", 0.0, 12 * logits, memory_time(kind, 12 * logits, 3)),
+        Op("loss.bwd", "bwd", 0.0, 8 * logits, memory_time(kind, 8 * logits, 2)),
+    ]
     return ops
 
 
 def embedding_ops(kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int, cp: int) -> list[Op]:
     e = ELEM_BYTES[dtype]
     nbytes = e * micro_batch * seq_len / cp * args.dim
-    return [Op("embed", "fwd", 0.0, nbytes, memory_time(kind, nbytes)),
-            Op("embed.bwd", "bwd", 0.0, 2 * nbytes, memory_time(kind, 2 * nbytes))]
+    return [
+        Op("embed", "fwd", 0.0, nbytes, memory_time(kind, nbytes)),
+        Op("embed.bwd", "bwd", 0.0, 2 * nbytes, memory_time(kind, 2 * nbytes)),
+    ]
 
 
 @dataclass(frozen=True)
@@ -160,8 +177,15 @@ def sum_phases(ops: list[Op]) -> PhaseTimes:
 
 @lru_cache(maxsize=4096)
 def layer_times(
-    kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int,
-    tp: int, cp: int, sp: bool, runtime: Runtime,
+    kind: DeviceKind,
+    dtype: str,
+    args: ModelArgs,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    cp: int,
+    sp: bool,
+    runtime: Runtime,
 ) -> PhaseTimes:
     """Cached :func:`layer_ops` totals (the search calls this for every candidate)."""
     return sum_phases(layer_ops(kind, dtype, args, micro_batch, seq_len, tp, cp, sp, runtime))
@@ -169,11 +193,20 @@ def layer_times(
 
 @lru_cache(maxsize=4096)
 def ends_times(
-    kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool,
+    kind: DeviceKind,
+    dtype: str,
+    args: ModelArgs,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    cp: int,
+    sp: bool,
 ) -> tuple[PhaseTimes, PhaseTimes]:
     """(embedding, head + loss) times of one microbatch: the first and last pipeline stage's extras."""
-    return (sum_phases(embedding_ops(kind, dtype, args, micro_batch, seq_len, cp)),
-            sum_phases(head_ops(kind, dtype, args, micro_batch, seq_len, tp, cp, sp)))
+    return (
+        sum_phases(embedding_ops(kind, dtype, args, micro_batch, seq_len, cp)),
+        sum_phases(head_ops(kind, dtype, args, micro_batch, seq_len, tp, cp, sp)),
+    )
 
 
 def optimizer_time(kind: DeviceKind, local_params: float) -> float:

@@ -20,7 +20,7 @@ from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory, stage_params
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
 from isthmus.planner.placement import Placement, SiteSpans, place
-from isthmus.planner.topology import DeviceKind, Topology
+from isthmus.planner.topology import DeviceKind, Link, Topology
 
 RING_HIDDEN_SHARE = 0.3
 """Share of a block's forward that ring attention's KV hops can hide behind (its attention part)."""
@@ -46,8 +46,17 @@ class BlockCost:
 
 
 @lru_cache(maxsize=8192)
-def block_cost(kind: DeviceKind, site: SiteSpans, work: Workload, tp: int, cp: int, sp: bool, cp_impl: str,
-               micro_batch: int, runtime: Runtime) -> BlockCost:
+def block_cost(
+    kind: DeviceKind,
+    site: SiteSpans,
+    work: Workload,
+    tp: int,
+    cp: int,
+    sp: bool,
+    cp_impl: str,
+    micro_batch: int,
+    runtime: Runtime,
+) -> BlockCost:
     a, b, s, e = work.args, micro_batch, work.seq_len, ELEM_BYTES[work.dtype]
     t = layer_times(kind, work.dtype, a, b, s, tp, cp, sp, runtime)
     act = b * s / cp * a.dim * e
@@ -92,26 +101,52 @@ def recompute_share(recompute: str) -> float:
 
 
 def _ends(kind: DeviceKind, work: Workload, layout: LayoutSpec, r: int) -> tuple[PhaseTimes, PhaseTimes]:
-    emb, head = ends_times(kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel)
+    emb, head = ends_times(
+        kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel
+    )
     zero = PhaseTimes(0.0, 0.0, 0.0, 0.0)
     return (emb if r == 0 else zero), (head if r == layout.pp - 1 else zero)
 
 
 def stage_costs(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement) -> list[StageCost]:
     """Per pipeline rank: layers (Megatron: even split; isthmus: balanced by speed) and microbatch cost."""
-    p, v, rc, e = layout.pp, layout.pp_virtual_stages, recompute_share(layout.activation_checkpoint), ELEM_BYTES[work.dtype]
-    per_site = [(site, block_cost(site.dc.kind, site, work, layout.tp, layout.cp, layout.sequence_parallel, layout.cp_impl,
-                                  layout.micro_batch, runtime)) for site in pl.sites]
+    p, v, rc, e = (
+        layout.pp,
+        layout.pp_virtual_stages,
+        recompute_share(layout.activation_checkpoint),
+        ELEM_BYTES[work.dtype],
+    )
+    per_site = [
+        (
+            site,
+            block_cost(
+                site.dc.kind,
+                site,
+                work,
+                layout.tp,
+                layout.cp,
+                layout.sequence_parallel,
+                layout.cp_impl,
+                layout.micro_batch,
+                runtime,
+            ),
+        )
+        for site in pl.sites
+    ]
     blocks = [[per_site[i] for i in pl.stage_sites[r]] for r in range(p)]
     if runtime.name == "megatron-2021" or p == 1:
         layers = even_partition(work.args.n_layers, p)
     else:
-        per_sites = {sites: max(per_site[i][1].fwd * (1 + rc) + per_site[i][1].bwd for i in sites)
-                     for sites in set(pl.stage_sites)}
+        per_sites = {
+            sites: max(per_site[i][1].fwd * (1 + rc) + per_site[i][1].bwd for i in sites)
+            for sites in set(pl.stage_sites)
+        }
         per_layer = [per_sites[sites] for sites in pl.stage_sites]
         extra = [0.0] * p
         for r in (0, p - 1):
-            extra[r] = max(sum(x.fwd + x.backward for x in _ends(site.dc.kind, work, layout, r)) for site, _ in blocks[r])
+            extra[r] = max(
+                sum(x.fwd + x.backward for x in _ends(site.dc.kind, work, layout, r)) for site, _ in blocks[r]
+            )
         layers = partition_layers(work.args.n_layers, per_layer, extra, min_layers=v)
     act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * e
     msg = act / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
@@ -126,8 +161,17 @@ def stage_costs(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placem
     return out
 
 
-def _stage_cost(work: Workload, layout: LayoutSpec, runtime: Runtime, row: list[tuple[SiteSpans, BlockCost]], n: int, r: int,
-                near: tuple[tuple[object, int, bool], ...], act: float, msg: float) -> StageCost:
+def _stage_cost(
+    work: Workload,
+    layout: LayoutSpec,
+    runtime: Runtime,
+    row: list[tuple[SiteSpans, BlockCost]],
+    n: int,
+    r: int,
+    near: tuple[tuple[Link, int, bool], ...],
+    act: float,
+    msg: float,
+) -> StageCost:
     rc, v = recompute_share(layout.activation_checkpoint), layout.pp_virtual_stages
     worst: StageCost | None = None
     for site, bc in row:
@@ -135,15 +179,22 @@ def _stage_cost(work: Workload, layout: LayoutSpec, runtime: Runtime, row: list[
         p2p = 0.0
         if layout.pp > 1 and not runtime.p2p_async:  # blocking send/recv to each neighbour, per virtual stage
             gather = comm.all_gather(act, site.tp) if runtime.scatter_gather else 0.0
-            p2p = sum(v * (comm.p2p(msg, link, share) + gather) for link, share, _ in near)  # type: ignore[arg-type]
-        compute = n * (bc.compute.fwd * (1 + rc) + bc.compute.backward) + emb.fwd + emb.backward + head.fwd + head.backward
-        parts = (("compute", compute), ("tp comm", n * (2 + rc) * bc.tp),
-                 ("cp comm", n * (bc.cp_fwd * (1 + rc) + bc.cp_bwd)), ("pp p2p", p2p))
+            p2p = sum(v * (comm.p2p(msg, link, share) + gather) for link, share, _ in near)
+        compute = (
+            n * (bc.compute.fwd * (1 + rc) + bc.compute.backward) + emb.fwd + emb.backward + head.fwd + head.backward
+        )
+        parts = (
+            ("compute", compute),
+            ("tp comm", n * (2 + rc) * bc.tp),
+            ("cp comm", n * (bc.cp_fwd * (1 + rc) + bc.cp_bwd)),
+            ("pp p2p", p2p),
+        )
         cost = StageCost(
             layers=n,
             fwd=n * bc.fwd + emb.fwd + head.fwd + p2p / 2,
             bwd=n * (bc.bwd + rc * bc.fwd) + emb.backward + head.backward + p2p / 2,
-            wgrad=n * bc.compute.wgrad + head.wgrad, parts=parts,
+            wgrad=n * bc.compute.wgrad + head.wgrad,
+            parts=parts,
         )
         if worst is None or cost.total > worst.total:
             worst = cost
@@ -178,10 +229,19 @@ def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placemen
         outer = sc.wan if layout.sync == "diloco" else 0.0  # DiLoCo's outer sync blocks, every H steps
         grad = max(0.0, sc.grad - outer - window) + outer
         params_exposed = max(0.0, sc.params - st.fwd) if runtime.dp_overlap else sc.params
-        opt = optimizer_time(site.dc.kind, params / max(1, layout.shard_degree)) + shard_overhead(site.dc.kind, layout, st.layers)
+        opt = optimizer_time(site.dc.kind, params / max(1, layout.shard_degree)) + shard_overhead(
+            site.dc.kind, layout, st.layers
+        )
         wan = min(grad, sc.wan)
-        cost = RankSync(grad + params_exposed + opt, grad + params_exposed - wan, wan, opt, sc.per_microbatch, sc.wan_bytes,
-                        sc.fragment)
+        cost = RankSync(
+            grad + params_exposed + opt,
+            grad + params_exposed - wan,
+            wan,
+            opt,
+            sc.per_microbatch,
+            sc.wan_bytes,
+            sc.fragment,
+        )
         if worst is None or cost.tail > worst.tail:
             worst = cost
     assert worst is not None
@@ -190,21 +250,42 @@ def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placemen
 
 def rank_memory(work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, layers: int) -> MemoryBreakdown:
     return device_memory(
-        work.args, runtime, layers=layers, first=r == 0, last=r == layout.pp - 1, pp=layout.pp, tp=layout.tp,
-        cp=layout.cp, sp=layout.sequence_parallel, micro_batch=layout.micro_batch, seq_len=work.seq_len, recompute=layout.activation_checkpoint,
+        work.args,
+        runtime,
+        layers=layers,
+        first=r == 0,
+        last=r == layout.pp - 1,
+        pp=layout.pp,
+        tp=layout.tp,
+        cp=layout.cp,
+        sp=layout.sequence_parallel,
+        micro_batch=layout.micro_batch,
+        seq_len=work.seq_len,
+        recompute=layout.activation_checkpoint,
         in_flight=in_flight(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, layout.microbatches, r),
-        zero_stage=layout.zero_stage, shard=layout.shard_degree, accumulate=layout.microbatches > 1, dtype=work.dtype,
+        zero_stage=layout.zero_stage,
+        shard=layout.shard_degree,
+        accumulate=layout.microbatches > 1,
+        dtype=work.dtype,
     )
 
 
-def pipeline_links(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement, busy: list[float]) -> list[LinkStage]:
+def pipeline_links(
+    work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement, busy: list[float]
+) -> list[LinkStage]:
     """Pipeline boundaries as stages of their own, when sends overlap compute (``busy``: seconds per
     microbatch of each rank)."""
     p, v, m = layout.pp, layout.pp_virtual_stages, layout.microbatches
     if p == 1 or not runtime.p2p_async:
         return []
-    msg = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * ELEM_BYTES[work.dtype] / (
-        layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
+    msg = (
+        layout.micro_batch
+        * work.seq_len
+        / layout.cp
+        * work.args.dim
+        * ELEM_BYTES[work.dtype]
+        / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
+    )
     links = []
     for r, (link, share, _) in enumerate(pl.boundary_links):
         one = comm.p2p(msg, link, share)
@@ -249,19 +330,34 @@ class Estimate:
 
     def as_json(self) -> dict[str, object]:
         return {
-            "layout": self.layout.as_dict(), "label": self.layout.label(),
+            "layout": self.layout.as_dict(),
+            "label": self.layout.label(),
             **self.layout.config_sections(self.work.seq_len, self.work.args.tie_embeddings),
-            "batch_size": self.work.batch_size, "seq_len": self.work.seq_len, "runtime": self.runtime, "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-            "effective_tokens_per_s": self.effective_tokens_per_s, "tflops_per_device": self.tflops_per_device,
-            "mfu": self.mfu, "mem_per_device_gb": self.mem_per_device_gb, "fits": self.fits,
-            "bubble_fraction": self.bubble_fraction, "wan_bytes_per_step": self.wan_bytes_per_step,
-            "bottleneck": self.bottleneck, "breakdown_s": self.breakdown, "stage_layers": list(self.stage_layers),
+            "batch_size": self.work.batch_size,
+            "seq_len": self.work.seq_len,
+            "runtime": self.runtime,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "effective_tokens_per_s": self.effective_tokens_per_s,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "mem_per_device_gb": self.mem_per_device_gb,
+            "fits": self.fits,
+            "bubble_fraction": self.bubble_fraction,
+            "wan_bytes_per_step": self.wan_bytes_per_step,
+            "bottleneck": self.bottleneck,
+            "breakdown_s": self.breakdown,
+            "stage_layers": list(self.stage_layers),
         }
 
 
 def estimate(
-    work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtime,
-    placement: Placement | None = None, stages: list[StageCost] | None = None,
+    work: Workload,
+    topo: Topology,
+    layout: LayoutSpec,
+    runtime: Runtime,
+    placement: Placement | None = None,
+    stages: list[StageCost] | None = None,
 ) -> Estimate:
     """Everything the planner ranks by, for one layout (memory may exceed the device: see ``fits``).
 
@@ -279,10 +375,14 @@ def estimate(
         first_of.setdefault((id(st), pl.stage_sites[r]), r)
     reps = {key: (r, rank_sync(work, layout, runtime, pl, r, stages[r])) for key, r in first_of.items()}
     syncs = [reps[(id(st), pl.stage_sites[r])][1] for r, st in enumerate(stages)]
-    memory = max((rank_memory(work, layout, runtime, r, stages[r].layers) for r, _ in reps.values()), key=lambda mb: mb.total)
+    memory = max(
+        (rank_memory(work, layout, runtime, r, stages[r].layers) for r, _ in reps.values()), key=lambda mb: mb.total
+    )
     # A microbatch takes its compute or its ZeRO-3 gathers, whichever is longer, when they overlap.
-    busy = [max(st.total, sy.per_microbatch) if runtime.dp_overlap else st.total + sy.per_microbatch
-            for st, sy in zip(stages, syncs)]
+    busy = [
+        max(st.total, sy.per_microbatch) if runtime.dp_overlap else st.total + sy.per_microbatch
+        for st, sy in zip(stages, syncs)
+    ]
     e = ELEM_BYTES[work.dtype]
     links = pipeline_links(work, layout, runtime, pl, busy)
     t_pipe, idle = pipeline_time(busy, [st.wgrad for st in stages], m, v, layout.pp_schedule, links)
@@ -294,24 +394,41 @@ def estimate(
     # Activations and their gradients cross each WAN boundary once per sequence.
     wan_cuts = sum(1 for _, _, wan in pl.boundary_links if wan)
     wan_bytes = sum(sy.wan_bytes for sy in syncs) + wan_cuts * 2 * work.tokens_per_step * a.dim * e * (
-        1 if runtime.scatter_gather or layout.sequence_parallel else layout.tp)
+        1 if runtime.scatter_gather or layout.sequence_parallel else layout.tp
+    )
     heavy = max(range(p), key=lambda r: busy[r])
     breakdown = {k: m * val for k, val in stages[heavy].parts}
     wan_wait = max([m * l.occupancy - m * busy[heavy] for l, (_, _, w) in zip(links, pl.boundary_links) if w] + [0.0])
-    breakdown.update({
-        "dp comm": syncs[slow].dp + m * (busy[heavy] - stages[heavy].total), "wan": syncs[slow].wan + wan_wait + streaming,
-        "bubble": max(0.0, idle - wan_wait), "optimizer": syncs[slow].optimizer,
-    })
+    breakdown.update(
+        {
+            "dp comm": syncs[slow].dp + m * (busy[heavy] - stages[heavy].total),
+            "wan": syncs[slow].wan + wan_wait + streaming,
+            "bubble": max(0.0, idle - wan_wait),
+            "optimizer": syncs[slow].optimizer,
+        }
+    )
     tokens_per_s = work.tokens_per_step / step
     model_flops = flops_per_token(a, work.seq_len, False)
-    hw_flops = model_flops + recompute_share(layout.activation_checkpoint) * (flops_per_token(a, work.seq_len, True) - model_flops)
+    hw_flops = model_flops + recompute_share(layout.activation_checkpoint) * (
+        flops_per_token(a, work.seq_len, True) - model_flops
+    )
     kinds = [s.dc.kind for s in pl.sites]
     peak = sum(k.peak(work.dtype) for k in kinds) / len(kinds) * layout.world
     usable = min(k.memory_bytes for k in kinds) * USABLE_FRACTION
     return Estimate(
-        layout=layout, work=work, runtime=runtime.name, step_time_s=step, tokens_per_s=tokens_per_s,
+        layout=layout,
+        work=work,
+        runtime=runtime.name,
+        step_time_s=step,
+        tokens_per_s=tokens_per_s,
         effective_tokens_per_s=tokens_per_s * runtime.quality_of(layout.sync),
-        tflops_per_device=hw_flops * tokens_per_s / layout.world / 1e12, mfu=model_flops * tokens_per_s / peak,
-        mem_per_device_gb=memory.total / 1e9, memory=memory, fits=memory.total <= usable,
-        bubble_fraction=idle / step, wan_bytes_per_step=wan_bytes, breakdown=breakdown, stages=tuple(stages),
+        tflops_per_device=hw_flops * tokens_per_s / layout.world / 1e12,
+        mfu=model_flops * tokens_per_s / peak,
+        mem_per_device_gb=memory.total / 1e9,
+        memory=memory,
+        fits=memory.total <= usable,
+        bubble_fraction=idle / step,
+        wan_bytes_per_step=wan_bytes,
+        breakdown=breakdown,
+        stages=tuple(stages),
     )

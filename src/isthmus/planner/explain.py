@@ -15,11 +15,20 @@ COLUMNS = ("#", "layout", "step s", "tokens/s", "TFLOP/s/dev", "MFU", "mem GB", 
 def table_rows(result: SearchResult, top: int) -> list[list[str]]:
     rows = []
     for i, est in enumerate(result.ranked[:top], 1):
-        rows.append([
-            str(i), est.layout.label(), f"{est.step_time_s:.3g}", f"{est.tokens_per_s:,.0f}",
-            f"{est.tflops_per_device:.1f}", f"{100 * est.mfu:.1f}%", f"{est.mem_per_device_gb:.1f}",
-            f"{100 * est.bubble_fraction:.1f}%", f"{est.wan_bytes_per_step / 1e9:.3g}", est.bottleneck,
-        ])
+        rows.append(
+            [
+                str(i),
+                est.layout.label(),
+                f"{est.step_time_s:.3g}",
+                f"{est.tokens_per_s:,.0f}",
+                f"{est.tflops_per_device:.1f}",
+                f"{100 * est.mfu:.1f}%",
+                f"{est.mem_per_device_gb:.1f}",
+                f"{100 * est.bubble_fraction:.1f}%",
+                f"{est.wan_bytes_per_step / 1e9:.3g}",
+                est.bottleneck,
+            ]
+        )
     return rows
 
 
@@ -61,19 +70,25 @@ def explain(result: SearchResult, topo: Topology) -> str:
         f"MFU {100 * best.mfu:.1f}%, {best.mem_per_device_gb:.1f} of {dc.kind.memory_bytes / 1e9:.0f} GB per device."
     ]
     if lay.tp > 1:
-        out.append(f"Tensor parallelism of {lay.tp} stays inside a node of {dc.devices_per_node} devices, so its four "
-                   f"collectives per block run at {dc.intra_node.bandwidth / 1e9:.0f} GB/s ({_share(best, 'tp comm')} of the step).")
+        out.append(
+            f"Tensor parallelism of {lay.tp} stays inside a node of {dc.devices_per_node} devices, so its four "
+            f"collectives per block run at {dc.intra_node.bandwidth / 1e9:.0f} GB/s ({_share(best, 'tp comm')} of the step)."
+        )
     if lay.pp > 1:
-        out.append(f"{lay.pp} pipeline stages under {lay.pp_schedule} with {lay.microbatches} microbatches idle "
-                   f"{100 * best.bubble_fraction:.0f}% of the step.")
+        out.append(
+            f"{lay.pp} pipeline stages under {lay.pp_schedule} with {lay.microbatches} microbatches idle "
+            f"{100 * best.bubble_fraction:.0f}% of the step."
+        )
     state = "no recomputation" if lay.activation_checkpoint == "none" else f"{lay.activation_checkpoint} recomputation"
     shard = f"ZeRO-{lay.zero_stage} over {lay.shard_degree} ranks" if lay.shard_degree > 1 else "no sharding"
     out.append(f"It fits with {state} and {shard}.")
     out.extend(_wan_sentences(result, topo))
     second = _runner_up(result)
     if second is not None:
-        out.append(f"It beats the best layout that differs in more than the data-parallel split "
-                   f"({second.layout.label()}) by {_pct(best.effective_tokens_per_s, second.effective_tokens_per_s)}.")
+        out.append(
+            f"It beats the best layout that differs in more than the data-parallel split "
+            f"({second.layout.label()}) by {_pct(best.effective_tokens_per_s, second.effective_tokens_per_s)}."
+        )
     top_cost = best.bottleneck
     if top_cost != "compute":
         out.append(f"What limits it now is {top_cost} ({_share(best, top_cost)} of the step).")
@@ -84,7 +99,17 @@ def explain(result: SearchResult, topo: Topology) -> str:
 
 def _core(est: Estimate) -> tuple[object, ...]:
     lay = est.layout
-    return (lay.tp, lay.cp, lay.pp, lay.pp_schedule, lay.pp_virtual_stages, lay.micro_batch, lay.activation_checkpoint, lay.dc_axis, lay.sync)
+    return (
+        lay.tp,
+        lay.cp,
+        lay.pp,
+        lay.pp_schedule,
+        lay.pp_virtual_stages,
+        lay.micro_batch,
+        lay.activation_checkpoint,
+        lay.dc_axis,
+        lay.sync,
+    )
 
 
 def _runner_up(result: SearchResult) -> Estimate | None:
@@ -100,37 +125,60 @@ def _wan_sentences(result: SearchResult, topo: Topology) -> list[str]:
     best, alt = result.best, result.alternatives
     lay = best.layout
     speeds = sorted({l.bandwidth / 1e9 for l in topo.wan.values()})
-    links = (f"{speeds[0]:.3g} GB/s links" if len(speeds) == 1 else
-             f"links of {', '.join(f'{b:.3g}' for b in speeds)} GB/s")
-    others = {k: v for k, v in alt.items()
-              if k.startswith(("dc_axis=", "sync=")) and (v.layout.dc_axis, v.layout.sync) != (lay.dc_axis, lay.sync)}
+    links = (
+        f"{speeds[0]:.3g} GB/s links" if len(speeds) == 1 else f"links of {', '.join(f'{b:.3g}' for b in speeds)} GB/s"
+    )
+    others = {
+        k: v
+        for k, v in alt.items()
+        if k.startswith(("dc_axis=", "sync=")) and (v.layout.dc_axis, v.layout.sync) != (lay.dc_axis, lay.sync)
+    }
     rival = max(others.values(), key=lambda e: e.effective_tokens_per_s, default=None)
     if lay.dc_axis == "pp":
-        s = (f"Only pipeline activations cross the WAN ({links}): {best.wan_bytes_per_step / 1e9:.3g} GB per step, "
-             "with per-layer traffic (tp, cp, sp, ZeRO gathers) kept inside each datacenter.")
+        s = (
+            f"Only pipeline activations cross the WAN ({links}): {best.wan_bytes_per_step / 1e9:.3g} GB per step, "
+            "with per-layer traffic (tp, cp, sp, ZeRO gathers) kept inside each datacenter."
+        )
     elif lay.dc_axis == "dp":
-        how = {"flat": "one flat ring", "hierarchical": "hierarchical all-reduce of gradient shards",
-               "compressed": "compressed gradient shards", "diloco": f"DiLoCo outer steps every {lay.inner_steps} steps",
-               "streaming_diloco": f"Streaming DiLoCo ({lay.fragments} fragments in turn over {lay.inner_steps} steps, "
-                                   f"each transfer overlapping {lay.overlap_steps} step(s), int4)"}[lay.sync]
-        s = (f"Data-parallel replicas span the datacenters and synchronise over the WAN ({links}) by {how}: "
-             f"{best.wan_bytes_per_step / 1e9:.3g} GB per step; per-layer traffic stays inside each datacenter.")
+        how = {
+            "flat": "one flat ring",
+            "hierarchical": "hierarchical all-reduce of gradient shards",
+            "compressed": "compressed gradient shards",
+            "diloco": f"DiLoCo outer steps every {lay.inner_steps} steps",
+            "streaming_diloco": f"Streaming DiLoCo ({lay.fragments} fragments in turn over {lay.inner_steps} steps, "
+            f"each transfer overlapping {lay.overlap_steps} step(s), int4)",
+        }[lay.sync]
+        s = (
+            f"Data-parallel replicas span the datacenters and synchronise over the WAN ({links}) by {how}: "
+            f"{best.wan_bytes_per_step / 1e9:.3g} GB per step; per-layer traffic stays inside each datacenter."
+        )
         if lay.sync in ("compressed", *DILOCO_SYNCS):
             s += f" Its ranking assumes {100 * (1 - best.effective_tokens_per_s / best.tokens_per_s):.0f}% more tokens for the same loss."
     else:
         s = f"It uses one datacenter: the WAN ({links}) would cost more than the other datacenters add."
     if rival is not None:
         r = rival.layout
-        what = ("pipeline stages across datacenters" if r.dc_axis == "pp" else
-                f"data parallelism across datacenters ({r.sync})" if r.dc_axis == "dp" else "one datacenter")
-        s += (f" The best with {what} ({r.label()}) reaches {rival.tokens_per_s:,.0f} tokens/s, "
-              f"{_pct(best.effective_tokens_per_s, rival.effective_tokens_per_s)} behind.")
+        what = (
+            "pipeline stages across datacenters"
+            if r.dc_axis == "pp"
+            else f"data parallelism across datacenters ({r.sync})"
+            if r.dc_axis == "dp"
+            else "one datacenter"
+        )
+        s += (
+            f" The best with {what} ({r.label()}) reaches {rival.tokens_per_s:,.0f} tokens/s, "
+            f"{_pct(best.effective_tokens_per_s, rival.effective_tokens_per_s)} behind."
+        )
     return [s]
 
 
 def result_json(result: SearchResult, topo: Topology, top: int) -> dict[str, object]:
     return {
-        "topology": topo.name, "devices": topo.n_devices, "model_params": count_params(result.best.work.args),
-        "considered": result.considered, "pruned_memory": result.pruned_memory,
-        "layouts": [est.as_json() for est in result.ranked[:top]], "explanation": explain(result, topo),
+        "topology": topo.name,
+        "devices": topo.n_devices,
+        "model_params": count_params(result.best.work.args),
+        "considered": result.considered,
+        "pruned_memory": result.pruned_memory,
+        "layouts": [est.as_json() for est in result.ranked[:top]],
+        "explanation": explain(result, topo),
     }

@@ -80,7 +80,11 @@ def cross_dc_all_reduce(nbytes: float, span: Span, layout: LayoutSpec, runtime: 
         wan = _wan_phase(delta, span) / h
         return inside + wan, wan, comm.wan_bytes_all_reduce(delta, span) / h
     if layout.sync == "streaming_diloco":  # nothing blocking every step: see streaming_fragment
-        return inside, 0.0, comm.wan_bytes_all_reduce(streaming_equivalent(nbytes, span, runtime), span) / max(1, layout.inner_steps)
+        return (
+            inside,
+            0.0,
+            comm.wan_bytes_all_reduce(streaming_equivalent(nbytes, span, runtime), span) / max(1, layout.inner_steps),
+        )
     ratio = runtime.compress_ratio if layout.sync == "compressed" else 1.0
     wan = _wan_phase(nbytes * ratio, span)
     return inside + wan, wan, comm.wan_bytes_all_reduce(nbytes * ratio, span)

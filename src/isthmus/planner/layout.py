@@ -66,14 +66,28 @@ RUNTIMES: dict[str, Runtime] = {
     # isthmus on torch 2.13: SDPA (flash on GPU), no dropout, FSDP2/DDP overlap gradient
     # reduction with backward, pipelining isend/irecv, fp32 parameters under bf16 autocast.
     "isthmus": Runtime(
-        "isthmus", attention="flash", dropout=False, dp_overlap=True, p2p_async=True, scatter_gather=False,
-        weight_bytes=4, grad_bytes=4, optimizer_bytes=8,
+        "isthmus",
+        attention="flash",
+        dropout=False,
+        dp_overlap=True,
+        p2p_async=True,
+        scatter_gather=False,
+        weight_bytes=4,
+        grad_bytes=4,
+        optimizer_bytes=8,
     ),
     # Megatron-LM as in Narayanan et al. 2021: fp16 with fused softmax over a materialised score
     # matrix, dropout 0.1, gradient all-reduce after the last backward, blocking p2p with the
     # scatter/gather optimisation, ZeRO-paper state accounting (2 + 2 + 12 bytes per parameter).
     "megatron-2021": Runtime(
-        "megatron-2021", attention="materialized", dropout=True, dp_overlap=False, p2p_async=False,
-        scatter_gather=True, weight_bytes=2, grad_bytes=2, optimizer_bytes=12,
+        "megatron-2021",
+        attention="materialized",
+        dropout=True,
+        dp_overlap=False,
+        p2p_async=False,
+        scatter_gather=True,
+        weight_bytes=2,
+        grad_bytes=2,
+        optimizer_bytes=12,
     ),
 }

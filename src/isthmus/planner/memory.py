@@ -43,7 +43,14 @@ class MemoryBreakdown:
 
 
 def layer_activation_bytes(
-    args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool, runtime: Runtime, dtype: str = "bf16",
+    args: ModelArgs,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    cp: int,
+    sp: bool,
+    runtime: Runtime,
+    dtype: str = "bf16",
 ) -> float:
     """Bytes one block keeps for backward, for one microbatch, without recomputation."""
     e = ELEM_BYTES[dtype]
@@ -63,7 +70,9 @@ def layer_activation_bytes(
     return outside / (tp if sp else 1) + inside / tp
 
 
-def layer_input_bytes(args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool, dtype: str = "bf16") -> float:
+def layer_input_bytes(
+    args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool, dtype: str = "bf16"
+) -> float:
     """What a fully recomputed block keeps: its input."""
     return ELEM_BYTES[dtype] * micro_batch * seq_len / cp * args.dim / (tp if sp else 1)
 
@@ -84,7 +93,12 @@ def stage_params(args: ModelArgs, layers: int, first: bool, last: bool, pp: int)
 
 
 def model_state_bytes(
-    params: float, zero_stage: int, shard: int, runtime: Runtime, accumulate: bool = False, pp: int = 1,
+    params: float,
+    zero_stage: int,
+    shard: int,
+    runtime: Runtime,
+    accumulate: bool = False,
+    pp: int = 1,
 ) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes on one device holding ``params`` (after tp), sharded over ``shard``.
 
@@ -106,9 +120,24 @@ def model_state_bytes(
 
 
 def device_memory(
-    args: ModelArgs, runtime: Runtime, *, layers: int, first: bool, last: bool, pp: int, tp: int, cp: int, sp: bool,
-    micro_batch: int, seq_len: int, recompute: str, in_flight: float, zero_stage: int, shard: int,
-    accumulate: bool = False, dtype: str = "bf16",
+    args: ModelArgs,
+    runtime: Runtime,
+    *,
+    layers: int,
+    first: bool,
+    last: bool,
+    pp: int,
+    tp: int,
+    cp: int,
+    sp: bool,
+    micro_batch: int,
+    seq_len: int,
+    recompute: str,
+    in_flight: float,
+    zero_stage: int,
+    shard: int,
+    accumulate: bool = False,
+    dtype: str = "bf16",
 ) -> MemoryBreakdown:
     """Peak memory of one device of one pipeline rank."""
     params = stage_params(args, layers, first, last, pp) / tp

@@ -34,7 +34,11 @@ class LinkStage:
 
 
 def pipeline_time(
-    stage: list[float], wgrad: list[float], microbatches: int, virtual_stages: int, schedule: str,
+    stage: list[float],
+    wgrad: list[float],
+    microbatches: int,
+    virtual_stages: int,
+    schedule: str,
     links: list[LinkStage] | None = None,
 ) -> tuple[float, float]:
     """(seconds of the forward/backward phase of one step, idle seconds of an average rank)."""
@@ -68,7 +72,9 @@ def in_flight(schedule: str, pp: int, virtual_stages: int, microbatches: int, ra
     return min(float(microbatches), n)
 
 
-def check_pipeline(schedule: str, pp: int, microbatches: int, virtual_stages: int, n_layers: int, runtime: str) -> str | None:
+def check_pipeline(
+    schedule: str, pp: int, microbatches: int, virtual_stages: int, n_layers: int, runtime: str
+) -> str | None:
     """Why (schedule, pp, microbatches, v) cannot run, or None: the runtime's own rules
     (:mod:`isthmus.layout.rules`), plus Megatron-LM's for ``runtime == 'megatron-2021'``."""
     why = rules.pipeline_schedule(schedule, pp, microbatches, virtual_stages)

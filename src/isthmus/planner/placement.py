@@ -94,7 +94,9 @@ def place(topo: Topology, layout: LayoutSpec) -> Placement:
     for i in used:
         dc = topo.datacenters[i]
         if dc.devices < per_dc:
-            raise ConfigError("plan.layout", layout.label(), f"needs {per_dc} devices in {dc.name!r}, which has {dc.devices}")
+            raise ConfigError(
+                "plan.layout", layout.label(), f"needs {per_dc} devices in {dc.name!r}, which has {dc.devices}"
+            )
     order, ring_link = _ring_order(topo, used, closed=layout.dc_axis == "dp")
     t, c, s = layout.tp, layout.cp, layout.dp_shard
     rep_inner = layout.dp_replicate // (layout.datacenters if layout.dc_axis == "dp" else 1)
@@ -106,28 +108,44 @@ def place(topo: Topology, layout: LayoutSpec) -> Placement:
         rep_conc = per_dc // max(1, rep_inner) if over > 1 else 1
         sync_conc = per_dc // max(1, rep_inner * s * c) if over > 1 else 1
         pp_stride = layout.dp * c * t // over
-        sites.append(SiteSpans(
-            dc=dc,
-            tp=_span(t, 1, dc),
-            cp=_span(c, t, dc),
-            shard=_span(s * c, t, dc),
-            replicate=_span(layout.dp_replicate, s * c * t, dc, over, ring_link, rep_conc),
-            sync=_span(layout.dp * c, t, dc, over, ring_link, sync_conc),
-            pp_link=dc.intra_node if pp_stride < dc.devices_per_node else dc.fabric,
-        ))
+        sites.append(
+            SiteSpans(
+                dc=dc,
+                tp=_span(t, 1, dc),
+                cp=_span(c, t, dc),
+                shard=_span(s * c, t, dc),
+                replicate=_span(layout.dp_replicate, s * c * t, dc, over, ring_link, rep_conc),
+                sync=_span(layout.dp * c, t, dc, over, ring_link, sync_conc),
+                pp_link=dc.intra_node if pp_stride < dc.devices_per_node else dc.fabric,
+            )
+        )
     pp = layout.pp
     if layout.dc_axis == "pp":
         if pp % layout.datacenters:
             raise ConfigError("parallel.pp", pp, f"must be a multiple of the {layout.datacenters} datacenters it spans")
         per = pp // layout.datacenters
-        stage_sites = tuple((r // per,) for r in range(pp))
+        stage_sites: tuple[tuple[int, ...], ...] = tuple((r // per,) for r in range(pp))
     else:
         # Every datacenter runs every stage; alike datacenters cost alike, so keep one of each shape.
         shapes: dict[tuple[object, ...], int] = {}
         for j, site in enumerate(sites):
             d = site.dc
-            shapes.setdefault((d.kind, d.devices_per_node, d.intra_node, d.fabric, site.tp, site.cp, site.shard,
-                               site.sync.per_node, site.sync.nodes, site.replicate.per_node, site.replicate.nodes), j)
+            shapes.setdefault(
+                (
+                    d.kind,
+                    d.devices_per_node,
+                    d.intra_node,
+                    d.fabric,
+                    site.tp,
+                    site.cp,
+                    site.shard,
+                    site.sync.per_node,
+                    site.sync.nodes,
+                    site.replicate.per_node,
+                    site.replicate.nodes,
+                ),
+                j,
+            )
         distinct = tuple(sorted(shapes.values()))
         stage_sites = tuple(distinct for _ in range(pp))
     # Each tp rank sends its 1/tp share of an activation (scatter/gather) or the whole of it;

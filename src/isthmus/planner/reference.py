@@ -62,8 +62,16 @@ def megatron_layout(row: MegatronRow) -> LayoutSpec:
         per_rank = row.layers // row.pp
         v = next(k for k in range(VIRTUAL_STAGES, per_rank + 1) if per_rank % k == 0)
         schedule = "interleaved_1f1b"
-    return LayoutSpec(tp=row.tp, pp=row.pp, pp_schedule=schedule, pp_virtual_stages=v, dp_replicate=dp,
-                      micro_batch=MICRO_BATCH, microbatches=m, activation_checkpoint="full")
+    return LayoutSpec(
+        tp=row.tp,
+        pp=row.pp,
+        pp_schedule=schedule,
+        pp_virtual_stages=v,
+        dp_replicate=dp,
+        micro_batch=MICRO_BATCH,
+        microbatches=m,
+        activation_checkpoint="full",
+    )
 
 
 def megatron_row_estimate(row: MegatronRow, topo: Topology | None = None) -> Estimate:

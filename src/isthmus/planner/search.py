@@ -18,13 +18,21 @@ import heapq
 from dataclasses import dataclass, field
 
 from isthmus.errors import ConfigError
+from isthmus.layout.rules import zero_stages
+from isthmus.layout.spec import GEO_SYNCS, LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import count_params
 from isthmus.planner import comm
 from isthmus.planner.compute import ELEM_BYTES, layer_times
-from isthmus.planner.cost import Estimate, StageCost, estimate, pipeline_links, rank_memory, recompute_share, stage_costs
-from isthmus.layout.rules import zero_stages
-from isthmus.layout.spec import GEO_SYNCS, LayoutSpec
+from isthmus.planner.cost import (
+    Estimate,
+    StageCost,
+    estimate,
+    pipeline_links,
+    rank_memory,
+    recompute_share,
+    stage_costs,
+)
 from isthmus.planner.layout import Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, model_state_bytes, stage_params
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
@@ -112,7 +120,9 @@ def _fix(choices: list[int], fixed: int | None) -> list[int]:
     return [c for c in choices if fixed is None or c == fixed]
 
 
-def search(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, top: int = 10, dtype: str = "bf16") -> SearchResult:
+def search(
+    args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, top: int = 10, dtype: str = "bf16"
+) -> SearchResult:
     """The ``top`` best layouts that fit in memory; ConfigError when none does."""
     if not _placements(topo, space):
         raise ConfigError("--geo.dc_axis", space.dc_axis, f"topology {topo.name!r} has one datacenter; use none")
@@ -129,7 +139,9 @@ def search(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime
             node = min(d.devices_per_node for d in used)
             usable = min(d.kind.memory_bytes for d in used) * USABLE_FRACTION
             for tp in _fix([t for t in divisors(node) if args.n_heads % t == 0 and args.n_kv_heads % t == 0], space.tp):
-                cps = [c for c in divisors(per_dc // tp) if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS)]
+                cps = [
+                    c for c in divisors(per_dc // tp) if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS)
+                ]
                 for cp in _fix(cps, space.cp):
                     for pp in _fix([p for p in divisors(world // (tp * cp)) if p <= args.n_layers], space.pp):
                         if axis == "pp" and (pp % dc or pp < dc):
@@ -143,11 +155,27 @@ def search(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime
                                 continue
                             work = Workload(args, dp * mb * m, seq, dtype)
                             for sched, v in _schedules(space, pp, m, args.n_layers, runtime):
-                                for rc in [space.activation_checkpoint] if space.activation_checkpoint else ["none", "selective", "full"]:
+                                for rc in (
+                                    [space.activation_checkpoint]
+                                    if space.activation_checkpoint
+                                    else ["none", "selective", "full"]
+                                ):
                                     for impl in _cp_impls(args, tp, cp):
-                                        core = LayoutSpec(tp=tp, sequence_parallel=tp > 1 and seq % (tp * cp) == 0, cp=cp, cp_impl=impl, pp=pp, pp_schedule=sched,  # type: ignore[arg-type]
-                                                      pp_virtual_stages=v, dp_replicate=dp, micro_batch=mb, microbatches=m,
-                                                      activation_checkpoint=rc, datacenters=dc, dc_axis=axis)  # type: ignore[arg-type]
+                                        core = LayoutSpec(
+                                            tp=tp,
+                                            sequence_parallel=tp > 1 and seq % (tp * cp) == 0,
+                                            cp=cp,
+                                            cp_impl=impl,  # type: ignore[arg-type]
+                                            pp=pp,
+                                            pp_schedule=sched,  # type: ignore[arg-type]
+                                            pp_virtual_stages=v,
+                                            dp_replicate=dp,
+                                            micro_batch=mb,
+                                            microbatches=m,
+                                            activation_checkpoint=rc,  # type: ignore[arg-type]
+                                            datacenters=dc,
+                                            dc_axis=axis,  # type: ignore[arg-type]
+                                        )
                                         cand = _prepare(work, topo, core, runtime, space, usable, result)
                                         if cand is not None:
                                             cores.append(cand)
@@ -164,8 +192,11 @@ def search(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime
     if not heap:
         n = count_params(args)
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-        why = (f"fits in device memory ({result.considered} considered, {result.pruned_memory} over memory)"
-               if result.considered else "is valid for this model's shape and the search's fixed values")
+        why = (
+            f"fits in device memory ({result.considered} considered, {result.pruned_memory} over memory)"
+            if result.considered
+            else "is valid for this model's shape and the search's fixed values"
+        )
         raise ConfigError("--topology", topo.name, f"no layout of this {size}-parameter model {why}")
     result.ranked = [est for _, _, est in sorted(heap, key=lambda x: (-x[0], x[1]))]
     return result
@@ -209,8 +240,15 @@ class _Core:
     placement: Placement | None = None
 
 
-def _prepare(work: Workload, topo: Topology, core: LayoutSpec, runtime: Runtime, space: SearchSpace, usable: float,
-             result: SearchResult) -> _Core | None:
+def _prepare(
+    work: Workload,
+    topo: Topology,
+    core: LayoutSpec,
+    runtime: Runtime,
+    space: SearchSpace,
+    usable: float,
+    result: SearchResult,
+) -> _Core | None:
     """Memory floor and a compute-only bound of a core layout; None when no variant of it can fit."""
     p, dp = core.pp, core.dp_replicate
     cut = core.datacenters if core.dc_axis == "dp" else 1
@@ -231,9 +269,26 @@ def _prepare(work: Workload, topo: Topology, core: LayoutSpec, runtime: Runtime,
     # ((m + (p-1)/v) of a mean stage; zero-bubble schedules may fill it).
     rc = recompute_share(core.activation_checkpoint)
     act = core.micro_batch * work.seq_len / core.cp * work.args.dim * ELEM_BYTES[work.dtype]
-    block = min(t.fwd * (1 + rc) + t.backward + (2 + rc) * 2 * comm.all_reduce(act, comm.local_span(core.tp, d.intra_node))
-                for d, t in ((d, layer_times(d.kind, work.dtype, work.args, core.micro_batch, work.seq_len, core.tp,
-                                             core.cp, core.sequence_parallel, runtime)) for d in (topo.datacenters[i] for i in _used(topo, core.datacenters))))
+    block = min(
+        t.fwd * (1 + rc) + t.backward + (2 + rc) * 2 * comm.all_reduce(act, comm.local_span(core.tp, d.intra_node))
+        for d, t in (
+            (
+                d,
+                layer_times(
+                    d.kind,
+                    work.dtype,
+                    work.args,
+                    core.micro_batch,
+                    work.seq_len,
+                    core.tp,
+                    core.cp,
+                    core.sequence_parallel,
+                    runtime,
+                ),
+            )
+            for d in (topo.datacenters[i] for i in _used(topo, core.datacenters))
+        )
+    )
     fill = 0.0 if core.pp_schedule == "zero_bubble" else (p - 1) / core.pp_virtual_stages
     floor = (core.microbatches + fill) * work.args.n_layers / p * block
     best_q = max(runtime.quality_of(g) for g in _geos(core, space))
@@ -247,23 +302,40 @@ def _tighten(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace) 
     cand.placement = place(topo, core)
     cand.stages = stage_costs(work, core, runtime, cand.placement)
     busy = [s.total for s in cand.stages]
-    t_floor, _ = pipeline_time(busy, [s.wgrad for s in cand.stages], core.microbatches, core.pp_virtual_stages, core.pp_schedule,
-                               pipeline_links(work, core, runtime, cand.placement, busy))
-    cand.bound = min(cand.bound, work.tokens_per_step / t_floor * max(runtime.quality_of(g) for g in _geos(core, space)))
+    t_floor, _ = pipeline_time(
+        busy,
+        [s.wgrad for s in cand.stages],
+        core.microbatches,
+        core.pp_virtual_stages,
+        core.pp_schedule,
+        pipeline_links(work, core, runtime, cand.placement, busy),
+    )
+    cand.bound = min(
+        cand.bound, work.tokens_per_step / t_floor * max(runtime.quality_of(g) for g in _geos(core, space))
+    )
 
 
 def _hopeless(cand: _Core, heap: list[tuple[float, int, Estimate]], top: int, result: SearchResult) -> bool:
     rival = result.alternatives.get(f"dc_axis={cand.core.dc_axis}")
-    return (len(heap) >= top and cand.bound < heap[0][0] and rival is not None
-            and cand.bound < rival.effective_tokens_per_s)
+    return (
+        len(heap) >= top and cand.bound < heap[0][0] and rival is not None and cand.bound < rival.effective_tokens_per_s
+    )
 
 
 def _geos(core: LayoutSpec, space: SearchSpace) -> list[str]:
     return [g for g in space.sync if g in GEO_SYNCS] if core.dc_axis == "dp" else ["none"]
 
 
-def _variants(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace,
-              heap: list[tuple[float, int, Estimate]], top: int, result: SearchResult, counter: int) -> int:
+def _variants(
+    cand: _Core,
+    topo: Topology,
+    runtime: Runtime,
+    space: SearchSpace,
+    heap: list[tuple[float, int, Estimate]],
+    top: int,
+    result: SearchResult,
+    counter: int,
+) -> int:
     """Evaluate the dp split / ZeRO / cross-datacenter variants of one core layout."""
     core, work = cand.core, cand.work
     p, dp = core.pp, core.dp_replicate
@@ -273,7 +345,9 @@ def _variants(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace,
         for zero in _zero_choices(core, shard, space):
             probe = LayoutSpec(**fields, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero)
             result.considered += 1
-            floor = sum(model_state_bytes(cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p))
+            floor = sum(
+                model_state_bytes(cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p)
+            )
             if floor + cand.first_act > cand.usable:
                 result.pruned_memory += 1
                 continue
@@ -281,9 +355,16 @@ def _variants(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace,
             for geo in _geos(core, space):
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
-                lay = LayoutSpec(**fields, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero, sync=geo,  # type: ignore[arg-type]
-                             inner_steps=space.inner_steps,
-                             fragments=space.fragments, overlap_steps=space.overlap_steps)
+                lay = LayoutSpec(
+                    **fields,
+                    dp_replicate=dp // shard,
+                    dp_shard=shard,
+                    zero_stage=zero,
+                    sync=geo,  # type: ignore[arg-type]
+                    inner_steps=space.inner_steps,
+                    fragments=space.fragments,
+                    overlap_steps=space.overlap_steps,
+                )
                 est = estimate(work, topo, lay, runtime, pl, cand.stages)
                 if not est.fits:
                     result.pruned_memory += 1
@@ -298,8 +379,20 @@ def _variants(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace,
     return counter
 
 
-_CORE_FIELDS = ("tp", "sequence_parallel", "cp", "cp_impl", "pp", "pp_schedule", "pp_virtual_stages", "micro_batch",
-                "microbatches", "activation_checkpoint", "datacenters", "dc_axis")
+_CORE_FIELDS = (
+    "tp",
+    "sequence_parallel",
+    "cp",
+    "cp_impl",
+    "pp",
+    "pp_schedule",
+    "pp_virtual_stages",
+    "micro_batch",
+    "microbatches",
+    "activation_checkpoint",
+    "datacenters",
+    "dc_axis",
+)
 
 
 def _zero_choices(core: LayoutSpec, shard: int, space: SearchSpace) -> list[int]:
@@ -310,8 +403,16 @@ def _zero_choices(core: LayoutSpec, shard: int, space: SearchSpace) -> list[int]
 
 def _remember(result: SearchResult, est: Estimate) -> None:
     lay = est.layout
-    keys = [f"dc_axis={lay.dc_axis}", f"sync={lay.sync}", f"tp={lay.tp}", f"pp={'1' if lay.pp == 1 else '>1'}",
-            f"activation_checkpoint={lay.activation_checkpoint}", f"pp_schedule={lay.pp_schedule}", f"cp={lay.cp}", f"zero={lay.zero_stage if lay.shard_degree > 1 else 0}"]
+    keys = [
+        f"dc_axis={lay.dc_axis}",
+        f"sync={lay.sync}",
+        f"tp={lay.tp}",
+        f"pp={'1' if lay.pp == 1 else '>1'}",
+        f"activation_checkpoint={lay.activation_checkpoint}",
+        f"pp_schedule={lay.pp_schedule}",
+        f"cp={lay.cp}",
+        f"zero={lay.zero_stage if lay.shard_degree > 1 else 0}",
+    ]
     for key in keys:
         old = result.alternatives.get(key)
         if old is None or est.effective_tokens_per_s > old.effective_tokens_per_s:

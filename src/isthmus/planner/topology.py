@@ -31,8 +31,18 @@ from isthmus.errors import ConfigError
 
 DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
 _DEVICE_KEYS = {
-    "base", "description", "memory_gb", "memory_bandwidth_gb_s", "peak_tflops", "gemm_max_fraction",
-    "gemm_half_dim", "memory_bw_fraction", "kernel_launch_us", "default_dtype", "tp_block_us", "sp_block_us",
+    "base",
+    "description",
+    "memory_gb",
+    "memory_bandwidth_gb_s",
+    "peak_tflops",
+    "gemm_max_fraction",
+    "gemm_half_dim",
+    "memory_bw_fraction",
+    "kernel_launch_us",
+    "default_dtype",
+    "tp_block_us",
+    "sp_block_us",
     "shard_block_us",
 }
 _DC_KEYS = {"name", "device", "nodes", "devices_per_node", "intra_node", "fabric"}
@@ -73,9 +83,21 @@ class DeviceKind:
     def __hash__(self) -> int:  # peak_flops is a dict; the planner caches per-kind results
         cached = self.__dict__.get("_hash")
         if cached is None:
-            cached = hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bytes, self.gemm_max_fraction,
-                           self.gemm_half_dim, self.memory_bw_fraction, self.memory_bandwidth, self.kernel_launch_s,
-                           self.tp_block_s, self.sp_block_s, self.shard_block_s))
+            cached = hash(
+                (
+                    self.name,
+                    tuple(sorted(self.peak_flops.items())),
+                    self.memory_bytes,
+                    self.gemm_max_fraction,
+                    self.gemm_half_dim,
+                    self.memory_bw_fraction,
+                    self.memory_bandwidth,
+                    self.kernel_launch_s,
+                    self.tp_block_s,
+                    self.sp_block_s,
+                    self.shard_block_s,
+                )
+            )
             object.__setattr__(self, "_hash", cached)
         return cached
 
@@ -131,17 +153,21 @@ class Topology:
     def wan_link(self, a: str, b: str) -> Link:
         return self.wan[frozenset((a, b))]
 
-    def subset(self, n_devices: int) -> "Topology":
+    def subset(self, n_devices: int) -> Topology:
         """The first ``n_devices`` devices in whole nodes, filling datacenters in file order."""
         if n_devices < 1 or n_devices > self.n_devices:
-            raise ConfigError("--gpus", n_devices, f"must be in 1..{self.n_devices} (devices in topology {self.name!r})")
+            raise ConfigError(
+                "--gpus", n_devices, f"must be in 1..{self.n_devices} (devices in topology {self.name!r})"
+            )
         kept, left = [], n_devices
         for dc in self.datacenters:
             if left <= 0:
                 break
             take = min(left, dc.devices)
             if take % dc.devices_per_node and take > dc.devices_per_node:
-                raise ConfigError("--gpus", n_devices, f"must fill whole nodes of {dc.devices_per_node} devices in {dc.name!r}")
+                raise ConfigError(
+                    "--gpus", n_devices, f"must fill whole nodes of {dc.devices_per_node} devices in {dc.name!r}"
+                )
             if take < dc.devices_per_node:
                 kept.append(replace(dc, nodes=1, devices_per_node=take))
             else:
@@ -151,8 +177,9 @@ class Topology:
         wan = {pair: link for pair, link in self.wan.items() if pair <= names}
         return replace(self, datacenters=tuple(kept), wan=wan)
 
-    def with_wan(self, bandwidth_gb_s: float | None = None, latency_us: float | None = None) -> "Topology":
+    def with_wan(self, bandwidth_gb_s: float | None = None, latency_us: float | None = None) -> Topology:
         """A copy with every WAN link's bandwidth and/or latency replaced (for sweeps)."""
+
         def change(link: Link) -> Link:
             bw = link.bandwidth if bandwidth_gb_s is None else bandwidth_gb_s * 1e9
             lat = link.latency if latency_us is None else latency_us * 1e-6
@@ -186,7 +213,9 @@ def load_topology(name_or_path: str) -> Topology:
         stem = name_or_path[:-5] if name_or_path.endswith(".toml") else name_or_path
         path = shipped_topologies_dir() / f"{stem}.toml"
         if stem == "devices" or not path.is_file():
-            raise ConfigError("--topology", name_or_path, f"no such file or preset (presets: {', '.join(list_presets())})")
+            raise ConfigError(
+                "--topology", name_or_path, f"no such file or preset (presets: {', '.join(list_presets())})"
+            )
     return parse_topology(_read_toml(path, "--topology"), default_name=path.stem)
 
 
@@ -216,7 +245,7 @@ def parse_topology(data: dict[str, Any], default_name: str = "topology") -> Topo
             raise ConfigError(f"topology.datacenters[{i}].name", name, "datacenter names must be unique")
     wan = _parse_wan(data.get("wan", []), names)
     for i, a in enumerate(names):
-        for b in names[i + 1:]:
+        for b in names[i + 1 :]:
             if frozenset((a, b)) not in wan:
                 raise ConfigError("topology.wan", f"{a}-{b}", f"missing a [[wan]] link between {a!r} and {b!r}")
     name = data.get("name", default_name)
@@ -278,7 +307,9 @@ def _parse_device(name: str, table: Any, known: dict[str, DeviceKind], where_roo
             raise ConfigError(f"{where}.peak_tflops", raw, "must be a table like { bf16 = 312, fp32 = 19.5 }")
         for dt in raw:
             if dt not in DTYPES:
-                raise ConfigError(f"{where}.peak_tflops.{dt}", raw[dt], f"unknown dtype; dtypes are: {', '.join(DTYPES)}")
+                raise ConfigError(
+                    f"{where}.peak_tflops.{dt}", raw[dt], f"unknown dtype; dtypes are: {', '.join(DTYPES)}"
+                )
             peaks[dt] = _number(raw, dt, f"{where}.peak_tflops") * 1e12  # type: ignore[operator]
     elif need:
         raise ConfigError(f"{where}.peak_tflops", None, "is required")

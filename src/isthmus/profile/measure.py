@@ -68,6 +68,7 @@ ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))
 
 # --- measurements -------------------------------------------------------------------------------------
 
+
 def _best_time(fn: Any, budget: float, min_reps: int = 2) -> float:
     """Best of repeated calls within ``budget`` seconds (at least ``min_reps``, after one warm-up)."""
     fn()
@@ -114,10 +115,11 @@ def fit_gemm_curve(samples: list[tuple[int, int, int, float]], peak: float) -> t
     return min(frac, 1.0), d0, err
 
 
-def _gloo_worker(rank: int, port: int, sizes: list[int], budget: float, out: str, block: list[Any] | None = None) -> None:
+def _gloo_worker(
+    rank: int, port: int, sizes: list[int], budget: float, out: str, block: list[Any] | None = None
+) -> None:
     """One of the two ranks of :func:`measure_gloo` (run in its own interpreter). ``block``:
     [flavor, batch, seq, seconds] to time a block while the other rank does the same."""
-
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -141,7 +143,6 @@ def _gloo_worker(rank: int, port: int, sizes: list[int], budget: float, out: str
         times.append(samples[len(samples) // 2])
     together = alone = 0.0
     if block:
-
         flavor, batch, seq, seconds = block
         steps = _block_steps(get_flavor(flavor), batch, seq)
         # Rank 0 alone (rank 1 waits), then both at once, in turns: the ratio is what a rank loses
@@ -168,12 +169,14 @@ def _gloo_worker(rank: int, port: int, sizes: list[int], budget: float, out: str
     dist.destroy_process_group()
 
 
-def measure_gloo(budget: float, sizes: tuple[int, ...] = ALLREDUCE_BYTES, block: list[Any] | None = None
-                 ) -> tuple[list[tuple[int, float]], float]:
+def measure_gloo(
+    budget: float, sizes: tuple[int, ...] = ALLREDUCE_BYTES, block: list[Any] | None = None
+) -> tuple[list[tuple[int, float]], float]:
     """((bytes, median seconds) of a gloo all-reduce between two local ranks over loopback, and, when
     ``block`` asks, how much slower a block runs with both ranks computing than with one alone)."""
-    got = _two_ranks("_gloo_worker", lambda port, out: [port, list(sizes), budget, out, block], 120 + 10 * budget,
-                     "the gloo ranks")
+    got = _two_ranks(
+        "_gloo_worker", lambda port, out: [port, list(sizes), budget, out, block], 120 + 10 * budget, "the gloo ranks"
+    )
     shared = got["block_together"] / got["block_alone"] if got["block_alone"] > 0 else 1.0
     return list(zip(sizes, got["allreduce"])), shared
 
@@ -195,8 +198,6 @@ def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, s
     """One of the two ranks of :func:`measure_mechanisms` (its own interpreter, one thread, gloo):
     the median time of a whole training step (forward, backward, clipping, AdamW) of ``flavor``
     with 1 and with 3 blocks under each of :data:`MECHANISMS`, as isthmus.api lays it out."""
-
-
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -242,8 +243,12 @@ def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float) -> dict
     t = layer_times(device_kinds()["cpu"], "fp32", a, batch, seq, 1, 1, False, RUNTIMES["isthmus"])
     guess = 4 * (t.fwd + t.bwd + t.wgrad)
     steps = max(3, min(12, int(budget / (len(MECHANISMS) * 2 * 2 * max(guess, 1e-3)))))
-    return _two_ranks("_mechanism_worker", lambda port, out: [port, flavor, batch, seq, steps, out],
-                      300 + 10 * budget, "the 2-rank layouts")
+    return _two_ranks(
+        "_mechanism_worker",
+        lambda port, out: [port, flavor, batch, seq, steps, out],
+        300 + 10 * budget,
+        "the 2-rank layouts",
+    )
 
 
 def _two_ranks(worker: str, worker_args: Any, timeout_s: float, what: str) -> Any:
@@ -260,8 +265,10 @@ def _two_ranks(worker: str, worker_args: Any, timeout_s: float, what: str) -> An
         out = os.path.join(tmp, "result.json")
         code = f"import json, sys; from isthmus.profile.measure import {worker}; {worker}(*json.loads(sys.argv[1]))"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, *worker_args(port, out)])], env=env)
-                 for rank in range(2)]
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, *worker_args(port, out)])], env=env)
+            for rank in range(2)
+        ]
         try:
             codes = [p.wait(timeout=timeout_s) for p in procs]
         finally:
@@ -273,8 +280,9 @@ def _two_ranks(worker: str, worker_args: Any, timeout_s: float, what: str) -> An
         return json.loads(Path(out).read_text())
 
 
-def fit_mechanisms(topology_text: str, flavor: str, batch: int, seq: int, measured: dict[str, list[float]]
-                   ) -> dict[str, float]:
+def fit_mechanisms(
+    topology_text: str, flavor: str, batch: int, seq: int, measured: dict[str, list[float]]
+) -> dict[str, float]:
     """Seconds per block of runtime work each mechanism adds beyond what the planner counts.
 
     For each layout the planner predicts the same 2-rank steps on the profiled topology; the
@@ -284,7 +292,6 @@ def fit_mechanisms(topology_text: str, flavor: str, batch: int, seq: int, measur
     copy-out), least squares over ZeRO-2 (2 per step) and ZeRO-3 (3).
     """
 
-
     topo = parse_topology(tomllib.loads(topology_text))
     runtime = local_runtime()
     args = get_flavor(flavor)
@@ -292,10 +299,18 @@ def fit_mechanisms(topology_text: str, flavor: str, batch: int, seq: int, measur
     def per_block(name: str) -> float:
         v = MECHANISMS[name]
         shard = v.get("dp_shard", 1)
-        lay = LayoutSpec(tp=v.get("tp", 1), sequence_parallel=v.get("sequence_parallel", False), dp_shard=shard,
-                         zero_stage=v.get("zero_stage", 1), micro_batch=batch // shard, microbatches=1)
-        pred = [estimate(Workload(replace(args, n_layers=n), batch, seq, "fp32"), topo.subset(2), lay, runtime).step_time_s
-                for n in (1, 3)]
+        lay = LayoutSpec(
+            tp=v.get("tp", 1),
+            sequence_parallel=v.get("sequence_parallel", False),
+            dp_shard=shard,
+            zero_stage=v.get("zero_stage", 1),
+            micro_batch=batch // shard,
+            microbatches=1,
+        )
+        pred = [
+            estimate(Workload(replace(args, n_layers=n), batch, seq, "fp32"), topo.subset(2), lay, runtime).step_time_s
+            for n in (1, 3)
+        ]
         got = measured[name]
         return ((got[1] - got[0]) - (pred[1] - pred[0])) / 2
 
@@ -327,8 +342,14 @@ def model_gemms(args: Any, tokens_list: tuple[int, ...]) -> list[tuple[int, int,
     each Linear of isthmus.models.llama forward (m, n, k), input gradient (m, k, n), weight gradient
     (n, k, m), as autograd runs them."""
     q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    linears = [(q, args.dim), (kv, args.dim), (args.dim, q), (args.ffn_dim, args.dim), (args.dim, args.ffn_dim),
-               (args.vocab_size, args.dim)]
+    linears = [
+        (q, args.dim),
+        (kv, args.dim),
+        (args.dim, q),
+        (args.ffn_dim, args.dim),
+        (args.dim, args.ffn_dim),
+        (args.vocab_size, args.dim),
+    ]
     if args.mlp == "gelu":
         linears.remove((args.ffn_dim, args.dim))
         linears.append((args.ffn_dim, args.dim))
@@ -364,8 +385,6 @@ def measure_gemms(shapes: list[tuple[int, int, int]], budget: float) -> list[tup
 def _block_steps(args: Any, batch: int, seq: int) -> list[Any]:
     """Forward + backward of the model with 1 and with 3 blocks, each a callable (warmed up once)."""
 
-
-
     x = torch.randint(0, args.vocab_size, (batch, seq))
     steps = []
     for layers in (1, 3):
@@ -389,7 +408,9 @@ def _block_from(best: list[float]) -> tuple[float, float]:
     return block, max(best[0] - block, 0.0)
 
 
-def measure_block(args: Any, batch: int, seq: int, threads: tuple[int, ...], budget: float) -> dict[int, tuple[float, float]]:
+def measure_block(
+    args: Any, batch: int, seq: int, threads: tuple[int, ...], budget: float
+) -> dict[int, tuple[float, float]]:
     """Per thread count, (one block's forward + backward, the rest of the model's) seconds at
     ``batch`` x ``seq`` tokens.
 
@@ -417,7 +438,9 @@ def measure_block(args: Any, batch: int, seq: int, threads: tuple[int, ...], bud
         torch.set_num_threads(old)
 
 
-def fit_block(kind: Any, args: Any, seq: int, samples: list[tuple[int, float]], launch_floor: float) -> tuple[float, float]:
+def fit_block(
+    kind: Any, args: Any, seq: int, samples: list[tuple[int, float]], launch_floor: float
+) -> tuple[float, float]:
     """(kernel_launch_s, memory_bandwidth) at which the planner's block times are the measured ones.
 
     The planner's block is T = A(b) + n L + B(b) / bw for microbatch b: GEMMs and attention in A
@@ -425,7 +448,6 @@ def fit_block(kind: Any, args: Any, seq: int, samples: list[tuple[int, float]], 
     give two equations for L and 1 / bw; what the planner does not model separately (unfused norms,
     rotary embeddings, the CPU attention kernel's own speed, autograd's per-op work) lands in them.
     """
-
 
     def block(b: int, launch: float, bw: float) -> float:
         k = replace(kind, kernel_launch_s=launch, memory_bandwidth=bw)
@@ -459,7 +481,6 @@ def measure(budget: float, threads: int, flavor: str = "small", batch: int = 16,
     memory bandwidth, the rest of the machine).
     """
 
-
     start = time.perf_counter()
     base = device_kinds()["cpu"]
     args = get_flavor(flavor)
@@ -480,12 +501,31 @@ def measure(budget: float, threads: int, flavor: str = "small", batch: int = 16,
     mechanisms = measure_mechanisms(flavor, batch, seq, 0.3 * budget)
     return {
         "mechanisms": mechanisms,
-        "seconds": time.perf_counter() - start, "threads": threads, "flavor": flavor, "batch": batch, "seq": seq,
-        "gemms": gemms, "fraction": frac, "half_dim": d0, "fit_error": err, "launch_s": launch, "launch_floor": floor,
-        "memory_bandwidth": bw, "block_1t": block_1t, "block_quarter": block_q, "quarter": quarter, "ends_1t": ends_1t,
-        "block_nt": block_nt, "ends_nt": ends_nt, "speedup": block_1t / block_nt, "half": half,
+        "seconds": time.perf_counter() - start,
+        "threads": threads,
+        "flavor": flavor,
+        "batch": batch,
+        "seq": seq,
+        "gemms": gemms,
+        "fraction": frac,
+        "half_dim": d0,
+        "fit_error": err,
+        "launch_s": launch,
+        "launch_floor": floor,
+        "memory_bandwidth": bw,
+        "block_1t": block_1t,
+        "block_quarter": block_q,
+        "quarter": quarter,
+        "ends_1t": ends_1t,
+        "block_nt": block_nt,
+        "ends_nt": ends_nt,
+        "speedup": block_1t / block_nt,
+        "half": half,
         "shared": max(1.0, shared),
-        "gloo": gloo, "gloo_lat": lat, "gloo_bw": link_bw, "base": base,
+        "gloo": gloo,
+        "gloo_lat": lat,
+        "gloo_bw": link_bw,
+        "base": base,
     }
 
 
@@ -544,7 +584,8 @@ def topology_toml(prof: dict[str, Any], name: str, cores: int) -> str:
         m = prof["mechanisms"]
         lines += [
             "# 2 ranks, one thread each, a whole training step with 1 and with 3 blocks (median ms): "
-            + "; ".join(f"{k} {v[0] * 1e3:.0f} / {v[1] * 1e3:.0f}" for k, v in m.items()) + ".",
+            + "; ".join(f"{k} {v[0] * 1e3:.0f} / {v[1] * 1e3:.0f}" for k, v in m.items())
+            + ".",
             "# What one block adds beyond the planner's count of the same steps (per pass; FSDP2 per collective):",
             f"tp_block_us = {over['tp_block_s'] * 1e6:.0f}",
             f"sp_block_us = {over['sp_block_s'] * 1e6:.0f}",

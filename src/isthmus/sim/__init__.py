@@ -14,7 +14,7 @@ Chrome/Perfetto trace and ``write_png`` a timeline. Pure Python, like the planne
 """
 
 from isthmus.sim.run import SimResult, simulate
-from isthmus.sim.trace import write_trace
 from isthmus.sim.timeline import write_png
+from isthmus.sim.trace import write_trace
 
 __all__ = ["SimResult", "simulate", "write_png", "write_trace"]

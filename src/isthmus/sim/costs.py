@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from isthmus.models.flops import layer_matmul_params
 from isthmus.planner import comm
 from isthmus.planner.comm import Span
 from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_ops
@@ -19,7 +20,6 @@ from isthmus.planner.cost import BlockCost, block_cost
 from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside, streaming_equivalent
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.placement import SiteSpans
-from isthmus.models.flops import layer_matmul_params
 from isthmus.planner.topology import DeviceKind
 
 Detail = tuple[float, float, str, str]
@@ -74,7 +74,17 @@ def _split(kind: DeviceKind, work: Workload, layout: LayoutSpec, runtime: Runtim
     The attention half (norm, QKV, attention, output projection) ends in one all-reduce
     (all-gather + reduce-scatter with sp), the MLP half (residual, norm, MLP, residual) in the other.
     """
-    ops = layer_ops(kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel, runtime)
+    ops = layer_ops(
+        kind,
+        work.dtype,
+        work.args,
+        layout.micro_batch,
+        work.seq_len,
+        layout.tp,
+        layout.cp,
+        layout.sequence_parallel,
+        runtime,
+    )
     out = {"fwd": [0.0, 0.0], "bwd": [0.0, 0.0], "wgrad": [0.0, 0.0]}
     half = 0
     for op in ops:
@@ -84,19 +94,34 @@ def _split(kind: DeviceKind, work: Workload, layout: LayoutSpec, runtime: Runtim
     return {k: (a, b) for k, (a, b) in out.items()}
 
 
-def stage_ops(kind: DeviceKind, site: SiteSpans, work: Workload, layout: LayoutSpec, runtime: Runtime, stage: int,
-              layers: int, first: bool, last: bool) -> StageOps:
+def stage_ops(
+    kind: DeviceKind,
+    site: SiteSpans,
+    work: Workload,
+    layout: LayoutSpec,
+    runtime: Runtime,
+    stage: int,
+    layers: int,
+    first: bool,
+    last: bool,
+) -> StageOps:
     """The forward / backward / weight ops of one stage holding ``layers`` blocks."""
-    bc: BlockCost = block_cost(kind, site, work, layout.tp, layout.cp, layout.sequence_parallel, layout.cp_impl, layout.micro_batch,
-                               runtime)
+    bc: BlockCost = block_cost(
+        kind, site, work, layout.tp, layout.cp, layout.sequence_parallel, layout.cp_impl, layout.micro_batch, runtime
+    )
     split = _split(kind, work, layout, runtime)
-    emb, head = ends_times(kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel)
+    emb, head = ends_times(
+        kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel
+    )
     zero = PhaseTimes(0.0, 0.0, 0.0, 0.0)
     emb, head = (emb if first else zero), (head if last else zero)
     ar = bc.tp / 2
     # Recomputation as the runtime applies it: every block (full) or every other block of a stage
     # module, counting from its first (selective).
-    recomputed = [layout.activation_checkpoint == "full" or (layout.activation_checkpoint == "selective" and i % 2 == 0) for i in range(layers)]
+    recomputed = [
+        layout.activation_checkpoint == "full" or (layout.activation_checkpoint == "selective" and i % 2 == 0)
+        for i in range(layers)
+    ]
     a = work.args
     per_layer = (layer_matmul_params(a) + 2 * a.dim) / layout.tp
     embed_params = a.vocab_size * a.dim / layout.tp
@@ -146,7 +171,7 @@ def stage_ops(kind: DeviceKind, site: SiteSpans, work: Workload, layout: LayoutS
         return Op(t, detail, ends)
 
     fwd: list = [(emb.fwd, "embed", "fwd")] if first else []
-    for i in range(layers):
+    for _ in range(layers):
         fwd += block_fwd("fwd")
     if last:
         fwd.append((head.fwd, "head+loss", "fwd"))
@@ -173,11 +198,21 @@ def stage_ops(kind: DeviceKind, site: SiteSpans, work: Workload, layout: LayoutS
         return assemble(parts)
 
     params = layers * per_layer + (embed_params if first else 0.0) + (head_params if last else 0.0)
-    return StageOps(stage, layers, first, last, assemble(fwd), backward(True, True), backward(True, False),
-                    backward(False, True), params)
+    return StageOps(
+        stage,
+        layers,
+        first,
+        last,
+        assemble(fwd),
+        backward(True, True),
+        backward(True, False),
+        backward(False, True),
+        params,
+    )
 
 
 # --- collectives as phases ----------------------------------------------------------------------------
+
 
 def _tiers(span: Span) -> list[tuple[str, int, float, float]]:
     names = [name for name, n in (("intra", span.per_node), ("fabric", span.nodes), ("wan", span.dcs)) if n > 1]
@@ -186,7 +221,8 @@ def _tiers(span: Span) -> list[tuple[str, int, float, float]]:
 
 def reduce_scatter(nbytes: float, span: Span) -> list[PhaseSpec]:
     """Hierarchical reduce-scatter, inner tier first (``comm.reduce_scatter``)."""
-    out, chunk = [], nbytes
+    out: list[PhaseSpec] = []
+    chunk = nbytes
     if span.size <= 1 or nbytes <= 0:
         return out
     for name, k, bw, lat in _tiers(span):
@@ -219,8 +255,9 @@ def _ring(nbytes: float, span: Span, steps: int) -> list[PhaseSpec]:
     return [PhaseSpec(name, steps * lat, steps * nbytes / span.size / bw, bw)]
 
 
-def cross_dc_all_reduce(nbytes: float, span: Span, layout: LayoutSpec, runtime: Runtime
-                        ) -> tuple[list[PhaseSpec], list[PhaseSpec]]:
+def cross_dc_all_reduce(
+    nbytes: float, span: Span, layout: LayoutSpec, runtime: Runtime
+) -> tuple[list[PhaseSpec], list[PhaseSpec]]:
     """(phases every step, phases of DiLoCo's outer sync amortised over H) for ``geo.cross_dc_all_reduce``."""
     if span.dcs <= 1:
         return all_reduce(nbytes, span), []

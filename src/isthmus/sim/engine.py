@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 DONE_S = 1e-9
 """A flow with less than this many nominal seconds left is finished (float rounding of the clock)."""
@@ -38,7 +39,7 @@ class Token:
 class Phase:
     """One leg of a transfer: a pure delay, then ``seconds`` of bytes at nominal speed on ``link``."""
 
-    link: "Link"
+    link: Link
     latency: float
     seconds: float
     weight: float = 1.0
@@ -165,11 +166,33 @@ class Stream:
 class Transfer:
     """A chain of phases; ``token`` fires when the last one ends."""
 
-    __slots__ = ("engine", "phases", "name", "cat", "track", "lane", "token", "stream", "_i", "_start", "_phase_start",
-                 "on_done", "wan_log")
+    __slots__ = (
+        "engine",
+        "phases",
+        "name",
+        "cat",
+        "track",
+        "lane",
+        "token",
+        "stream",
+        "_i",
+        "_start",
+        "_phase_start",
+        "on_done",
+        "wan_log",
+    )
 
-    def __init__(self, engine: Engine, phases: list[Phase], name: str, cat: str, track: str, lane: str,
-                 stream: Stream | None = None, on_done: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        phases: list[Phase],
+        name: str,
+        cat: str,
+        track: str,
+        lane: str,
+        stream: Stream | None = None,
+        on_done: Callable[[], None] | None = None,
+    ) -> None:
         self.engine, self.phases, self.name, self.cat = engine, phases, name, cat
         self.track, self.lane, self.stream = track, lane, stream
         self.token = Token()
@@ -226,8 +249,14 @@ class Transfer:
         ph.link.wan_bytes += ph.wan_bytes
         if self.wan_log is not None and ph.link.kind == "wan":
             self.wan_log.append((self._phase_start, eng.now))
-        eng.log("link:" + ph.link.name, ph.link.kind, self.name, "wan" if ph.link.kind == "wan" else self.cat,
-                self._phase_start, eng.now)
+        eng.log(
+            "link:" + ph.link.name,
+            ph.link.kind,
+            self.name,
+            "wan" if ph.link.kind == "wan" else self.cat,
+            self._phase_start,
+            eng.now,
+        )
         self._next()
 
 

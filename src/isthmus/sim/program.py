@@ -20,21 +20,22 @@ by a barrier (the loss and gradient-norm all-reduces make one).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 from isthmus.planner import comm
 from isthmus.planner.compute import ends_times, optimizer_time, shard_overhead
 from isthmus.planner.cost import block_cost, recompute_share, stage_costs
-from isthmus.planner.pipeline import partition_layers
 from isthmus.planner.geo import dp_sync
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
+from isthmus.planner.pipeline import partition_layers
 from isthmus.planner.placement import Placement, SiteSpans, place
+from isthmus.planner.topology import DeviceKind, Topology
 from isthmus.sim import costs
 from isthmus.sim.costs import DpPlan, PhaseSpec, StageOps
 from isthmus.sim.engine import Device, Engine, Link, Phase, Stream, Token, Transfer
 from isthmus.sim.schedule import Action, peak_in_flight, rank_actions, stage_ranks
-from isthmus.planner.topology import DeviceKind, Topology
 
 
 @dataclass
@@ -77,8 +78,15 @@ class RankPlan:
 class Simulation:
     """One replica of ``layout`` on ``topo``, built and run for ``iterations`` steps."""
 
-    def __init__(self, work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtime, iterations: int = 1,
-                 record: bool = False) -> None:
+    def __init__(
+        self,
+        work: Workload,
+        topo: Topology,
+        layout: LayoutSpec,
+        runtime: Runtime,
+        iterations: int = 1,
+        record: bool = False,
+    ) -> None:
         self.work, self.topo, self.layout, self.runtime = work, topo, layout, runtime
         self.iterations = iterations
         self.engine = Engine(record)
@@ -120,10 +128,22 @@ class Simulation:
         per_rank = []
         for r in range(lay.pp):
             site = self.placement.sites[self.placement.stage_sites[r][0]]
-            bc = block_cost(site.dc.kind, site, work, lay.tp, lay.cp, lay.sequence_parallel, lay.cp_impl, lay.micro_batch, self.runtime)
+            bc = block_cost(
+                site.dc.kind,
+                site,
+                work,
+                lay.tp,
+                lay.cp,
+                lay.sequence_parallel,
+                lay.cp_impl,
+                lay.micro_batch,
+                self.runtime,
+            )
             per_rank.append(bc.fwd * (1 + rc) + bc.bwd)
         site = self.placement.sites[0]
-        emb, head = ends_times(site.dc.kind, work.dtype, work.args, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sequence_parallel)
+        emb, head = ends_times(
+            site.dc.kind, work.dtype, work.args, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sequence_parallel
+        )
         extra = [0.0] * self.n_stages
         extra[0] += emb.fwd + emb.backward
         extra[-1] += head.fwd + head.backward
@@ -137,13 +157,22 @@ class Simulation:
         for i in self.placement.stage_sites[r]:  # datacenters that run this rank: keep the slowest
             site = self.placement.sites[i]
             kind = site.dc.kind
-            ops = {s: costs.stage_ops(kind, site, work, lay, self.runtime, s, counts[s], s == 0, s == self.n_stages - 1)
-                   for s in mine}
+            ops = {
+                s: costs.stage_ops(kind, site, work, lay, self.runtime, s, counts[s], s == 0, s == self.n_stages - 1)
+                for s in mine
+            }
             total = sum(o.fwd.seconds + o.full_bwd.seconds for o in ops.values())
             params = sum(o.params for o in ops.values())
-            plan = RankPlan(r, site, kind, ops, rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual_stages, lay.microbatches, r),
-                            params, costs.dp_plan(site, lay, self.runtime),
-                            dp_sync(params, site, lay, self.runtime, lay.microbatches).wan_bytes)
+            plan = RankPlan(
+                r,
+                site,
+                kind,
+                ops,
+                rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual_stages, lay.microbatches, r),
+                params,
+                costs.dp_plan(site, lay, self.runtime),
+                dp_sync(params, site, lay, self.runtime, lay.microbatches).wan_bytes,
+            )
             if best is None or total > sum(o.fwd.seconds + o.full_bwd.seconds for o in best.stages.values()):
                 best = plan
         assert best is not None
@@ -207,10 +236,13 @@ class Simulation:
             return self.topo.wan_link(da.name, db.name), flows, True
         return pl.sites[sa].pp_link, 1, False
 
-    def _transfer(self, r: int, specs: list[PhaseSpec], params: float, name: str, stream: str | None,
-                  wan_bytes: float = 0.0) -> Transfer:
+    def _transfer(
+        self, r: int, specs: list[PhaseSpec], params: float, name: str, stream: str | None, wan_bytes: float = 0.0
+    ) -> Transfer:
         phases = self._phases(r, costs.scale(specs, params), wan_bytes)
-        return Transfer(self.engine, phases, name, "dp", f"device:{r}", "dp", self.streams[(r, stream)] if stream else None)
+        return Transfer(
+            self.engine, phases, name, "dp", f"device:{r}", "dp", self.streams[(r, stream)] if stream else None
+        )
 
     # --- one device's program ----------------------------------------------------------------------
     def _program(self, r: int) -> Iterator[tuple[Any, ...]]:
@@ -331,8 +363,9 @@ class Simulation:
         for tok in need:
             yield ("wait", tok)
 
-    def _emit(self, it: int, r: int, src: int, dst: int, mb: int, forward: bool, blocking: bool, st: RankStats
-              ) -> Iterator[tuple[Any, ...]]:
+    def _emit(
+        self, it: int, r: int, src: int, dst: int, mb: int, forward: bool, blocking: bool, st: RankStats
+    ) -> Iterator[tuple[Any, ...]]:
         xf = self._send(it, r, src, dst, mb, forward)
         table = self.act if forward else self.grad
         if xf is None:
@@ -353,7 +386,7 @@ class Simulation:
             self.engine.fire(self.iter_start[it + 1])
 
     # --- running ---------------------------------------------------------------------------------
-    def run(self) -> "Simulation":
+    def run(self) -> Simulation:
         self.engine.fire(self.iter_start[0])
         for d in self.devices:
             d.start()

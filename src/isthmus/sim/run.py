@@ -57,27 +57,40 @@ class SimResult:
         """The planner's JSON fields for this layout, simulated; plus ``simulated`` (what was run)."""
         lay = self.layout
         return {
-            "layout": lay.as_dict(), "label": lay.label(),
+            "layout": lay.as_dict(),
+            "label": lay.label(),
             **lay.config_sections(self.work.seq_len, self.work.args.tie_embeddings),
-            "batch_size": self.work.batch_size, "seq_len": self.work.seq_len, "runtime": self.runtime,
-            "step_time_s": self.step_time_s, "tokens_per_s": self.tokens_per_s,
-            "effective_tokens_per_s": self.effective_tokens_per_s, "tflops_per_device": self.tflops_per_device,
-            "mfu": self.mfu, "mem_per_device_gb": self.mem_per_device_gb, "fits": self.fits,
-            "bubble_fraction": self.bubble_fraction, "wan_bytes_per_step": self.wan_bytes_per_step,
-            "bottleneck": self.bottleneck, "breakdown_s": self.breakdown, "stage_layers": list(self.stage_layers),
+            "batch_size": self.work.batch_size,
+            "seq_len": self.work.seq_len,
+            "runtime": self.runtime,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "effective_tokens_per_s": self.effective_tokens_per_s,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            "mem_per_device_gb": self.mem_per_device_gb,
+            "fits": self.fits,
+            "bubble_fraction": self.bubble_fraction,
+            "wan_bytes_per_step": self.wan_bytes_per_step,
+            "bottleneck": self.bottleneck,
+            "breakdown_s": self.breakdown,
+            "stage_layers": list(self.stage_layers),
             "simulated": {
-                "iterations": len(self.step_times_s), "step_times_s": self.step_times_s,
+                "iterations": len(self.step_times_s),
+                "step_times_s": self.step_times_s,
                 "devices_simulated": self.devices_simulated,
                 "devices_represented": lay.world,
-                "events": self.events, "wall_s": self.wall_s,
+                "events": self.events,
+                "wall_s": self.wall_s,
                 "cost_model_step_time_s": self.planner.step_time_s,
                 "vs_cost_model": self.step_time_s / self.planner.step_time_s - 1,
             },
         }
 
 
-def simulate(work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtime, iterations: int = 1,
-             record: bool = False) -> SimResult:
+def simulate(
+    work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtime, iterations: int = 1, record: bool = False
+) -> SimResult:
     """Simulate ``iterations`` optimizer steps of ``layout`` (one data-parallel replica; see program.py).
 
     ``record`` keeps every interval for a trace or a timeline (memory grows with the op count).
@@ -98,8 +111,10 @@ def simulate(work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtim
     p = layout.pp
     # Per step, averaged over steps: the pipeline phase ends when the last rank's last op does.
     stats = [[plan.stats[i] for plan in sim.ranks] for i in range(iterations)]
-    idle = mean(mean(pipe_end_all - s.op_busy - s.p2p_block for s in row)
-                for row, pipe_end_all in ((row, max(s.pipe_end for s in row)) for row in stats))
+    idle = mean(
+        mean(pipe_end_all - s.op_busy - s.p2p_block for s in row)
+        for row, pipe_end_all in ((row, max(s.pipe_end for s in row)) for row in stats)
+    )
     heavy = max(range(p), key=lambda r: sim.ranks[r].stats[0].op_busy)
     slow = max(range(p), key=lambda r: sim.ranks[r].stats[0].end - sim.ranks[r].stats[0].pipe_end)
     dev = sim.devices[heavy]
@@ -108,10 +123,13 @@ def simulate(work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtim
     tail_wan = mean(s.tail_wan + s.outer for s in s_slow) + stream_wait
     breakdown = {
         "compute": sum(per_step.get(k, 0.0) for k in ("fwd", "bwd", "wgrad", "recompute")),
-        "tp comm": per_step.get("tp", 0.0), "cp comm": per_step.get("cp", 0.0),
+        "tp comm": per_step.get("tp", 0.0),
+        "cp comm": per_step.get("cp", 0.0),
         "pp p2p": mean(s.p2p_block for s in sim.ranks[heavy].stats),
         "dp comm": mean(s.tail_wait - s.tail_wan for s in s_slow) + mean(s.gather_wait for s in sim.ranks[heavy].stats),
-        "wan": tail_wan, "bubble": max(0.0, idle), "optimizer": mean(s.optimizer for s in s_slow),
+        "wan": tail_wan,
+        "bubble": max(0.0, idle),
+        "optimizer": mean(s.optimizer for s in s_slow),
     }
     # Each WAN phase carries the bytes of every device it stands for (all replicas included).
     wan_bytes = sum(link.wan_bytes for link in sim.links.values()) / iterations
@@ -122,16 +140,33 @@ def simulate(work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtim
     tokens_per_s = work.tokens_per_step / step
     a = work.args
     model_flops = flops_per_token(a, work.seq_len, False)
-    hw_flops = model_flops + recompute_share(layout.activation_checkpoint) * (flops_per_token(a, work.seq_len, True) - model_flops)
+    hw_flops = model_flops + recompute_share(layout.activation_checkpoint) * (
+        flops_per_token(a, work.seq_len, True) - model_flops
+    )
     peak = sum(k.peak(work.dtype) for k in kinds) / len(kinds) * layout.world
     return SimResult(
-        layout=layout, work=work, runtime=runtime.name, step_time_s=step, step_times_s=list(sim.iter_time),
-        tokens_per_s=tokens_per_s, effective_tokens_per_s=tokens_per_s * runtime.quality_of(layout.sync),
-        tflops_per_device=hw_flops * tokens_per_s / layout.world / 1e12, mfu=model_flops * tokens_per_s / peak,
-        mem_per_device_gb=memory.total / 1e9, memory=memory, fits=memory.total <= usable,
-        bubble_fraction=max(0.0, idle) / step if p > 1 else 0.0, wan_bytes_per_step=wan_bytes, breakdown=breakdown,
-        stage_layers=tuple(sim.stage_layers), planner=est, devices_simulated=p, events=sim.engine.processed,
-        wall_s=wall, trace_events=sim.engine.events, track_names=_track_names(sim),
+        layout=layout,
+        work=work,
+        runtime=runtime.name,
+        step_time_s=step,
+        step_times_s=list(sim.iter_time),
+        tokens_per_s=tokens_per_s,
+        effective_tokens_per_s=tokens_per_s * runtime.quality_of(layout.sync),
+        tflops_per_device=hw_flops * tokens_per_s / layout.world / 1e12,
+        mfu=model_flops * tokens_per_s / peak,
+        mem_per_device_gb=memory.total / 1e9,
+        memory=memory,
+        fits=memory.total <= usable,
+        bubble_fraction=max(0.0, idle) / step if p > 1 else 0.0,
+        wan_bytes_per_step=wan_bytes,
+        breakdown=breakdown,
+        stage_layers=tuple(sim.stage_layers),
+        planner=est,
+        devices_simulated=p,
+        events=sim.engine.processed,
+        wall_s=wall,
+        trace_events=sim.engine.events,
+        track_names=_track_names(sim),
     )
 
 
@@ -142,10 +177,23 @@ def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
     first = any(o.first for o in plan.stages.values())
     last = any(o.last for o in plan.stages.values())
     return device_memory(
-        work.args, sim.runtime, layers=layers, first=first, last=last, pp=lay.pp, tp=lay.tp, cp=lay.cp, sp=lay.sequence_parallel,
-        micro_batch=lay.micro_batch, seq_len=work.seq_len, recompute=lay.activation_checkpoint,
+        work.args,
+        sim.runtime,
+        layers=layers,
+        first=first,
+        last=last,
+        pp=lay.pp,
+        tp=lay.tp,
+        cp=lay.cp,
+        sp=lay.sequence_parallel,
+        micro_batch=lay.micro_batch,
+        seq_len=work.seq_len,
+        recompute=lay.activation_checkpoint,
         in_flight=min(float(lay.microbatches), sim.peak_in_flight(r)) if lay.pp > 1 else 1.0,
-        zero_stage=lay.zero_stage, shard=lay.shard_degree, accumulate=lay.microbatches > 1, dtype=work.dtype,
+        zero_stage=lay.zero_stage,
+        shard=lay.shard_degree,
+        accumulate=lay.microbatches > 1,
+        dtype=work.dtype,
     )
 
 
@@ -154,10 +202,13 @@ def _track_names(sim: Simulation) -> dict[str, str]:
     group = lay.tp * lay.cp
     names = {}
     for plan in sim.ranks:
-        who = f"{group} devices (tp{lay.tp}" + (f" x cp{lay.cp}" if lay.cp > 1 else "") + ")" if group > 1 else "1 device"
+        who = (
+            f"{group} devices (tp{lay.tp}" + (f" x cp{lay.cp}" if lay.cp > 1 else "") + ")" if group > 1 else "1 device"
+        )
         stages = ",".join(str(s) for s in sorted(plan.stages))
-        names[f"device:{plan.rank}"] = (f"pp rank {plan.rank} (stage{'s' if len(plan.stages) > 1 else ''} {stages}; "
-                                        f"{who}, {plan.site.dc.name})")
+        names[f"device:{plan.rank}"] = (
+            f"pp rank {plan.rank} (stage{'s' if len(plan.stages) > 1 else ''} {stages}; {who}, {plan.site.dc.name})"
+        )
     for name, link in sim.links.items():
         names["link:" + name] = ("WAN " + name[4:]) if link.kind == "wan" else f"link {name}"
     return names

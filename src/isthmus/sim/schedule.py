@@ -71,8 +71,14 @@ def _interleaved(pp: int, v: int, m: int, rank: int, zero_bubble: bool) -> list[
     return _one_f_one_b(warm, total - warm, warm, fwd_stage, bwd_stage, rank if zero_bubble else None)
 
 
-def _one_f_one_b(warm: int, steady: int, cooldown: int, fwd_stage: Callable[[int], int], bwd_stage: Callable[[int], int],
-                 zb_after: int | None) -> list[Action]:
+def _one_f_one_b(
+    warm: int,
+    steady: int,
+    cooldown: int,
+    fwd_stage: Callable[[int], int],
+    bwd_stage: Callable[[int], int],
+    zb_after: int | None,
+) -> list[Action]:
     """torch's ``_get_1f1b_rank_ops`` without the alignment no-ops; ``zb_after``: weight passes start
     after that many steady backwards (zero bubble), None for full backwards."""
     fmb: dict[int, int] = defaultdict(int)
@@ -119,30 +125,45 @@ def _zbv(pp: int, m: int, rank: int) -> list[Action]:
     out: list[Action] = []
     f0 = f1 = b0 = b1 = 0
     for _ in range(2 * (pp - rank) - 1):
-        out.append(("F", c0, f0)); f0 += 1
+        out.append(("F", c0, f0))
+        f0 += 1
     for _ in range(rank):
-        out.append(("F", c1, f1)); f1 += 1
-        out.append(("F", c0, f0)); f0 += 1
+        out.append(("F", c1, f1))
+        f1 += 1
+        out.append(("F", c0, f0))
+        f0 += 1
     for _ in range(pp - rank):
-        out.append(("F", c1, f1)); f1 += 1
-        out += [("I", c1, b1), ("W", c1, b1)]; b1 += 1
+        out.append(("F", c1, f1))
+        f1 += 1
+        out += [("I", c1, b1), ("W", c1, b1)]
+        b1 += 1
     while f1 < f0 or f0 < n:
         if f0 < n:
-            out.append(("F", c0, f0)); f0 += 1
-        out += [("I", c0, b0), ("W", c0, b0)]; b0 += 1
-        out.append(("F", c1, f1)); f1 += 1
-        out += [("I", c1, b1), ("W", c1, b1)]; b1 += 1
+            out.append(("F", c0, f0))
+            f0 += 1
+        out += [("I", c0, b0), ("W", c0, b0)]
+        b0 += 1
+        out.append(("F", c1, f1))
+        f1 += 1
+        out += [("I", c1, b1), ("W", c1, b1)]
+        b1 += 1
     w0, w1 = b0, b1
     for _ in range(rank):
-        out.append(("I", c0, b0)); b0 += 1
-        out.append(("I", c1, b1)); b1 += 1
+        out.append(("I", c0, b0))
+        b0 += 1
+        out.append(("I", c1, b1))
+        b1 += 1
     for _ in range(pp - rank):
-        out.append(("I", c0, b0)); b0 += 1
-        out.append(("W", c0, w0)); w0 += 1
+        out.append(("I", c0, b0))
+        b0 += 1
+        out.append(("W", c0, w0))
+        w0 += 1
     while w1 < b1:
-        out.append(("W", c1, w1)); w1 += 1
+        out.append(("W", c1, w1))
+        w1 += 1
     while w0 < b0:
-        out.append(("W", c0, w0)); w0 += 1
+        out.append(("W", c0, w0))
+        w0 += 1
     return [a for a in out if a[2] < m]
 
 

@@ -17,13 +17,28 @@ from isthmus.sim.run import SimResult
 from isthmus.sim.trace import track_order
 
 COLOURS = {
-    "fwd": "#4C78A8", "bwd": "#F58518", "wgrad": "#54A24B", "recompute": "#B279A2", "optimizer": "#9D755D",
-    "tp": "#72B7B2", "cp": "#EECA3B", "p2p": "#79706E", "dp": "#FF9DA6", "wan": "#E45756",
+    "fwd": "#4C78A8",
+    "bwd": "#F58518",
+    "wgrad": "#54A24B",
+    "recompute": "#B279A2",
+    "optimizer": "#9D755D",
+    "tp": "#72B7B2",
+    "cp": "#EECA3B",
+    "p2p": "#79706E",
+    "dp": "#FF9DA6",
+    "wan": "#E45756",
 }
 LABELS = {
-    "fwd": "forward", "bwd": "backward", "wgrad": "weight grad (zero bubble W)", "recompute": "recompute",
-    "optimizer": "optimizer", "tp": "tp / sp collective", "cp": "cp exchange", "p2p": "pipeline send",
-    "dp": "dp reduce / gather", "wan": "WAN transfer",
+    "fwd": "forward",
+    "bwd": "backward",
+    "wgrad": "weight grad (zero bubble W)",
+    "recompute": "recompute",
+    "optimizer": "optimizer",
+    "tp": "tp / sp collective",
+    "cp": "cp exchange",
+    "p2p": "pipeline send",
+    "dp": "dp reduce / gather",
+    "wan": "WAN transfer",
 }
 
 
@@ -54,8 +69,12 @@ def write_png(result: SimResult, path: str | Path, width: float = 14.0) -> None:
             if not spans:
                 continue
             inner = cat in ("tp", "cp") and row == "compute"  # collectives inside ops: a thinner bar on top
-            ax.broken_barh([(s * 1e3, d * 1e3) for s, d in spans], (y - (0.15 if inner else 0.38), 0.3 if inner else 0.76),
-                           facecolors=COLOURS.get(cat, "#999999"), linewidth=0)
+            ax.broken_barh(
+                [(s * 1e3, d * 1e3) for s, d in spans],
+                (y - (0.15 if inner else 0.38), 0.3 if inner else 0.76),
+                facecolors=COLOURS.get(cat, "#999999"),
+                linewidth=0,
+            )
         ticks.append(y)
         label = result.track_names.get(track, track)
         names.append(label if row in ("compute", "link") else "  sends / dp")
@@ -63,12 +82,19 @@ def write_png(result: SimResult, path: str | Path, width: float = 14.0) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
     lay = result.layout
-    ax.set_title(f"{lay.label()}: {result.step_time_s * 1e3:.1f} ms/step simulated, bubble "
-                 f"{100 * result.bubble_fraction:.0f}%, {lay.world:,} devices ({result.devices_simulated} simulated)",
-                 fontsize=9)
+    ax.set_title(
+        f"{lay.label()}: {result.step_time_s * 1e3:.1f} ms/step simulated, bubble "
+        f"{100 * result.bubble_fraction:.0f}%, {lay.world:,} devices ({result.devices_simulated} simulated)",
+        fontsize=9,
+    )
     used = {c for r in rows.values() for c in r}
-    fig.legend(handles=[Patch(color=COLOURS[c], label=LABELS[c]) for c in COLOURS if c in used],
-               loc="lower center", ncol=6, fontsize=7, frameon=False)
+    fig.legend(
+        handles=[Patch(color=COLOURS[c], label=LABELS[c]) for c in COLOURS if c in used],
+        loc="lower center",
+        ncol=6,
+        fontsize=7,
+        frameon=False,
+    )
     ax.grid(axis="x", alpha=0.3)
     fig.tight_layout(rect=(0, 0.45 / height, 1, 1))  # room for the legend below the time axis
     fig.savefig(path, dpi=130)

@@ -245,7 +245,12 @@ class Checkpointer:
     """Saves every ``checkpoint.every`` steps (and at the last step), restores on ``checkpoint.resume``."""
 
     def __init__(
-        self, cfg: CheckpointConfig, run_dir: Path, model_args: ModelArgs, layout: dict[str, Any], config_toml: str,
+        self,
+        cfg: CheckpointConfig,
+        run_dir: Path,
+        model_args: ModelArgs,
+        layout: dict[str, Any],
+        config_toml: str,
         world: int,
     ) -> None:
         self.cfg = cfg
@@ -299,7 +304,9 @@ class Checkpointer:
             if existing:
                 self.log.warning(
                     "checkpoint: %s already holds checkpoints up to step %d; checkpoint.resume = none starts fresh "
-                    "(resume = auto would continue from them)", self.root, existing[0][0],
+                    "(resume = auto would continue from them)",
+                    self.root,
+                    existing[0][0],
                 )
             return None, None
         if mode == "auto":
@@ -343,18 +350,21 @@ class Checkpointer:
         model = {k: v for part in parts for k, v in part.items()}
         prefix = state.replica + "." if state.replica else ""
         if prefix and not any(k.startswith(prefix + "model.") for k in saved):
-            raise CheckpointError(f"{path}: holds no model for {state.replica} (saved under {manifest.layout.get('summary')})")
+            raise CheckpointError(
+                f"{path}: holds no model for {state.replica} (saved under {manifest.layout.get('summary')})"
+            )
         optim = _optimizer_targets(state.optimizer, state.modules, saved, path, prefix)
         rng_meta = saved.get(f"rng.{rng_key}")
         tree: StateTree = _replica_tree(state.replica, model, optim)
         if rng_meta is not None:
             tree["rng"] = {rng_key: torch.empty(tuple(rng_meta.size), dtype=torch.uint8)}
         try:
-            dcp.load(tree, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1, **load_kwargs(path))
+            dcp.load(
+                tree, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1, **load_kwargs(path)
+            )
         except Exception as e:  # DCP wraps each rank's failure in its own types; one line is what a user needs
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             raise CheckpointError(f"{path}: cannot be loaded into this model ({type(e).__name__}: {first})") from None
-
 
         for m, part in zip(state.modules, parts, strict=True):
             set_model_state_dict(m, {k: model[k] for k in part})
@@ -366,14 +376,17 @@ class Checkpointer:
         for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
         if self.rank == 0 and state.geo is None and any(k.startswith("geo.") for k in saved):
-            self.log.info("checkpoint: saved with geo.sync = %s; this run takes datacenter 0's model and optimizer state",
-                          manifest.layout.get("geo_sync"))
+            self.log.info(
+                "checkpoint: saved with geo.sync = %s; this run takes datacenter 0's model and optimizer state",
+                manifest.layout.get("geo_sync"),
+            )
         if "rng" in tree:
             set_rng_state(_rng_from_tensor(tree["rng"][rng_key]))
         if not same_layout:
             self.log.info(
                 "checkpoint: saved under layout %s, loaded under %s (resharded; every rank takes rank 0's RNG states)",
-                manifest.layout.get("summary"), self.layout.get("summary"),
+                manifest.layout.get("summary"),
+                self.layout.get("summary"),
             )
         self.log.info("checkpoint: loaded step %d in %.1f s", manifest.step, time.perf_counter() - start)
         return manifest.step
@@ -386,13 +399,18 @@ class Checkpointer:
         by `find_resume` already.
         """
         head = f"geo.rank{self.rank}."
-        mine = {k[len(head):]: v for k, v in point.saved.items() if k.startswith(head)}
+        mine = {k[len(head) :]: v for k, v in point.saved.items() if k.startswith(head)}
         if not mine:
             self.log.info("checkpoint: %s holds no geo state; geo.sync starts from the loaded model", point.path)
             return
         tree = {k: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for k, meta in mine.items()}
-        dcp.load({"geo": {f"rank{self.rank}": tree}}, checkpoint_id=str(point.path), process_group=self.group,
-                 no_dist=self.world == 1, **load_kwargs(point.path))
+        dcp.load(
+            {"geo": {f"rank{self.rank}": tree}},
+            checkpoint_id=str(point.path),
+            process_group=self.group,
+            no_dist=self.world == 1,
+            **load_kwargs(point.path),
+        )
         try:
             geo.load_state_dict(geo_state(tree))
         except IsthmusError as e:
@@ -408,8 +426,12 @@ class Checkpointer:
         self.wait()  # one save in flight at a time
         partial = self.root / (step_dir_name(step) + PARTIAL_SUFFIX)
         manifest = Manifest(
-            step=step, model=self.model, layout=self.layout, config=self.config_toml,
-            sampler=state.sampler.state_dict(), scheduler=_json_safe(state.scheduler.state_dict()),
+            step=step,
+            model=self.model,
+            layout=self.layout,
+            config=self.config_toml,
+            sampler=state.sampler.state_dict(),
+            scheduler=_json_safe(state.scheduler.state_dict()),
         )
         tree = _replica_tree(state.replica, model_state(state.modules), optimizer_state(state.optimizer, state.modules))
         tree["rng"] = {f"rank{self.rank}": _rng_tensor(rng_state())}
@@ -428,7 +450,9 @@ class Checkpointer:
             return
         # DCP copies the tensors aside before returning; training may then change them.
         # Without an async stager DCP returns a plain Future (the other type is its staging response).
-        written = cast(Future[Any], dcp.async_save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1))
+        written = cast(
+            Future[Any], dcp.async_save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
+        )
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isthmus-checkpoint")
         self._pending = (step, self._executor.submit(self._finish_async, written, partial, manifest, start))
@@ -481,13 +505,17 @@ class Checkpointer:
             return no_space(f"checkpoint of step {step}", partial, "checkpoint.dir")
         first = next((err for err in errors if isinstance(err, OSError)), errors[0])
         line = (str(first).strip().splitlines() or [""])[0]
-        return RunFailed(f"the checkpoint of step {step} could not be written to {partial} ({type(first).__name__}: {line})")
+        return RunFailed(
+            f"the checkpoint of step {step} could not be written to {partial} ({type(first).__name__}: {line})"
+        )
 
     def abandon(self) -> None:
         """After a failed step: never commit the save in flight (the next start deletes its files)."""
         self._abandoned = True
         if self._pending is not None and not self._pending[1].done():
-            self.log.warning("checkpoint: the save of step %d was still being written; it stays uncommitted", self._pending[0])
+            self.log.warning(
+                "checkpoint: the save of step %d was still being written; it stays uncommitted", self._pending[0]
+            )
         self._pending = None
         if self._executor is not None:
             self._executor.shutdown(wait=False)
@@ -552,7 +580,8 @@ def load_model_weights(path: Path, key: bytes | None = None) -> dict[str, torch.
     saved = read_metadata(path).state_dict_metadata
     model = {
         key[len("model.") :]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        for key, meta in saved.items() if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+        for key, meta in saved.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -96,7 +96,9 @@ def checkpoint_key(key_file: str = "", option: str = "checkpoint.key_file") -> b
         raise ConfigError(name, path, f"cannot be read ({e.strerror or type(e).__name__})") from None
     if len(key) < MIN_KEY_BYTES:
         raise ConfigError(
-            name, path, f"holds {len(key)} bytes; a key needs at least {MIN_KEY_BYTES} (e.g. head -c 32 /dev/urandom | base64 > FILE)"
+            name,
+            path,
+            f"holds {len(key)} bytes; a key needs at least {MIN_KEY_BYTES} (e.g. head -c 32 /dev/urandom | base64 > FILE)",
         )
     return key
 
@@ -159,7 +161,9 @@ def read_manifest(directory: Path, key: bytes | None = None) -> Manifest:
             _check_signature(path, key, body, signature)
         version = body.pop("format")
         if version != FORMAT_VERSION:
-            raise CheckpointError(f"{path}: format {version!r} is not {FORMAT_VERSION}; saved by another isthmus version")
+            raise CheckpointError(
+                f"{path}: format {version!r} is not {FORMAT_VERSION}; saved by another isthmus version"
+            )
         return Manifest(**body)
     except CheckpointError:
         raise
@@ -169,15 +173,21 @@ def read_manifest(directory: Path, key: bytes | None = None) -> Manifest:
 
 def _check_signature(path: Path, key: bytes, body: dict[str, Any], signature: Any) -> None:
     if signature is None:
-        raise CheckpointError(f"{path}: not signed, and a checkpoint key is set: only checkpoints signed with that key load")
+        raise CheckpointError(
+            f"{path}: not signed, and a checkpoint key is set: only checkpoints signed with that key load"
+        )
     if not signature_matches(key, body, signature):
-        raise CheckpointError(f"{path}: signature mismatch (HMAC-SHA256); the checkpoint was altered or signed with another key")
+        raise CheckpointError(
+            f"{path}: signature mismatch (HMAC-SHA256); the checkpoint was altered or signed with another key"
+        )
 
 
 def check_model(manifest: Manifest, model: dict[str, Any], directory: Path) -> None:
     """CheckpointError naming each field where the checkpoint's model differs from ``model``."""
     diffs = [
-        f"{key} {manifest.model.get(key)!r} vs {value!r}" for key, value in model.items() if manifest.model.get(key) != value
+        f"{key} {manifest.model.get(key)!r} vs {value!r}"
+        for key, value in model.items()
+        if manifest.model.get(key) != value
     ]
     if diffs:
         raise CheckpointError(
@@ -200,9 +210,13 @@ def verify_checkpoint(directory: Path, model: dict[str, Any] | None = None, key:
             raise CheckpointError(f"{path}: missing from the checkpoint")
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise CheckpointError(f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)")
+            raise CheckpointError(
+                f"{path}: {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)"
+            )
         if file_digest(path)[1] != entry["sha256"]:
-            raise CheckpointError(f"{path}: checksum mismatch (sha256 differs from the manifest); the file was altered or damaged")
+            raise CheckpointError(
+                f"{path}: checksum mismatch (sha256 differs from the manifest); the file was altered or damaged"
+            )
     if model is not None:
         check_model(manifest, model, directory)
     return manifest
@@ -287,6 +301,9 @@ def uncommitted_saves(root: Path) -> list[tuple[int, Path]]:
     """(step, directory) of the saves under ``root`` that never committed (``step-N.partial``), newest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name.removesuffix(PARTIAL_SUFFIX)))
-             and p.name.endswith(PARTIAL_SUFFIX)]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP_DIR.fullmatch(p.name.removesuffix(PARTIAL_SUFFIX))) and p.name.endswith(PARTIAL_SUFFIX)
+    ]
     return sorted(found, reverse=True)

@@ -28,28 +28,30 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from isthmus.errors import UnsafeCheckpoint
 
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
-ADMITTED: frozenset[tuple[str, str]] = frozenset({
-    # What DCP's .metadata of isthmus checkpoints names, found by saving one under every layout
-    # (one process, async, bf16, DDP, ZeRO-1, ZeRO-3, tp 2 with sequence parallel, pp 2, cp 2,
-    # dp_shard 2 x tp 2, and geo.sync diloco / streaming_diloco / compressed) and recording the
-    # unpickler's find_class calls. Torch dtypes come on top (see `_is_dtype`).
-    (_DCP_METADATA, "Metadata"),
-    (_DCP_METADATA, "StorageMeta"),
-    (_DCP_METADATA, "MetadataIndex"),
-    (_DCP_METADATA, "TensorStorageMetadata"),
-    (_DCP_METADATA, "TensorProperties"),
-    (_DCP_METADATA, "ChunkStorageMetadata"),
-    (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # torch.layout's reducer: a lookup in torch's own table
-    # StorageMeta.checkpoint_id is the directory as a Path; Python 3.13 names the class's module
-    # pathlib._local. Building a Path touches no file.
-    ("pathlib", "PosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib._local", "PosixPath"),
-    ("pathlib._local", "WindowsPath"),
-})
+ADMITTED: frozenset[tuple[str, str]] = frozenset(
+    {
+        # What DCP's .metadata of isthmus checkpoints names, found by saving one under every layout
+        # (one process, async, bf16, DDP, ZeRO-1, ZeRO-3, tp 2 with sequence parallel, pp 2, cp 2,
+        # dp_shard 2 x tp 2, and geo.sync diloco / streaming_diloco / compressed) and recording the
+        # unpickler's find_class calls. Torch dtypes come on top (see `_is_dtype`).
+        (_DCP_METADATA, "Metadata"),
+        (_DCP_METADATA, "StorageMeta"),
+        (_DCP_METADATA, "MetadataIndex"),
+        (_DCP_METADATA, "TensorStorageMetadata"),
+        (_DCP_METADATA, "TensorProperties"),
+        (_DCP_METADATA, "ChunkStorageMetadata"),
+        (_DCP_METADATA, "_MEM_FORMAT_ENCODING"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # torch.layout's reducer: a lookup in torch's own table
+        # StorageMeta.checkpoint_id is the directory as a Path; Python 3.13 names the class's module
+        # pathlib._local. Building a Path touches no file.
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib._local", "PosixPath"),
+        ("pathlib._local", "WindowsPath"),
+    }
+)
 """(module, name) of every global `MetadataUnpickler` admits besides torch dtypes. Each one builds an
 inert value (a dataclass, a Size, a Path, an enum, a layout), so no combination of them runs code."""
 
@@ -85,7 +87,9 @@ def _check_metadata(metadata: Any, source: Path) -> Metadata:
         raise UnsafeCheckpoint(f"{source}: holds a {type(metadata).__name__}, not DCP metadata")
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
-            raise UnsafeCheckpoint(f"{source}: entry {key!r} is a {type(entry).__name__}; an isthmus checkpoint holds tensors only")
+            raise UnsafeCheckpoint(
+                f"{source}: entry {key!r} is a {type(entry).__name__}; an isthmus checkpoint holds tensors only"
+            )
     for info in (metadata.storage_data or {}).values():
         name = info.relative_path if isinstance(info, _StorageInfo) else None
         # A bare file name: the data of a checkpoint lies in its own directory, checksummed by its manifest.

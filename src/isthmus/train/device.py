@@ -64,6 +64,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 # --- the CPU probe ------------------------------------------------------------------------------
 
+
 def usable_cores() -> int:
     """Cores this process may run on (its affinity mask where the OS has one)."""
     try:
@@ -105,7 +106,9 @@ def _probe_rate(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, seconds: fl
     return max(flops / wall, flops * cores / cpu if cpu > 0 else 0.0)
 
 
-def probe_cpu_flops(dtype: torch.dtype, probes: int = PROBES, seconds: float = PROBE_SECONDS, n: int | None = None) -> float:
+def probe_cpu_flops(
+    dtype: torch.dtype, probes: int = PROBES, seconds: float = PROBE_SECONDS, n: int | None = None
+) -> float:
     """Peak matmul FLOP/s of this process on its current thread count: the best of ``probes``
     timed runs of ``seconds`` each, after a warm-up (thread pool start, first-touch pages)."""
     threads = torch.get_num_threads()
@@ -118,6 +121,7 @@ def probe_cpu_flops(dtype: torch.dtype, probes: int = PROBES, seconds: float = P
 
 
 # --- the cache ----------------------------------------------------------------------------------
+
 
 def _cpu_model() -> str:
     try:
@@ -207,8 +211,13 @@ def _torch_dtype(dtype: str) -> torch.dtype:
 
 
 def _entry(flops: float, how: str) -> dict[str, Any]:
-    return {"flops": flops, "how": how, "n": probe_size(torch.get_num_threads()), "measured_at": time.time(),
-            "measured": time.strftime("%Y-%m-%d %H:%M:%S")}
+    return {
+        "flops": flops,
+        "how": how,
+        "n": probe_size(torch.get_num_threads()),
+        "measured_at": time.time(),
+        "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
 
 
 def _store(path: Path | None, key: str, entry: dict[str, Any]) -> None:
@@ -237,9 +246,15 @@ def cpu_peak_flops(dtype: str = "fp32", cache_dir: Path | None = None, remeasure
             return float(cached["flops"])
         flops = probe_cpu_flops(_torch_dtype(dtype))
         _store(path, key, _entry(flops, "probe"))
-    get_logger().info("CPU peak %.1f GFLOP/s (%s, %d thread(s), best of %d x %.1f s matmul probes)%s",
-                      flops / 1e9, dtype, torch.get_num_threads(), PROBES, PROBE_SECONDS,
-                      f"; cached in {path}" if path is not None else "")
+    get_logger().info(
+        "CPU peak %.1f GFLOP/s (%s, %d thread(s), best of %d x %.1f s matmul probes)%s",
+        flops / 1e9,
+        dtype,
+        torch.get_num_threads(),
+        PROBES,
+        PROBE_SECONDS,
+        f"; cached in {path}" if path is not None else "",
+    )
     return flops
 
 
@@ -269,7 +284,9 @@ def remeasure_cpu_peaks(threads: list[int], cache_dir: Path | None = None) -> di
     return peaks
 
 
-def peak_flops(device: torch.device, dtype: str = "fp32", cache_dir: Path | None = None, remeasure: bool = False) -> float:
+def peak_flops(
+    device: torch.device, dtype: str = "fp32", cache_dir: Path | None = None, remeasure: bool = False
+) -> float:
     """Peak FLOP/s of one device for ``dtype`` ('fp32' or 'bf16')."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -281,8 +298,9 @@ def peak_flops(device: torch.device, dtype: str = "fp32", cache_dir: Path | None
     return cpu_peak_flops(dtype, cache_dir, remeasure)
 
 
-def correct_peak(device: torch.device, dtype: str, peak: float, achieved: float, first: bool,
-                 cache_dir: Path | None = None) -> float:
+def correct_peak(
+    device: torch.device, dtype: str, peak: float, achieved: float, first: bool, cache_dir: Path | None = None
+) -> float:
     """The peak after one device computed at ``achieved`` FLOP/s, above the ``peak`` believed so far.
 
     That peak was wrong (on CPU: probed while other work held the cores). The first time, the CPU
@@ -298,9 +316,14 @@ def correct_peak(device: torch.device, dtype: str, peak: float, achieved: float,
                 new = max(achieved, probe_cpu_flops(_torch_dtype(dtype)))
             _store(path, key, _entry(new, "probe" if new > achieved else "achieved by a training step"))
     if first:
-        log.warning("a step ran at %.1f GFLOP/s per device, above the peak %.1f GFLOP/s that MFU used (measured "
-                    "under load?): the peak is now %.1f GFLOP/s%s", achieved / 1e9, peak / 1e9, new / 1e9,
-                    " (probed again and cached)" if device.type == "cpu" else "")
+        log.warning(
+            "a step ran at %.1f GFLOP/s per device, above the peak %.1f GFLOP/s that MFU used (measured "
+            "under load?): the peak is now %.1f GFLOP/s%s",
+            achieved / 1e9,
+            peak / 1e9,
+            new / 1e9,
+            " (probed again and cached)" if device.type == "cpu" else "",
+        )
     else:
         log.debug("peak raised to the achieved %.1f GFLOP/s", new / 1e9)
     return new

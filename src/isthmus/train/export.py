@@ -79,7 +79,9 @@ def _safetensors() -> Any:
     try:
         import safetensors.torch
     except ImportError:
-        raise IsthmusError("safetensors is not installed (a dependency of isthmus): pip install -c constraints.txt -e .") from None
+        raise IsthmusError(
+            "safetensors is not installed (a dependency of isthmus): pip install -c constraints.txt -e ."
+        ) from None
     return safetensors.torch
 
 
@@ -198,12 +200,18 @@ def export_model(source: ModelSource, tokenizer: dict[str, Any], out: Path, key:
         reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [type(e).__name__])[0]
         raise IsthmusError(f"--out {out}: cannot be written ({reason})") from None
     return {
-        "out": out, "origin": source.origin, "step": source.step, "tensors": len(tensors),
-        "parameters": sum(t.numel() for t in tensors.values()), "bytes": out.stat().st_size,
+        "out": out,
+        "origin": source.origin,
+        "step": source.step,
+        "tensors": len(tensors),
+        "parameters": sum(t.numel() for t in tensors.values()),
+        "bytes": out.stat().st_size,
     }
 
 
-def export_run(run: str | Path, out: str | Path, checkpoint: str | None = None, key: bytes | None = None) -> dict[str, Any]:
+def export_run(
+    run: str | Path, out: str | Path, checkpoint: str | None = None, key: bytes | None = None
+) -> dict[str, Any]:
     """`isthmus export`: the weights of ``run`` (see `find_source`) and its tokenizer into the file ``out``.
 
     Given ``key``, a checkpoint exported must be signed with it, and ``out`` is signed with it."""
@@ -235,7 +243,9 @@ def _tokenizer_from_record(record: dict[str, Any], path: Path) -> Tokenizer:
         try:
             return load_tokenizer(directory)
         except IsthmusError as e:
-            raise IsthmusError(f"{path}: its tokenizer is unusable ({str(e).replace(str(directory), 'metadata')})") from None
+            raise IsthmusError(
+                f"{path}: its tokenizer is unusable ({str(e).replace(str(directory), 'metadata')})"
+            ) from None
 
 
 def load_exported(path: str | Path, key: bytes | None = None) -> ExportedModel:
@@ -257,7 +267,9 @@ def load_exported(path: str | Path, key: bytes | None = None) -> ExportedModel:
     if metadata.get(_PREFIX + "format") != FORMAT_VERSION:
         raise IsthmusError(f"{path}: not an isthmus export (no {_PREFIX}format = {FORMAT_VERSION} in its metadata)")
     if _tensor_digest(state) != metadata.get(_PREFIX + "sha256"):
-        raise IsthmusError(f"{path}: checksum mismatch (the tensor data differs from its sha256); the file was altered or damaged")
+        raise IsthmusError(
+            f"{path}: checksum mismatch (the tensor data differs from its sha256); the file was altered or damaged"
+        )
     if key is not None:
         _check_signature(path, key, metadata)
     try:

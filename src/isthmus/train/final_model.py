@@ -54,7 +54,9 @@ def gather_full_state(modules: list[nn.Module], world_size: int) -> dict[str, to
     return merged
 
 
-def save_final_model(state: dict[str, torch.Tensor], args: ModelArgs, directory: Path, key: bytes | None = None) -> Path:
+def save_final_model(
+    state: dict[str, torch.Tensor], args: ModelArgs, directory: Path, key: bytes | None = None
+) -> Path:
     """Write ``model.pt`` (a full state dict) and ``model_args.json`` into ``directory`` (written aside, then
     renamed), and ``signature.json`` given ``key``.
 
@@ -107,7 +109,9 @@ def verify_final_model(directory: Path, key: bytes | None) -> None:
             return
     except OSError:
         pass
-    raise IsthmusError(f"{directory}: {MODEL_FILE} or {ARGS_FILE} differs from its signed sha256; the final model was altered")
+    raise IsthmusError(
+        f"{directory}: {MODEL_FILE} or {ARGS_FILE} differs from its signed sha256; the final model was altered"
+    )
 
 
 class _WriteErrors:
@@ -145,4 +149,6 @@ def load_final_state(directory: Path) -> dict[str, torch.Tensor]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several unrelated types for a damaged file
-        raise IsthmusError(f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        raise IsthmusError(
+            f"{path}: cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+        ) from None

@@ -29,7 +29,6 @@ def load_model(source: str | Path, key: bytes | None = None) -> tuple[Transforme
     """
     path = Path(source)
     if path.is_file() or path.suffix == ".safetensors":
-
         exported = load_exported(path, key)
         return exported.build(), exported.tokenizer, _seq_len(exported.config)
     if not path.is_dir():

@@ -105,7 +105,6 @@ class MetricsLogger:
         self._progress = None
         self._task = None
         if cfg.progress and sys.stdout.isatty():  # where rich draws it
-
             self._progress = Progress(
                 TextColumn("step {task.completed}/{task.total}"),
                 BarColumn(),
@@ -113,7 +112,9 @@ class MetricsLogger:
                 TimeRemainingColumn(),
                 transient=False,
             )
-            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss=float("nan"), tps=0.0)
+            self._task = self._progress.add_task(
+                "train", total=total_steps, completed=start_step, loss=float("nan"), tps=0.0
+            )
             self._progress.start()
 
     @staticmethod
@@ -121,7 +122,9 @@ class MetricsLogger:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            get_logger().warning("metrics.tensorboard = true but tensorboard is not installed (pip install -c constraints.txt -e '.[tensorboard]')")
+            get_logger().warning(
+                "metrics.tensorboard = true but tensorboard is not installed (pip install -c constraints.txt -e '.[tensorboard]')"
+            )
             return None
         return SummaryWriter(str(run_dir / "tb"))
 
@@ -134,7 +137,9 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, record["step"])
 
-    def log_step(self, step: int, loss: float, lr: float, step_time_s: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    def log_step(
+        self, step: int, loss: float, lr: float, step_time_s: float, extra: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Record optimizer step ``step`` (1-based) that took ``step_time_s``."""
         tp = self.throughput
         tokens_per_s = tp.tokens_per_step / step_time_s if step_time_s > 0 else 0.0
@@ -156,7 +161,13 @@ class MetricsLogger:
         if step % self.cfg.log_every == 0 or step == self.total_steps:
             get_logger().info(
                 "step %d/%d  loss %.4f  lr %.2e  %.0f tok/s  mfu %.1f%%  mem %.2f GB",
-                step, self.total_steps, loss, lr, tokens_per_s, 100 * mfu, record["peak_mem_gb"],
+                step,
+                self.total_steps,
+                loss,
+                lr,
+                tokens_per_s,
+                100 * mfu,
+                record["peak_mem_gb"],
             )
         return record
 

@@ -34,7 +34,7 @@ def param_groups(modules: list[nn.Module], weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(
-    modules: nn.Module | list[nn.Module], cfg: TrainConfig, zero1_group: "ProcessGroup | None" = None
+    modules: nn.Module | list[nn.Module], cfg: TrainConfig, zero1_group: ProcessGroup | None = None
 ) -> torch.optim.Optimizer:
     """AdamW over this rank's (local) parameters.
 
@@ -46,7 +46,6 @@ def build_optimizer(
     groups = param_groups(modules if isinstance(modules, list) else [modules], cfg.weight_decay)
     kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False)
     if zero1_group is not None:
-
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 

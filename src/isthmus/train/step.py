@@ -6,8 +6,9 @@ same code for every layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,6 @@ def loss_context(pm: ParallelModel) -> AbstractContextManager[Any]:
     """Tensor parallelism leaves vocab-sharded logits, which need torch's loss-parallel
     cross-entropy around the loss and its backward; a no-op for every other layout."""
     if pm.loss_parallel:
-
         return loss_parallel()
     return nullcontext()
 
@@ -46,7 +46,10 @@ def shard_batch(
 
 
 def forward_backward(
-    pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, loss_scale: float = 1.0,
+    pm: ParallelModel,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_scale: float = 1.0,
     loss_fn: LossFn = cross_entropy,
 ) -> torch.Tensor | None:
     """Forward and backward of one local batch; gradients accumulate in ``.grad``.
@@ -60,7 +63,6 @@ def forward_backward(
     """
     with loss_context(pm):
         if pm.schedule is not None:
-
             assert loss_scale == 1.0, "under pp, scale the accumulated gradients after the last call"
             return pipeline_step(pm.schedule, inputs, targets, pm.has_first_stage, pm.has_last_stage)
         loss = loss_fn(pm.model(inputs), targets)

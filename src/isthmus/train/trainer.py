@@ -114,8 +114,16 @@ class Trainer:
         resume = self.checkpointer.find_resume()
         self._write_run_files(resume)
         self.pm: ParallelModel = parallelize(
-            build_model(a, device="meta"), a, self.dims, self.mesh, p, self.device, t.seed, t.seq_len,
-            loss_fn=cross_entropy, geo_sync=cfg.geo.sync != "none",
+            build_model(a, device="meta"),
+            a,
+            self.dims,
+            self.mesh,
+            p,
+            self.device,
+            t.seed,
+            t.seq_len,
+            loss_fn=cross_entropy,
+            geo_sync=cfg.geo.sync != "none",
         )
         self.geo_run.count_pipeline(self.pm.schedule, self.dims.pp)
         zero1_group = self._mesh_group("dp_cp") if self.pm.dp_kind == "zero1" else None
@@ -129,9 +137,15 @@ class Trainer:
         self.n_params = count_params(a)
         self.log.info(
             "model %s: %s parameters (%s); %s train / %s val tokens (%s tokenizer, vocab %d); layout %s over %d rank(s)",
-            cfg.model.flavor, f"{self.n_params:,}", _shape_str(a), f"{len(self.data.train):,}",
-            f"{len(self.data.val):,}", self.data.tokenizer.kind, self.data.tokenizer.vocab_size,
-            _layout_str(self.dims, cfg), self.world,
+            cfg.model.flavor,
+            f"{self.n_params:,}",
+            _shape_str(a),
+            f"{len(self.data.train):,}",
+            f"{len(self.data.val):,}",
+            self.data.tokenizer.kind,
+            self.data.tokenizer.vocab_size,
+            _layout_str(self.dims, cfg),
+            self.world,
         )
 
     # --- helpers --------------------------------------------------------------------------
@@ -157,14 +171,21 @@ class Trainer:
                 self.data.tokenizer.save(self.run_dir)
         if resume is not None and resume.manifest.step >= t.steps:
             at = resume.manifest.step
-            raise ConfigError("train.steps", t.steps, f"the checkpoint {resume.path} is at step {at} already; raise it to train on")
+            raise ConfigError(
+                "train.steps", t.steps, f"the checkpoint {resume.path} is at step {at} already; raise it to train on"
+            )
 
     def _restore(self, resume: ResumePoint | None) -> GeoSync | None:
         """Load the checkpoint to resume from (if any) and build the cross-datacenter strategy;
         returns the strategy (None for geo.sync = none)."""
         n_dc = self.dims.dc
-        self.train_state = TrainState(self.pm.modules, self.optimizer, self.scheduler, self.sampler,
-                                      replica=self.geo_run.replica_key(n_dc, self.rank, self.world))
+        self.train_state = TrainState(
+            self.pm.modules,
+            self.optimizer,
+            self.scheduler,
+            self.sampler,
+            replica=self.geo_run.replica_key(n_dc, self.rank, self.world),
+        )
         self.step = self.checkpointer.load(resume, self.train_state) if resume is not None else 0
         self.progress.advance(self.step)
         _apply_step_cap(self.cfg.train, self.step)
@@ -217,7 +238,9 @@ class Trainer:
         what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm} (loss {loss:.4f})"
         t = self.cfg.train
         change = f"lower train.lr (now {lr:g})" + (" or train.dtype = fp32" if t.dtype == "bf16" else "")
-        raise RunFailed(f"{what} at step {self.step}; {resume_note(self.checkpointer.root, self.cfg.checkpoint.every)}; {change}")
+        raise RunFailed(
+            f"{what} at step {self.step}; {resume_note(self.checkpointer.root, self.cfg.checkpoint.every)}; {change}"
+        )
 
     def _mesh_group(self, dim: str) -> dist.ProcessGroup:
         assert self.mesh is not None, f"the {dim} group needs the device mesh"
@@ -421,7 +444,11 @@ def _shape_str(args: Any) -> str:
 
 
 def _layout_str(dims: ParallelDims, cfg: JobConfig) -> str:
-    parts = [f"{name}={getattr(dims, name)}" for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(dims, name) > 1]
+    parts = [
+        f"{name}={getattr(dims, name)}"
+        for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+        if getattr(dims, name) > 1
+    ]
     if dims.dp_shard_enabled:
         parts.append(f"zero={cfg.parallel.zero_stage}")
     if dims.pp_enabled:
@@ -436,11 +463,22 @@ def _layout(dims: ParallelDims, cfg: JobConfig) -> dict[str, Any]:
     """The layout a checkpoint records; any other loads it, an equal one also restores per-rank RNG states."""
     p = cfg.parallel
     return {
-        "summary": _layout_str(dims, cfg), "world_size": dims.world_size, "dp_replicate": dims.dp_replicate,
-        "dp_shard": dims.dp_shard, "zero_stage": p.zero_stage, "tp": dims.tp, "sequence_parallel": p.sequence_parallel,
-        "cp": dims.cp, "cp_impl": p.cp_impl, "pp": dims.pp, "pp_schedule": p.pp_schedule,
-        "pp_virtual_stages": p.pp_virtual_stages, "microbatches": p.microbatches,
-        "datacenters": cfg.geo.datacenters, "dc_axis": cfg.geo.dc_axis, "geo_sync": cfg.geo.sync,
+        "summary": _layout_str(dims, cfg),
+        "world_size": dims.world_size,
+        "dp_replicate": dims.dp_replicate,
+        "dp_shard": dims.dp_shard,
+        "zero_stage": p.zero_stage,
+        "tp": dims.tp,
+        "sequence_parallel": p.sequence_parallel,
+        "cp": dims.cp,
+        "cp_impl": p.cp_impl,
+        "pp": dims.pp,
+        "pp_schedule": p.pp_schedule,
+        "pp_virtual_stages": p.pp_virtual_stages,
+        "microbatches": p.microbatches,
+        "datacenters": cfg.geo.datacenters,
+        "dc_axis": cfg.geo.dc_axis,
+        "geo_sync": cfg.geo.sync,
     }
 
 
