@@ -140,7 +140,7 @@ def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
             sp=p.sequence_parallel,
             micro_batch=micro,
             seq_len=t.seq_len,
-            recompute=p.activation_checkpoint,
+            activation_checkpoint=p.activation_checkpoint,
             in_flight=in_flight(p.pp_schedule, dims.pp, p.pp_virtual_stages, p.microbatches),
             zero_stage=p.zero_stage,
             shard=shard,

@@ -72,7 +72,7 @@ def parse_plan(text: str, flag: str = "--plan") -> dict[str, Any]:
     return out
 
 
-def _space_with(space: SearchSpace, fixed: dict[str, Any], world: int, global_batch: int | None) -> SearchSpace:
+def _space_with(space: SearchSpace, fixed: dict[str, Any], world: int, batch_size: int | None) -> SearchSpace:
     """The search space with what ``fixed`` names pinned (the rest is checked on the results)."""
     pins: dict[str, Any] = {}
     for key in (
@@ -91,10 +91,10 @@ def _space_with(space: SearchSpace, fixed: dict[str, Any], world: int, global_ba
         pins.pop("pp_schedule", None)
         pins.pop("pp_virtual_stages", None)
     # Microbatch count -> microbatch size, when the data-parallel degree is known.
-    if "microbatches" in fixed and global_batch and all(k in fixed for k in ("tp", "pp")):
+    if "microbatches" in fixed and batch_size and all(k in fixed for k in ("tp", "pp")):
         dp = world // (fixed["tp"] * fixed.get("cp", 1) * fixed["pp"])
-        if dp and global_batch % (dp * fixed["microbatches"]) == 0:
-            pins["micro_batch"] = global_batch // (dp * fixed["microbatches"])
+        if dp and batch_size % (dp * fixed["microbatches"]) == 0:
+            pins["micro_batch"] = batch_size // (dp * fixed["microbatches"])
     return replace(space, **pins)
 
 

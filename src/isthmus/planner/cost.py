@@ -261,7 +261,7 @@ def rank_memory(work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, la
         sp=layout.sequence_parallel,
         micro_batch=layout.micro_batch,
         seq_len=work.seq_len,
-        recompute=layout.activation_checkpoint,
+        activation_checkpoint=layout.activation_checkpoint,
         in_flight=in_flight(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, layout.microbatches, r),
         zero_stage=layout.zero_stage,
         shard=layout.shard_degree,

@@ -132,7 +132,7 @@ def device_memory(
     sp: bool,
     micro_batch: int,
     seq_len: int,
-    recompute: str,
+    activation_checkpoint: str,
     in_flight: float,
     zero_stage: int,
     shard: int,
@@ -144,15 +144,15 @@ def device_memory(
     w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp)
     full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype)
     kept = layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, dtype)
-    if recompute == "full":
+    if activation_checkpoint == "full":
         per_layer = kept
-    elif recompute == "selective":  # isthmus: every other block fully recomputed
+    elif activation_checkpoint == "selective":  # isthmus: every other block fully recomputed
         per_layer = (full + kept) / 2
     else:
         per_layer = full
     activations = layers * per_layer * in_flight
     e = ELEM_BYTES[dtype]
-    transient = full if recompute != "none" else 0.0  # the block being recomputed
+    transient = full if activation_checkpoint != "none" else 0.0  # the block being recomputed
     if shard > 1 and zero_stage == 3 and pp == 1:
         transient += 2 * (layer_matmul_params(args) / tp) * runtime.weight_bytes  # this and the prefetched block
     if first:

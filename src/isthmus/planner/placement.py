@@ -84,7 +84,7 @@ def choose_dcs(topo: Topology, layout: LayoutSpec) -> list[int]:
         return list(range(n))
     if layout.datacenters == 1:
         return [max(range(n), key=lambda i: topo.datacenters[i].devices * topo.datacenters[i].kind.peak("bf16"))]
-    raise ConfigError("plan.dc", layout.datacenters, f"a layout spans 1 or all {n} datacenters")
+    raise ConfigError("geo.datacenters", layout.datacenters, f"a layout spans 1 or all {n} datacenters")
 
 
 def place(topo: Topology, layout: LayoutSpec) -> Placement:

@@ -188,7 +188,7 @@ def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
         sp=lay.sequence_parallel,
         micro_batch=lay.micro_batch,
         seq_len=work.seq_len,
-        recompute=lay.activation_checkpoint,
+        activation_checkpoint=lay.activation_checkpoint,
         in_flight=min(float(lay.microbatches), sim.peak_in_flight(r)) if lay.pp > 1 else 1.0,
         zero_stage=lay.zero_stage,
         shard=lay.shard_degree,
