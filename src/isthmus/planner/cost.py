@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Protocol
 
 from isthmus.models.flops import flops_per_token
 from isthmus.planner import comm
@@ -296,6 +297,71 @@ def pipeline_links(
     return links
 
 
+def bottleneck_of(breakdown: dict[str, float], step_time_s: float) -> str:
+    """The largest cost after compute, or 'compute' when every other cost is under 5% of the step."""
+    name = max((k for k in breakdown if k != "compute"), key=lambda k: breakdown[k])
+    return name if breakdown[name] > 0.05 * step_time_s else "compute"
+
+
+class Figures(Protocol):
+    """What `isthmus plan --json` prints of a layout: the cost model's `Estimate` and the simulator's result alike."""
+
+    @property
+    def layout(self) -> LayoutSpec: ...
+    @property
+    def work(self) -> Workload: ...
+    @property
+    def runtime(self) -> str: ...
+    @property
+    def step_time_s(self) -> float: ...
+    @property
+    def tokens_per_s(self) -> float: ...
+    @property
+    def effective_tokens_per_s(self) -> float: ...
+    @property
+    def tflops_per_device(self) -> float: ...
+    @property
+    def mfu(self) -> float: ...
+    @property
+    def mem_per_device_gb(self) -> float: ...
+    @property
+    def fits(self) -> bool: ...
+    @property
+    def bubble_fraction(self) -> float: ...
+    @property
+    def wan_bytes_per_step(self) -> float: ...
+    @property
+    def breakdown(self) -> dict[str, float]: ...
+    @property
+    def stage_layers(self) -> tuple[int, ...]: ...
+    @property
+    def bottleneck(self) -> str: ...
+
+
+def figures_json(r: Figures) -> dict[str, object]:
+    """The JSON fields of one layout's figures, in the order `isthmus plan --json` prints them."""
+    return {
+        "layout": r.layout.as_dict(),
+        "label": r.layout.label(),
+        **r.layout.config_sections(r.work.seq_len, r.work.args.tie_embeddings),
+        "batch_size": r.work.batch_size,
+        "seq_len": r.work.seq_len,
+        "runtime": r.runtime,
+        "step_time_s": r.step_time_s,
+        "tokens_per_s": r.tokens_per_s,
+        "effective_tokens_per_s": r.effective_tokens_per_s,
+        "tflops_per_device": r.tflops_per_device,
+        "mfu": r.mfu,
+        "mem_per_device_gb": r.mem_per_device_gb,
+        "fits": r.fits,
+        "bubble_fraction": r.bubble_fraction,
+        "wan_bytes_per_step": r.wan_bytes_per_step,
+        "bottleneck": r.bottleneck,
+        "breakdown_s": r.breakdown,
+        "stage_layers": list(r.stage_layers),
+    }
+
+
 @dataclass(frozen=True)
 class Estimate:
     layout: LayoutSpec
@@ -325,30 +391,10 @@ class Estimate:
     @property
     def bottleneck(self) -> str:
         """The largest cost after compute, or 'compute' when every other cost is under 5% of the step."""
-        name = max((k for k in self.breakdown if k != "compute"), key=lambda k: self.breakdown[k])
-        return name if self.breakdown[name] > 0.05 * self.step_time_s else "compute"
+        return bottleneck_of(self.breakdown, self.step_time_s)
 
     def as_json(self) -> dict[str, object]:
-        return {
-            "layout": self.layout.as_dict(),
-            "label": self.layout.label(),
-            **self.layout.config_sections(self.work.seq_len, self.work.args.tie_embeddings),
-            "batch_size": self.work.batch_size,
-            "seq_len": self.work.seq_len,
-            "runtime": self.runtime,
-            "step_time_s": self.step_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "effective_tokens_per_s": self.effective_tokens_per_s,
-            "tflops_per_device": self.tflops_per_device,
-            "mfu": self.mfu,
-            "mem_per_device_gb": self.mem_per_device_gb,
-            "fits": self.fits,
-            "bubble_fraction": self.bubble_fraction,
-            "wan_bytes_per_step": self.wan_bytes_per_step,
-            "bottleneck": self.bottleneck,
-            "breakdown_s": self.breakdown,
-            "stage_layers": list(self.stage_layers),
-        }
+        return figures_json(self)
 
 
 def estimate(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from statistics import mean
 
 from isthmus.models.flops import flops_per_token
-from isthmus.planner.cost import Estimate, estimate, recompute_share
+from isthmus.planner.cost import Estimate, bottleneck_of, estimate, figures_json, recompute_share
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory
 from isthmus.planner.topology import Topology
@@ -50,36 +50,17 @@ class SimResult:
 
     @property
     def bottleneck(self) -> str:
-        name = max((k for k in self.breakdown if k != "compute"), key=lambda k: self.breakdown[k])
-        return name if self.breakdown[name] > 0.05 * self.step_time_s else "compute"
+        return bottleneck_of(self.breakdown, self.step_time_s)
 
     def as_json(self) -> dict[str, object]:
         """The planner's JSON fields for this layout, simulated; plus ``simulated`` (what was run)."""
-        lay = self.layout
         return {
-            "layout": lay.as_dict(),
-            "label": lay.label(),
-            **lay.config_sections(self.work.seq_len, self.work.args.tie_embeddings),
-            "batch_size": self.work.batch_size,
-            "seq_len": self.work.seq_len,
-            "runtime": self.runtime,
-            "step_time_s": self.step_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "effective_tokens_per_s": self.effective_tokens_per_s,
-            "tflops_per_device": self.tflops_per_device,
-            "mfu": self.mfu,
-            "mem_per_device_gb": self.mem_per_device_gb,
-            "fits": self.fits,
-            "bubble_fraction": self.bubble_fraction,
-            "wan_bytes_per_step": self.wan_bytes_per_step,
-            "bottleneck": self.bottleneck,
-            "breakdown_s": self.breakdown,
-            "stage_layers": list(self.stage_layers),
+            **figures_json(self),
             "simulated": {
                 "iterations": len(self.step_times_s),
                 "step_times_s": self.step_times_s,
                 "devices_simulated": self.devices_simulated,
-                "devices_represented": lay.world,
+                "devices_represented": self.layout.world,
                 "events": self.events,
                 "wall_s": self.wall_s,
                 "cost_model_step_time_s": self.planner.step_time_s,
