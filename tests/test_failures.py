@@ -22,6 +22,7 @@ import torch
 from isthmus.config import build_config, parse_overrides
 from isthmus.errors import ConfigError, IsthmusError
 from isthmus.launch.local import last_logged_step, launch, prepare_restart
+from procs import holder_of
 
 STEPS = 24
 ARGS = [
@@ -72,7 +73,7 @@ class Run:
             assert self.proc.poll() is None, "the run ended before the kill"
             assert time.monotonic() < deadline, "the run never reached the step"
             time.sleep(0.005)
-        pid = _holder_of(self.proc.pid, self.dir / "logs" / f"rank{rank}.log")
+        pid = holder_of(self.proc.pid, self.dir / "logs" / f"rank{rank}.log")
         self.killed_at = last_logged_step(self.dir / "metrics.jsonl")
         os.kill(pid, signal.SIGKILL)
 
@@ -86,29 +87,6 @@ class Run:
 
     def final(self) -> dict[str, torch.Tensor]:
         return torch.load(self.dir / "final" / "model.pt", weights_only=True)
-
-
-def _descendants(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            children = [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            continue
-        for child in children:
-            found += [child, *_descendants(child)]
-    return found
-
-
-def _holder_of(root: int, path: Path) -> int:
-    """The process under ``root`` that has ``path`` open (each rank holds its own log file)."""
-    for pid in _descendants(root):
-        try:
-            if any(os.readlink(fd) == str(path) for fd in Path(f"/proc/{pid}/fd").iterdir()):
-                return pid
-        except OSError:
-            continue
-    raise AssertionError(f"no process under {root} holds {path}")
 
 
 @pytest.fixture(scope="module")
