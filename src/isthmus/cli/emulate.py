@@ -9,11 +9,10 @@ command is validated here, as its ranks will run it, before anything is made.
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from isthmus.cli.train import config_name, find_config, parse_train_command, tra
 from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError, Interrupted, IsthmusError, RunFailed
 from isthmus.launch.emulate import EmulatedDatacenter, EmulatedNetwork, launch_emulated
+from isthmus.launch.environ import environ
 from isthmus.launch.rundir import CLAIMED_ENV, claim_run_dir
 from isthmus.log import get_logger
 from isthmus.planner.topology import load_topology
@@ -122,20 +122,9 @@ def train_command(argv: list[str], topology: str, n_dc: int, ranks_per_dc: int) 
     return TrainCommand(args, cfg, ns.print_config, config_name(ns.config))
 
 
-@contextmanager
-def _as_torchrun_rank(world: int, local_world: int) -> Iterator[None]:
+def _as_torchrun_rank(world: int, local_world: int) -> AbstractContextManager[None]:
     """This process's environment as torchrun gives its rank 0, for the duration (then restored)."""
-    values = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world)}
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return environ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world)})
 
 
 def run(ns: argparse.Namespace, rest: list[str]) -> int:

@@ -52,6 +52,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from isthmus.config import JobConfig
 from isthmus.errors import EXIT_USAGE, Interrupted, IsthmusError, RunFailed, full_disk_as
+from isthmus.launch.environ import environ
 from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
 from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
 from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
@@ -400,7 +401,7 @@ def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
     monitor = StallMonitor(launch_dir, cfg.parallel.timeout_s)
     monitor.start()
     try:
-        with loopback_store_server() as rdzv_port, _environ(env):
+        with loopback_store_server() as rdzv_port, environ(env):
             config = LaunchConfig(
                 min_nodes=1,
                 max_nodes=1,
@@ -479,18 +480,3 @@ def _first_line(message: object) -> str:
         message = message.get("message", "")
     lines = str(message or "").strip().splitlines()
     return lines[0] if lines else ""
-
-
-@contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """Set environment variables (inherited by the workers) for the duration of the launch."""
-    saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
