@@ -16,7 +16,7 @@ from pathlib import Path
 from isthmus.errors import ConfigError
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.topology import load_topology
-from isthmus.train.short_run import capped, max_steps_override
+from isthmus.train.short_run import max_steps_override
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -64,7 +64,8 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     if not out.parent.exists():
         raise ConfigError("--out", ns.out, "its directory does not exist")
     # ISTHMUS_MAX_STEPS=N (a smoke run, as the docs' commands run in the tests): at most N seconds.
-    budget = float(capped(int(ns.seconds))) if max_steps_override() is not None else ns.seconds
+    cap = max_steps_override()
+    budget = ns.seconds if cap is None else min(ns.seconds, float(cap))
     load = os.getloadavg()[0]
     # Startup time: the measurements load torch, which `isthmus plan` and the rest of the CLI never need.
     from isthmus.profile.measure import measure, topology_toml
