@@ -14,6 +14,7 @@ from rich.table import Table
 from isthmus.cli.common import subcommand_parser
 from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError
+from isthmus.launch.environ import launcher_world
 from isthmus.launch.preflight import preflight
 from isthmus.log import setup_logging
 from isthmus.planner.autoplan import PLAN_KEYS, apply_local_choice
@@ -59,17 +60,12 @@ def config_name(name: str | None) -> str:
     return "default" if name is None else Path(name).stem
 
 
-def _launcher_world() -> int | None:
-    """The world size an external launcher (torchrun) gave this process, or None."""
-    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
-
-
 def train_config(config: str | None, rest: list[str], print_config: bool = False, announce: bool = True) -> JobConfig:
     """The validated config of ``isthmus train [--config CONFIG] REST``, as this process would run it
     (under torchrun its RANK / WORLD_SIZE count). ``announce``: print the planner's choice when
     ``parallel.plan = auto`` (as a TOML comment with ``print_config``)."""
     overrides = parse_overrides(rest)
-    world = _launcher_world()
+    world = launcher_world()
     if world is not None and all(k != "parallel.nproc" for k, _ in overrides):
         # Under torchrun the launcher started the ranks: a config's nproc (the default config's 2) is
         # how many isthmus's own launcher would start, so the launcher's count stands. Named on the
@@ -113,7 +109,7 @@ def _plan_auto(cfg: JobConfig, overrides: list[tuple[str, str]], as_comment: boo
     named = {key.split(".", 1)[1] for key, _ in overrides if key.startswith("parallel.")}
     fixed = {k: getattr(cfg.parallel, k) for k in named if k in PLAN_KEYS and k != "nproc"}
     fixed = {k: v for k, v in fixed.items() if v != -1}  # a data-parallel degree of -1 is the planner's to choose
-    world = _launcher_world()
+    world = launcher_world()
     choice = apply_local_choice(cfg, fixed, world)
     if announce and (world is None or os.environ.get("RANK") == "0"):
         sys.stdout.write(("# " if as_comment else "") + choice.summary + "\n")

@@ -20,3 +20,8 @@ def environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def launcher_world() -> int | None:
+    """The world size an external launcher (torchrun, or the emulator's agents) gave this process, or None."""
+    return int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None

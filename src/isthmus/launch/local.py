@@ -52,7 +52,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from isthmus.config import JobConfig
 from isthmus.errors import EXIT_USAGE, Interrupted, IsthmusError, RunFailed, full_disk_as
-from isthmus.launch.environ import environ
+from isthmus.launch.environ import environ, launcher_world
 from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
 from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
 from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
@@ -67,7 +67,7 @@ LAUNCH_DIR_ENV = "ISTHMUS_LAUNCH_DIR"
 
 def launched_externally() -> bool:
     """True inside a process started by torchrun (or another launcher that sets the env:// variables)."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return launcher_world() is not None
 
 
 LOOPBACK = "127.0.0.1"

@@ -9,6 +9,7 @@ from pathlib import Path
 from isthmus.config import JobConfig
 from isthmus.data.corpus import default_cache_dir, is_bin, load_bin
 from isthmus.errors import ConfigError, DataError
+from isthmus.launch.environ import launcher_world
 from isthmus.layout.dims import ParallelDims, check_layout
 from isthmus.models.args import ModelArgs
 from isthmus.models.resolve import expected_vocab, resolve_model_args
@@ -31,7 +32,7 @@ def preflight(cfg: JobConfig) -> ModelArgs:
         )
     args = resolve_model_args(cfg.model, vocab)
 
-    world = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else None
+    world = launcher_world()
     if cfg.geo.fault_tolerant:
         # torchft (optional, and it loads torch): only for a fault-tolerant run, which needs it anyway.
         from isthmus.geo.fault import check_config, layout_world
