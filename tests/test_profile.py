@@ -71,6 +71,11 @@ def test_fits_recover_known_constants() -> None:
     lat, bw = 150e-6, 1.1e9
     lat_fit, bw_fit = fit_alpha_beta([(n, 2 * lat + n / bw) for n in (4096, 65536, 1 << 20, 1 << 24, 1 << 26)])
     assert lat_fit == pytest.approx(lat, rel=1e-6) and bw_fit == pytest.approx(bw, rel=1e-6)
+    # A slow small message (a loaded machine) drowns the bytes' time: the fit falls back to the
+    # smallest message's time and the largest one's throughput, never an absurd bandwidth.
+    noisy = [(4096, 0.03), (65536, 0.031), (1 << 20, 0.029), (1 << 24, 0.03), (1 << 26, 0.03)]
+    lat_fit, bw_fit = fit_alpha_beta(noisy)
+    assert lat_fit == pytest.approx(0.015) and bw_fit == pytest.approx((1 << 26) / 0.03)
 
 
 def test_local_ranks_share_the_cores() -> None:
