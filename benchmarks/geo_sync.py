@@ -414,7 +414,7 @@ def planner_prediction(kind: str, mbit: float, inner_steps: int, settings: dict[
 
     def est(geo: str, h: int = 0):  # noqa: ANN202
         lay = LayoutSpec(
-            dp_replicate=world,
+            dp_replicate=per_dc,
             datacenters=n_dc,
             dc_axis="dp",
             sync=geo,

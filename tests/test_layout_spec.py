@@ -124,6 +124,12 @@ def test_the_cases_cover_every_field() -> None:
 def test_config_spec_planner_spec_config(topology: str, devices: int, values: dict[str, Any]) -> None:
     cfg = _config(values)
     spec = LayoutSpec.from_config(cfg)
+    # One name, one meaning: a field named after a config key holds that key's value (no hidden
+    # datacenter factor; the derived totals are properties: replicas, dp, world).
+    for key in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "zero_stage", "datacenters", "inner_steps"):
+        section = "geo" if key in GEO_KEYS else "parallel"
+        assert getattr(spec, key) == getattr(getattr(cfg, section), key), key
+    assert spec.world == cfg.parallel.nproc
     topo = load_topology(topology)
     if topo.n_devices != devices:
         topo = topo.subset(devices)

@@ -13,8 +13,8 @@ Two quantities differ from a config value, and are documented where they are def
 - ``microbatches`` counts the microbatches of one step of one pipeline. With ``pp > 1`` that is
   ``parallel.microbatches``; with ``pp == 1`` it is gradient accumulation, ``train.grad_accum``
   (:meth:`LayoutSpec.config_overrides` writes whichever applies).
-- ``dp_replicate`` counts every replica, the datacenters included when ``dc_axis == 'dp'``
-  (the config's ``parallel.dp_replicate`` is the replicas inside one datacenter).
+- ``dp_replicate`` is, as in the config, the replicas inside one datacenter; with
+  ``dc_axis == 'dp'`` the layout has ``datacenters`` times as many (:attr:`LayoutSpec.replicas`).
 - ``dc_axis`` is ``'none'`` for a layout in one datacenter (the config's ``geo.datacenters = 1``).
 
 Pure Python: no torch.
@@ -86,7 +86,7 @@ class LayoutSpec:
     """One layout: ``[parallel]`` degrees and schedule, ``[geo]`` placement and sync, the microbatch size."""
 
     dp_replicate: int = 1
-    """Replicas (DDP), including the datacenter factor when ``dc_axis == 'dp'``."""
+    """Replicas (DDP) inside one datacenter; see :attr:`replicas` for all of them."""
     dp_shard: int = 1
     """Sharded data-parallel degree (ZeRO / FSDP)."""
     zero_stage: int = 1
@@ -119,8 +119,14 @@ class LayoutSpec:
     # --- degrees -------------------------------------------------------------------------------
 
     @property
+    def replicas(self) -> int:
+        """Every replica: ``dp_replicate``, times the datacenters when ``dc_axis == 'dp'``."""
+        return self.dp_replicate * (self.datacenters if self.dc_axis == "dp" else 1)
+
+    @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        """Data-parallel degree over the whole layout (datacenters included)."""
+        return self.replicas * self.dp_shard
 
     @property
     def world(self) -> int:
@@ -158,10 +164,9 @@ class LayoutSpec:
             raise ValueError("a layout has pipeline microbatches or gradient accumulation, not both")
         axis: DcAxis = g.dc_axis if g.datacenters > 1 else "none"
         microbatches = p.microbatches if p.pp > 1 else t.grad_accum
-        dp_replicate = p.dp_replicate * (g.datacenters if axis == "dp" else 1)
-        dp = dp_replicate * p.dp_shard
+        dp = p.dp_replicate * (g.datacenters if axis == "dp" else 1) * p.dp_shard
         return cls(
-            dp_replicate=dp_replicate,
+            dp_replicate=p.dp_replicate,
             dp_shard=p.dp_shard,
             zero_stage=p.zero_stage,
             tp=p.tp,
@@ -191,8 +196,6 @@ class LayoutSpec:
         out: dict[str, object] = {"parallel.nproc": self.world}
         for key in PARALLEL_KEYS:
             out[f"parallel.{key}"] = getattr(self, key)
-        if self.dc_axis == "dp":
-            out["parallel.dp_replicate"] = self.dp_replicate // self.datacenters
         out["parallel.microbatches"] = self.microbatches if self.pp > 1 else 1
         out["train.grad_accum"] = self.microbatches if self.pp == 1 else 1
         if batch:
@@ -244,7 +247,7 @@ class LayoutSpec:
         return {
             "summary": summary,
             "world_size": world_size,
-            "dp_replicate": self.dp_replicate // (self.datacenters if self.dc_axis == "dp" else 1),
+            "dp_replicate": self.dp_replicate,
             "dp_shard": self.dp_shard,
             "zero_stage": self.zero_stage,
             "tp": self.tp,
@@ -277,8 +280,8 @@ class LayoutSpec:
                 + sched.get(self.pp_schedule, self.pp_schedule)
             )
         dp = f"dp{self.dp}"
-        if self.dp_replicate > 1 and self.dp_shard > 1:
-            dp += f"(r{self.dp_replicate} s{self.dp_shard})"
+        if self.replicas > 1 and self.dp_shard > 1:
+            dp += f"(r{self.replicas} s{self.dp_shard})"
         if self.shard_degree > 1:
             dp += f" z{self.zero_stage}"
         if self.dc_axis == "dp":

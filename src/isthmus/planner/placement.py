@@ -99,7 +99,7 @@ def place(topo: Topology, layout: LayoutSpec) -> Placement:
             )
     order, ring_link = _ring_order(topo, used, closed=layout.dc_axis == "dp")
     t, c, s = layout.tp, layout.cp, layout.dp_shard
-    rep_inner = layout.dp_replicate // (layout.datacenters if layout.dc_axis == "dp" else 1)
+    rep_inner = layout.dp_replicate
     sites = []
     for i in order:
         dc = topo.datacenters[i]
@@ -114,7 +114,7 @@ def place(topo: Topology, layout: LayoutSpec) -> Placement:
                 tp=_span(t, 1, dc),
                 cp=_span(c, t, dc),
                 shard=_span(s * c, t, dc),
-                replicate=_span(layout.dp_replicate, s * c * t, dc, over, ring_link, rep_conc),
+                replicate=_span(layout.replicas, s * c * t, dc, over, ring_link, rep_conc),
                 sync=_span(layout.dp * c, t, dc, over, ring_link, sync_conc),
                 pp_link=dc.intra_node if pp_stride < dc.devices_per_node else dc.fabric,
             )

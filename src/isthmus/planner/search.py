@@ -169,7 +169,7 @@ def search(
                                             pp=pp,
                                             pp_schedule=sched,  # type: ignore[arg-type]
                                             pp_virtual_stages=v,
-                                            dp_replicate=dp,
+                                            dp_replicate=dp // (dc if axis == "dp" else 1),
                                             micro_batch=mb,
                                             microbatches=m,
                                             activation_checkpoint=rc,  # type: ignore[arg-type]
@@ -250,7 +250,7 @@ def _prepare(
     result: SearchResult,
 ) -> _Core | None:
     """Memory floor and a compute-only bound of a core layout; None when no variant of it can fit."""
-    p, dp = core.pp, core.dp_replicate
+    p, dp = core.pp, core.dp
     cut = core.datacenters if core.dc_axis == "dp" else 1
     # Memory floor: the first rank (most microbatches in flight) with at least its share of layers
     # less one; activations do not depend on the dp split, model state does, cheaply.
@@ -338,12 +338,12 @@ def _variants(
 ) -> int:
     """Evaluate the dp split / ZeRO / cross-datacenter variants of one core layout."""
     core, work = cand.core, cand.work
-    p, dp = core.pp, core.dp_replicate
+    p, per_dc = core.pp, core.dp_replicate  # the core has no dp_shard yet: its dp inside one datacenter
     fields = {f: getattr(core, f) for f in _CORE_FIELDS}
     for shard in cand.shards:
         pl = None
         for zero in _zero_choices(core, shard, space):
-            probe = LayoutSpec(**fields, dp_replicate=dp // shard, dp_shard=shard, zero_stage=zero)
+            probe = LayoutSpec(**fields, dp_replicate=per_dc // shard, dp_shard=shard, zero_stage=zero)
             result.considered += 1
             floor = sum(
                 model_state_bytes(cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p)
@@ -357,7 +357,7 @@ def _variants(
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
                 lay = LayoutSpec(
                     **fields,
-                    dp_replicate=dp // shard,
+                    dp_replicate=per_dc // shard,
                     dp_shard=shard,
                     zero_stage=zero,
                     sync=geo,  # type: ignore[arg-type]
@@ -397,7 +397,7 @@ _CORE_FIELDS = (
 
 def _zero_choices(core: LayoutSpec, shard: int, space: SearchSpace) -> list[int]:
     """The ZeRO stages of ``isthmus.layout.rules.zero_stages`` (the runtime's rule) that the space allows."""
-    stages = zero_stages(shard, core.tp, core.pp, core.cp, core.dp_replicate // shard)
+    stages = zero_stages(shard, core.tp, core.pp, core.cp, core.replicas // shard)
     return [z for z in stages if space.zero_stage in (None, z)]
 
 
