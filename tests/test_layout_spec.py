@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -196,3 +197,14 @@ def test_the_manifest_form_is_what_a_checkpoint_records(topology: str, devices: 
     dims = check_layout(cfg, ARGS.n_heads, ARGS.n_kv_heads, ARGS.n_layers)
     summary = trainer._layout_str(dims, cfg)
     assert LayoutSpec.from_config(cfg).manifest(dims.world_size, summary) == trainer._layout(dims, cfg)
+
+
+def test_a_manifest_saved_under_the_old_key_reads_under_the_config_name(tmp_path: Path) -> None:
+    from isthmus.train.checkpoint_manifest import DCP_METADATA_FILE, Manifest, read_manifest, write_manifest
+
+    (tmp_path / DCP_METADATA_FILE).write_bytes(b"")
+    layout = {"summary": "dp2/dc diloco", "world_size": 2, "datacenters": 2, "geo_sync": "diloco"}
+    write_manifest(tmp_path, Manifest(3, {}, layout, "", {}, {}))
+    got = read_manifest(tmp_path).layout
+    assert got["sync"] == "diloco" and "geo_sync" not in got
+    assert set(LayoutSpec().manifest(1, "")) >= set(got)  # every key a manifest has is a current one

@@ -260,7 +260,7 @@ class LayoutSpec:
             "microbatches": self.microbatches if self.pp > 1 else 1,
             "datacenters": self.datacenters,
             "dc_axis": "dp" if self.dc_axis == "none" else self.dc_axis,
-            "geo_sync": self.sync,
+            "sync": self.sync,
         }
 
     def label(self) -> str:

@@ -378,7 +378,7 @@ class Checkpointer:
         if self.rank == 0 and state.geo is None and any(k.startswith("geo.") for k in saved):
             self.log.info(
                 "checkpoint: saved with geo.sync = %s; this run takes datacenter 0's model and optimizer state",
-                manifest.layout.get("geo_sync"),
+                manifest.layout.get("sync"),
             )
         if "rng" in tree:
             set_rng_state(_rng_from_tensor(tree["rng"][rng_key]))
@@ -548,8 +548,8 @@ def _nearly_full(path: Path, largest_write: int) -> bool:
 def _check_geo_layout(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
     """Geo state is per rank (a datacenter's slice of DiLoCo's snapshot, a rank's residuals): a geo
     run resumes a geo checkpoint only under the layout that saved it. Runs without geo.sync load any."""
-    theirs = saved.get("geo_sync", "none")
-    if mine.get("geo_sync", "none") == "none" or theirs == "none" or saved == mine:
+    theirs = saved.get("sync", "none")
+    if mine.get("sync", "none") == "none" or theirs == "none" or saved == mine:
         return
     raise CheckpointError(
         f"{path}: saved with geo.sync = {theirs} under layout {saved.get('summary')} on {saved.get('world_size')} "

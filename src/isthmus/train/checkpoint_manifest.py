@@ -164,6 +164,10 @@ def read_manifest(directory: Path, key: bytes | None = None) -> Manifest:
             raise CheckpointError(
                 f"{path}: format {version!r} is not {FORMAT_VERSION}; saved by another isthmus version"
             )
+        layout = body.get("layout")
+        if isinstance(layout, dict) and "geo_sync" in layout:
+            # Checkpoints saved before the manifest took the config's key name (geo.sync) read alike.
+            layout["sync"] = layout.pop("geo_sync")
         return Manifest(**body)
     except CheckpointError:
         raise

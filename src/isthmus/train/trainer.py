@@ -478,7 +478,7 @@ def _layout(dims: ParallelDims, cfg: JobConfig) -> dict[str, Any]:
         "microbatches": p.microbatches,
         "datacenters": cfg.geo.datacenters,
         "dc_axis": cfg.geo.dc_axis,
-        "geo_sync": cfg.geo.sync,
+        "sync": cfg.geo.sync,
     }
 
 
