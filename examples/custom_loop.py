@@ -56,7 +56,9 @@ def main() -> None:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if world > 1 else 0
     dp_shard = opt.dp_shard or world // opt.tp
-    dims = isthmus.ParallelDims(dp_replicate=1, dp_shard=dp_shard, cp=1, tp=opt.tp, pp=1, world_size=world)
+    # Any [parallel] key, by its config name (zero_stage, sequence_parallel, cp, pp, ...).
+    layout = isthmus.LayoutSpec(dp_shard=dp_shard, tp=opt.tp, zero_stage=3)
+    dims = layout.dims()
 
     device = (
         torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
@@ -65,7 +67,7 @@ def main() -> None:
     )
     mesh = dims.build_mesh(device.type) if world > 1 else None
     model = isthmus.build_model(get_flavor("tiny"), device="meta")  # no memory: parallelize allocates the shards
-    pm = isthmus.parallelize(model, dims, mesh=mesh, device=device, seed=0, seq_len=opt.seq_len)
+    pm = isthmus.parallelize(model, layout, mesh=mesh, device=device, seed=0, seq_len=opt.seq_len)
     # foreach=False: with tensor parallelism some parameters are DTensors and some plain tensors.
     optimizer = torch.optim.AdamW(pm.parameters(), lr=opt.lr, weight_decay=0.0, foreach=False)
 

@@ -99,12 +99,18 @@ def test_world_size_without_process_group_is_one_line_error() -> None:
     with pytest.raises(isthmus.IsthmusError) as err:
         isthmus.parallelize(isthmus.build_model(get_flavor("tiny"), "meta"), dims)
     message = str(err.value)
-    assert "\n" not in message and "torchrun" in message and "dims.world_size = 2" in message
+    assert "\n" not in message and "torchrun" in message and "layout.world = 2" in message
 
 
-def test_parallel_config_degree_must_agree_with_dims() -> None:
-    from isthmus.config import ParallelConfig
+def test_a_layout_spec_sets_what_dims_cannot() -> None:
+    from isthmus.layout import LayoutSpec
 
-    dims = isthmus.ParallelDims(1, 1, 1, 1, 1, world_size=1)
-    with pytest.raises(isthmus.IsthmusError, match=r"^parallel.tp = 2: must be 1 or equal dims.tp = 1$"):
-        isthmus.parallelize(isthmus.build_model(get_flavor("tiny"), "meta"), dims, parallel=ParallelConfig(tp=2))
+    lay = LayoutSpec(activation_checkpoint="full")
+    pm = isthmus.parallelize(isthmus.build_model(get_flavor("tiny"), "meta"), lay, device="cpu", seed=3)
+    assert type(pm.model.layers["0"]).__name__ == "CheckpointWrapper"
+    with pytest.raises(isthmus.IsthmusError, match=r"^parallel.sequence_parallel = True: needs parallel.tp > 1$"):
+        isthmus.parallelize(isthmus.build_model(get_flavor("tiny"), "meta"), LayoutSpec(sequence_parallel=True))
+    with pytest.raises(isthmus.IsthmusError, match=r"^sync = 'diloco': is run by isthmus train"):
+        isthmus.parallelize(
+            isthmus.build_model(get_flavor("tiny"), "meta"), LayoutSpec(datacenters=2, dc_axis="dp", sync="diloco")
+        )

@@ -20,6 +20,7 @@ _LAZY = {
     "IsthmusError": "isthmus.errors",
     "parallelize": "isthmus.api",
     "ParallelDims": "isthmus.layout.dims",
+    "LayoutSpec": "isthmus.layout.spec",
 }
 
 

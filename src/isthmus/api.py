@@ -1,6 +1,6 @@
 """The Python API for your own training loop: one call turns a model into this rank's parallel model.
 
-    pm = isthmus.parallelize(build_model(args, "meta"), dims)
+    pm = isthmus.parallelize(build_model(args, "meta"), layout)   # a LayoutSpec, or ParallelDims
     for inputs, targets in batches:                       # this rank's data-parallel slice
         inputs, targets = shard_batch(pm, inputs, targets, mesh)
         loss = step(pm, inputs, targets)                  # forward + backward, any layout
@@ -14,52 +14,52 @@ pipeline schedule. They call the same functions as `isthmus.train.trainer`.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from isthmus.config import GeoConfig, JobConfig, ParallelConfig, TrainConfig
+from isthmus.config import JobConfig, ParallelConfig
 from isthmus.errors import ConfigError
-from isthmus.layout.dims import MESH_DIMS, Meshes, ParallelDims, check_layout
+from isthmus.layout.dims import Meshes, ParallelDims, check_layout
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.llama import Transformer, build_model
-from isthmus.parallel.parallelize import ParallelModel
-from isthmus.parallel.parallelize import parallelize as _parallelize
+from isthmus.parallel.parallelize import ParallelModel, apply_layout
 from isthmus.train import step as _step
 from isthmus.train.device import resolve_device
 from isthmus.train.grad import clip_grad_norm as _clip
 from isthmus.train.step import LossFn
 
-__all__ = ["ParallelModel", "clip_grad_norm", "loss_context", "parallelize", "shard_batch", "step"]
+__all__ = ["LayoutSpec", "ParallelModel", "clip_grad_norm", "loss_context", "parallelize", "shard_batch", "step"]
 
 
 def parallelize(
     model: Transformer,
-    dims: ParallelDims,
+    layout: LayoutSpec | ParallelDims,
     *,
-    parallel: ParallelConfig | None = None,
     seed: int = 0,
     seq_len: int | None = None,
     loss_fn: LossFn | None = None,
     device: torch.device | str | None = None,
     mesh: Meshes | None = None,
 ) -> ParallelModel:
-    """This rank's part of ``model`` laid out as ``dims`` says, with its local shards initialised.
+    """This rank's part of ``model`` laid out as ``layout`` says, with its local shards initialised.
 
     ``model`` is best built on the meta device (``build_model(args, "meta")``): only this rank's
     shards are ever allocated. A model with real weights is accepted, but its weights are not
     used: a meta copy is built from ``model.args``, and every layout (one process included) starts
     from the weights that ``seed`` gives, exactly those of the single-process model of that seed.
 
-    - ``dims.world_size > 1`` needs the default process group (run under torchrun and call
+    - ``layout``: a :class:`~isthmus.layout.LayoutSpec` (every ``[parallel]`` key: degrees,
+      zero_stage, sequence_parallel, cp_impl, pp_schedule, microbatches, pp_virtual_stages,
+      activation_checkpoint; what ``isthmus plan --json`` prints under ``layout``), or just the
+      degrees as :class:`ParallelDims` (the other keys take the config's defaults).
+      Cross-datacenter sync (``sync``) is run by ``isthmus train``, not here.
+    - ``layout.world > 1`` needs the default process group (run under torchrun and call
       ``torch.distributed.init_process_group()`` first). ``mesh`` defaults to ``dims.build_mesh``;
       build it yourself and pass it when the loop needs it too (the dp rank, cp, pp).
-    - ``parallel`` sets what ``dims`` does not: zero_stage, sequence_parallel, cp_impl,
-      pp_schedule, microbatches, pp_virtual_stages, activation_checkpoint (defaults when None). Its
-      degree fields must be left at 1 or agree with ``dims``.
-    - ``seq_len`` is required for pp > 1 (stages are balanced by their cost at that length); when
+    - ``seq_len`` is required for pp > 1 (stages are balanced by their cost at this length); when
       given, the sequence rules of context/sequence parallelism are checked up front.
     - ``loss_fn(logits, targets)``, the mean over its batch, is what the pipeline schedule computes
       on its last stage (pp > 1 only; default: next-token cross-entropy).
@@ -71,45 +71,50 @@ def parallelize(
         raise ConfigError(
             "model", type(model).__name__, "isthmus.parallelize takes an isthmus Transformer (isthmus.build_model)"
         )
-    if dims.world_size > 1 and not dist.is_initialized():
+    spec = layout if isinstance(layout, LayoutSpec) else _spec_of(layout)
+    if spec.sync != "none":
         raise ConfigError(
-            "dims.world_size",
-            dims.world_size,
+            "sync", spec.sync, "is run by isthmus train (its strategy owns the loop's synchronisation); use none here"
+        )
+    if spec.world > 1 and not dist.is_initialized():
+        raise ConfigError(
+            "layout.world",
+            spec.world,
             "needs the default process group: run under torchrun and call torch.distributed.init_process_group() first",
         )
-    if dist.is_initialized() and dist.get_world_size() != dims.world_size:
-        raise ConfigError(
-            "dims.world_size", dims.world_size, f"must equal the process group's size, {dist.get_world_size()}"
-        )
+    if dist.is_initialized() and dist.get_world_size() != spec.world:
+        raise ConfigError("layout.world", spec.world, f"must equal the process group's size, {dist.get_world_size()}")
     args = model.args
-    p = _with_degrees(parallel or ParallelConfig(), dims)
-    if dims.pp_enabled and seq_len is None:
+    if spec.pp > 1 and seq_len is None:
         raise ConfigError(
             "seq_len", None, "is needed for pp > 1: the pipeline balances its stages by their cost at this length"
         )
-    # check_layout holds every layout rule; the batch fields are placeholders that satisfy the
-    # batch rule, because a custom loop's batch size is not known here (pipeline_step checks it).
-    micro = dims.dp * (p.microbatches if dims.pp_enabled else 1)
-    checked_len = seq_len if seq_len is not None else 2 * dims.cp * dims.tp
-    check_layout(
-        JobConfig(
-            parallel=p,
-            train=TrainConfig(seq_len=checked_len, batch_size=micro, grad_accum=1),
-            geo=GeoConfig(datacenters=dims.dc),
-        ),
-        args.n_heads,
-        args.n_kv_heads,
-        args.n_layers,
-        world_size=dims.world_size,
-    )
+    # check_layout holds every layout rule, on the config the spec converts to. Its batch is a
+    # placeholder that satisfies the batch rule: a custom loop's batch size is not known here
+    # (pipeline_step checks it).
+    checked_len = seq_len if seq_len is not None else 2 * spec.cp * spec.tp
+    cfg = JobConfig()
+    for key, value in {**spec.config_overrides(batch=False), "train.seq_len": checked_len}.items():
+        section, name = key.split(".")
+        setattr(getattr(cfg, section), name, value)
+    cfg.train.batch_size = spec.dp * (spec.microbatches if spec.pp > 1 else 1)
+    cfg.train.grad_accum = 1
+    dims = check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers)
     if any(t.device.type != "meta" for t in model.parameters()):
         model = build_model(args, device="meta")
-    device = _resolve_device(device)
+    resolved = _resolve_device(device)
     if mesh is None and dims.world_size > 1:
-        mesh = dims.build_mesh(device.type)
-    if loss_fn is None:
-        loss_fn = _step.cross_entropy
-    return _parallelize(model, args, dims, mesh, p, device, seed, checked_len, loss_fn)
+        mesh = dims.build_mesh(resolved.type)
+    return apply_layout(
+        model,
+        dims,
+        cfg.parallel,
+        mesh,
+        device=resolved,
+        seed=seed,
+        seq_len=checked_len,
+        loss_fn=loss_fn or _step.cross_entropy,
+    )
 
 
 def shard_batch(
@@ -172,20 +177,21 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
-# The `[parallel]` degrees; the datacenter degree (dims.dc) is `geo.datacenters`.
-DEGREES = tuple(name for name in MESH_DIMS if name != "dc")
-
-
-def _with_degrees(parallel: ParallelConfig, dims: ParallelDims) -> ParallelConfig:
-    """``parallel`` with the degrees of ``dims``; a degree set to something else is an error
-    (-1, a data-parallel degree's "fill what the others leave", takes the degree of ``dims``)."""
-    for name in DEGREES:
-        value = getattr(parallel, name)
-        fills = value == -1 and name in ("dp_replicate", "dp_shard")
-        if value not in (1, getattr(dims, name)) and not fills:
-            raise ConfigError(f"parallel.{name}", value, f"must be 1 or equal dims.{name} = {getattr(dims, name)}")
-    degrees = {name: getattr(dims, name) for name in DEGREES}
-    return dataclasses.replace(parallel, nproc=dims.world_size, **degrees)
+def _spec_of(dims: ParallelDims) -> LayoutSpec:
+    """The layout of ``dims``'s degrees, every other ``[parallel]`` key at the config's default."""
+    defaults = ParallelConfig()
+    keys = ("zero_stage", "sequence_parallel", "cp_impl", "pp_schedule", "pp_virtual_stages", "activation_checkpoint")
+    return LayoutSpec(
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        tp=dims.tp,
+        cp=dims.cp,
+        pp=dims.pp,
+        microbatches=defaults.microbatches,
+        datacenters=dims.dc,
+        dc_axis="dp" if dims.dc > 1 else "none",
+        **{k: getattr(defaults, k) for k in keys},
+    )
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

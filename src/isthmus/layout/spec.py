@@ -39,6 +39,7 @@ from isthmus.layout.choices import (
     PpSchedule,
     SyncKind,
 )
+from isthmus.layout.dims import ParallelDims
 from isthmus.layout.rules import shard_degree
 
 __all__ = [
@@ -147,6 +148,11 @@ class LayoutSpec:
     def global_batch(self) -> int:
         """Sequences per step: ``train.batch_size``."""
         return self.dp * self.micro_batch * self.microbatches
+
+    def dims(self) -> ParallelDims:
+        """The degrees as the runtime's :class:`ParallelDims` (build its mesh with ``build_mesh``)."""
+        dc = self.datacenters if self.dc_axis == "dp" else 1
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.world, dc)
 
     # --- conversions ---------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""`parallelize`: turn a model built on the meta device into this rank's parallel model.
+"""`apply_layout`: turn a model built on the meta device into this rank's parallel model.
 
 Order, fixed (each step needs the one before it):
 1. pipeline split (pp): this rank keeps only its stages' layers;
@@ -22,7 +22,6 @@ import torch
 from torch import nn
 
 from isthmus.config import ParallelConfig
-from isthmus.models.args import ModelArgs
 from isthmus.models.llama import Transformer, init_weights
 from isthmus.parallel.ac import apply_ac
 from isthmus.parallel.context import apply_cp, cp_positions
@@ -34,7 +33,7 @@ from isthmus.parallel.tp import apply_tp
 
 @dataclass
 class ParallelModel:
-    """What `parallelize` hands the training loop."""
+    """What `apply_layout` (and `isthmus.parallelize`) hands the training loop."""
 
     modules: list[nn.Module]
     """This rank's model parts: one module, or its pipeline stages in stage order."""
@@ -100,12 +99,12 @@ def _shard_stage(
     return module
 
 
-def parallelize(
+def apply_layout(
     model: Transformer,
-    args: ModelArgs,
     dims: ParallelDims,
-    mesh: Meshes | None,
     parallel: ParallelConfig,
+    mesh: Meshes | None,
+    *,
     device: torch.device,
     seed: int,
     seq_len: int,
@@ -114,10 +113,14 @@ def parallelize(
 ) -> ParallelModel:
     """Apply ``parallel``'s layout to ``model`` (built on meta) on this rank; see the module doc for the order.
 
+    The runtime's entry (the trainer and :func:`isthmus.parallelize` call it with a checked layout);
+    users call :func:`isthmus.parallelize`, which checks the layout first.
+
     ``loss_fn(logits, targets)`` (mean over its micro-batch) is needed only for pp > 1, where the
     schedule computes the loss on the last stage. With ``geo_sync`` no data-parallel wrapper is
     applied: the cross-datacenter strategy (`isthmus.geo`) averages gradients or parameters itself.
     """
+    args = model.args
     dp_kind = data_parallel_kind(dims, parallel.zero_stage, geo_sync)
     loss_parallel = dims.tp_enabled
 

@@ -52,7 +52,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from isthmus.api import clip_grad_norm, parallelize, shard_batch, step
-from isthmus.config import ParallelConfig
 from isthmus.layout.dims import ParallelDims
 from isthmus.models.flavors import get_flavor
 from isthmus.models.llama import build_model, init_weights
@@ -187,7 +186,7 @@ MECHANISMS: dict[str, dict[str, Any]] = {
     "zero2": {"dp_shard": 2, "zero_stage": 2},
     "zero3": {"dp_shard": 2, "zero_stage": 3},
 }
-"""The 2-rank layouts whose runtime work :func:`measure_mechanisms` times (``[parallel]`` values)."""
+"""The 2-rank layouts whose runtime work :func:`measure_mechanisms` times (``LayoutSpec`` fields)."""
 
 SHARD_EVENTS = {2: 2, 3: 3}
 """FSDP2 collectives per block and step with one microbatch: ZeRO-2 gathers once and
@@ -204,14 +203,14 @@ def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, s
     args = get_flavor(flavor)
     times: dict[str, list[float]] = {}
     for name, values in MECHANISMS.items():
-        par = ParallelConfig(nproc=2, **values)
-        dims = ParallelDims(dp_replicate=1, dp_shard=par.dp_shard, cp=1, tp=par.tp, pp=1, world_size=2)
+        spec = LayoutSpec(**values)
+        dims = ParallelDims(dp_replicate=1, dp_shard=spec.dp_shard, cp=1, tp=spec.tp, pp=1, world_size=2)
         mesh = dims.build_mesh("cpu")
         dp = dims.dp
         times[name] = []
         for layers in (1, 3):
             a = replace(args, n_layers=layers)
-            pm = parallelize(build_model(a, device="meta"), dims, parallel=par, mesh=mesh, device="cpu", seq_len=seq)
+            pm = parallelize(build_model(a, device="meta"), spec, mesh=mesh, device="cpu", seq_len=seq)
             opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)  # as the trainer's (train/optim.py)
             gen = torch.Generator().manual_seed(0)
             x = torch.randint(0, a.vocab_size, (batch, seq + 1), generator=gen)
@@ -298,15 +297,7 @@ def fit_mechanisms(
 
     def per_block(name: str) -> float:
         v = MECHANISMS[name]
-        shard = v.get("dp_shard", 1)
-        lay = LayoutSpec(
-            tp=v.get("tp", 1),
-            sequence_parallel=v.get("sequence_parallel", False),
-            dp_shard=shard,
-            zero_stage=v.get("zero_stage", 1),
-            micro_batch=batch // shard,
-            microbatches=1,
-        )
+        lay = LayoutSpec(**v, micro_batch=batch // v.get("dp_shard", 1), microbatches=1)
         pred = [
             estimate(Workload(replace(args, n_layers=n), batch, seq, "fp32"), topo.subset(2), lay, runtime).step_time_s
             for n in (1, 3)
@@ -333,7 +324,7 @@ def fit_alpha_beta(samples: list[tuple[int, float]]) -> tuple[float, float]:
     det = s_aa * s_bb - s_ab**2
     a = (r_a * s_bb - r_b * s_ab) / det
     b = (s_aa * r_b - s_ab * r_a) / det
-    (x0, t0), (x1, t1) = min(samples), max(samples)
+    t0, (x1, t1) = min(samples)[1], max(samples)
     if b * x1 < 0.1 * t1:
         # On a loaded machine, scheduling delays of tens of ms can drown even the largest message's
         # bytes, and the fit tilts to a per-byte time near zero: an absurd bandwidth. The

@@ -1,6 +1,6 @@
 """The training loop: one optimizer step read top to bottom in `Trainer.train_step`.
 
-The trainer never decides a layout: `parallelize` gives it this rank's model parts, and the mesh
+The trainer never decides a layout: `apply_layout` gives it this rank's model parts, and the mesh
 tells it which slice of each global batch (data-parallel rank) and which sequence chunks
 (context-parallel rank) this process computes. The same code runs one process or many.
 """
@@ -31,7 +31,7 @@ from isthmus.models.flops import count_params, flops_per_token
 from isthmus.models.llama import build_model
 from isthmus.models.resolve import resolve_model_args
 from isthmus.parallel.dims import ParallelDims, check_layout
-from isthmus.parallel.parallelize import ParallelModel, parallelize
+from isthmus.parallel.parallelize import ParallelModel, apply_layout
 from isthmus.train.checkpoint import Checkpointer, ResumePoint, TrainState
 from isthmus.train.checkpoint_manifest import checkpoint_key, resume_note
 from isthmus.train.device import correct_peak, devices_worth, peak_flops, resolve_device
@@ -113,15 +113,14 @@ class Trainer:
         )
         resume = self.checkpointer.find_resume()
         self._write_run_files(resume)
-        self.pm: ParallelModel = parallelize(
+        self.pm: ParallelModel = apply_layout(
             build_model(a, device="meta"),
-            a,
             self.dims,
-            self.mesh,
             p,
-            self.device,
-            t.seed,
-            t.seq_len,
+            self.mesh,
+            device=self.device,
+            seed=t.seed,
+            seq_len=t.seq_len,
             loss_fn=cross_entropy,
             geo_sync=cfg.geo.sync != "none",
         )
