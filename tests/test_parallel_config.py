@@ -23,7 +23,7 @@ BAD_LAYOUTS = [
     ),
     (
         ["--parallel.nproc", "4", "--geo.datacenters", "2", "--parallel.tp", "4"],
-        "must be a multiple of dc*dp_shard*cp*tp*pp = 2*1*1*4*1 = 8",
+        "must be a multiple of datacenters*dp_shard*cp*tp*pp = 2*1*1*4*1 = 8",
     ),
     (["--parallel.dp_replicate", "-2"], "parallel.dp_replicate = -2: must be at least 1, or -1 to fill"),
     (["--parallel.nproc", "3", "--parallel.tp", "3"], "must divide model.n_heads = 4"),
@@ -135,7 +135,7 @@ BAD_LAYOUTS = [
     ),
     (
         ["--parallel.nproc", "3", "--geo.datacenters", "2", "--parallel.dp_replicate", "2"],
-        "must equal dc*dp_replicate*dp_shard*cp*tp*pp = 2*2*1*1*1*1 = 4",
+        "must equal datacenters*dp_replicate*dp_shard*cp*tp*pp = 2*2*1*1*1*1 = 4",
     ),
     (["--geo.inner_steps", "0"], "geo.inner_steps = 0: must be at least 1"),
     (

@@ -188,8 +188,8 @@ def _spec_of(dims: ParallelDims) -> LayoutSpec:
         cp=dims.cp,
         pp=dims.pp,
         microbatches=defaults.microbatches,
-        datacenters=dims.dc,
-        dc_axis="dp" if dims.dc > 1 else "none",
+        datacenters=dims.datacenters,
+        dc_axis="dp" if dims.datacenters > 1 else "none",
         **{k: getattr(defaults, k) for k in keys},
     )
 

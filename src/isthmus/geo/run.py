@@ -94,14 +94,14 @@ class GeoRun:
             return None
         # The mesh puts dc outermost, so datacenter i holds one contiguous block of ranks; the
         # emulator's launcher orders ranks the same way.
-        grids = geo_grids(dims.dc, dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
+        grids = geo_grids(dims.datacenters, dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
         replicas = len(grids[0][0])
-        groups = build_geo_groups(dims.dc, replicas, ranks_per_node=_local_world(world), grids=grids)
+        groups = build_geo_groups(dims.datacenters, replicas, ranks_per_node=_local_world(world), grids=grids)
         get_logger().info(
             "geo: %s across %d datacenters of %d ranks (%d replica(s) of each model part)",
             self.cfg.sync,
-            dims.dc,
-            world // dims.dc,
+            dims.datacenters,
+            world // dims.datacenters,
             replicas,
         )
         self.sync = build_geo_sync(self.cfg.sync, groups, params, self.cfg)

@@ -8,18 +8,19 @@ next because it only sends activations between neighbours. ``dc`` replicates lik
 
 Pure Python (the planner and the launcher use it without torch); :meth:`ParallelDims.build_mesh`
 imports torch when called. ``isthmus.parallel.dims`` re-exports everything for the runtime.
-The config arrives duck-typed (``p``: a ``ParallelConfig``, ``cfg``: a ``JobConfig``): isthmus.config
-imports this package, not the other way round.
+The config arrives as the protocols of :mod:`isthmus.layout.sections` (``ParallelConfig`` and
+``JobConfig`` satisfy them): isthmus.config imports this package, not the other way round.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from isthmus.errors import ConfigError
 from isthmus.layout import rules
+from isthmus.layout.sections import LayoutConfig, ParallelSection
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -35,32 +36,38 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
-    dc: int = 1
-    """Datacenters (``geo.datacenters``); each holds world_size / dc ranks."""
+    datacenters: int = 1
+    """Datacenters the replicas span (``geo.datacenters`` with ``geo.dc_axis = dp``; the mesh's
+    ``dc`` dimension); each holds world_size / datacenters ranks."""
+
+    def degrees(self) -> tuple[int, ...]:
+        """The mesh's sizes, in :data:`MESH_DIMS` order."""
+        return (self.datacenters, self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     def __post_init__(self) -> None:
-        for name in MESH_DIMS:
-            if getattr(self, name) < 1:
+        for name, size in zip(MESH_DIMS, self.degrees(), strict=True):
+            if size < 1:
                 key = "geo.datacenters" if name == "dc" else f"parallel.{name}"
-                raise ConfigError(key, getattr(self, name), "must be at least 1")
-        product = self.dc * self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
+                raise ConfigError(key, size, "must be at least 1")
+        product = math.prod(self.degrees())
         if product != self.world_size:
-            dc = f"{self.dc}*" if self.dc > 1 else ""
+            dc = f"{self.datacenters}*" if self.datacenters > 1 else ""
             raise ConfigError(
                 "parallel.nproc",
                 self.world_size,
-                f"must equal {'dc*' if self.dc > 1 else ''}dp_replicate*dp_shard*cp*tp*pp = {dc}{self.dp_replicate}"
-                f"*{self.dp_shard}*{self.cp}*{self.tp}*{self.pp} = {product}",
+                f"must equal {'datacenters*' if self.datacenters > 1 else ''}dp_replicate*dp_shard*cp*tp*pp = "
+                f"{dc}{self.dp_replicate}*{self.dp_shard}*{self.cp}*{self.tp}*{self.pp} = {product}",
             )
 
     @classmethod
-    def from_config(cls, p: Any, world_size: int | None = None, dc: int = 1) -> ParallelDims:
-        return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, p.nproc if world_size is None else world_size, dc)
+    def from_config(cls, p: ParallelSection, world_size: int | None = None, datacenters: int = 1) -> ParallelDims:
+        world = p.nproc if world_size is None else world_size
+        return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world, datacenters)
 
     @property
     def replicate(self) -> int:
         """Full replicas: datacenters times replicas inside each."""
-        return self.dc * self.dp_replicate
+        return self.datacenters * self.dp_replicate
 
     @property
     def dp(self) -> int:
@@ -78,7 +85,7 @@ class ParallelDims:
 
     @property
     def dc_enabled(self) -> bool:
-        return self.dc > 1
+        return self.datacenters > 1
 
     @property
     def dp_shard_enabled(self) -> bool:
@@ -112,7 +119,7 @@ class ParallelDims:
         """
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, tuple(getattr(self, d) for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(device_type, self.degrees(), mesh_dim_names=MESH_DIMS)
         flat = {
             "replicate": mesh["dc", "dp_replicate"]._flatten("replicate"),
             "dp": mesh["dc", "dp_replicate", "dp_shard"]._flatten("dp"),
@@ -142,13 +149,13 @@ FILL = -1
 """A data-parallel degree of -1 takes whatever the other degrees leave of the world size."""
 
 
-def fill_data_parallel(p: Any, world_size: int, dc: int = 1) -> None:
+def fill_data_parallel(p: ParallelSection, world_size: int, datacenters: int = 1) -> None:
     """Replace a data-parallel degree of -1 by what the named degrees leave of ``world_size``, in place.
 
     As torchtitan's ``-1``: ``--parallel.nproc 4 --parallel.tp 2`` alone runs dp 2 x tp 2, and
     ``--parallel.dp_shard 2`` on two ranks does not inherit a replicate degree it has no room for.
     ``dp_shard = -1`` fills first (FSDP over every rank left); otherwise ``dp_replicate = -1`` does
-    (the default); a -1 with nothing left to fill is 1. ``dc`` datacenters multiply the named degrees.
+    (the default); a -1 with nothing left to fill is 1. ``datacenters`` multiply the named degrees.
     """
     for name in ("dp_replicate", "dp_shard"):
         value = getattr(p, name)
@@ -162,10 +169,10 @@ def fill_data_parallel(p: Any, world_size: int, dc: int = 1) -> None:
     other = "dp_replicate" if filler == "dp_shard" else "dp_shard"
     if getattr(p, other) == FILL:
         setattr(p, other, 1)
-    named = {"dc": dc, other: getattr(p, other), "cp": p.cp, "tp": p.tp, "pp": p.pp}
+    named = {"datacenters": datacenters, other: getattr(p, other), "cp": p.cp, "tp": p.tp, "pp": p.pp}
     product = math.prod(named.values())
     if world_size % product:
-        shown = {k: v for k, v in named.items() if k != "dc" or dc > 1}
+        shown = {k: v for k, v in named.items() if k != "datacenters" or datacenters > 1}
         raise ConfigError(
             "parallel.nproc",
             world_size,
@@ -175,7 +182,9 @@ def fill_data_parallel(p: Any, world_size: int, dc: int = 1) -> None:
     setattr(p, filler, world_size // product)
 
 
-def check_layout(cfg: Any, n_heads: int, n_kv_heads: int, n_layers: int, world_size: int | None = None) -> ParallelDims:
+def check_layout(
+    cfg: LayoutConfig, n_heads: int, n_kv_heads: int, n_layers: int, world_size: int | None = None
+) -> ParallelDims:
     """Every layout rule that needs no process, with the numbers in the message.
 
     ``world_size`` is the launcher's (under torchrun); by default ``parallel.nproc``. A
@@ -186,8 +195,8 @@ def check_layout(cfg: Any, n_heads: int, n_kv_heads: int, n_layers: int, world_s
     # geo.dc_axis = pp: the datacenters hold consecutive pipeline stages. Ranks are datacenter-major
     # and pp is the outermost dimension after dc, so pp's blocks of ranks line up with them.
     dc = cfg.geo.datacenters if cfg.geo.dc_axis == "dp" else 1
-    fill_data_parallel(p, p.nproc if world_size is None else world_size, dc)
-    dims = ParallelDims.from_config(p, world_size, dc)
+    fill_data_parallel(p, p.nproc if world_size is None else world_size, datacenters=dc)
+    dims = ParallelDims.from_config(p, world_size, datacenters=dc)
     rules.raise_for(rules.tensor_parallel_heads(p.tp, n_heads, n_kv_heads))
     rules.raise_for(rules.pipeline_stages(p.pp, p.pp_virtual_stages, n_layers))
     if t.seq_len % (2 * p.cp):

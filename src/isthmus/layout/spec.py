@@ -41,6 +41,7 @@ from isthmus.layout.choices import (
 )
 from isthmus.layout.dims import ParallelDims
 from isthmus.layout.rules import shard_degree
+from isthmus.layout.sections import LayoutConfig
 
 __all__ = [
     "ACTIVATION_CHECKPOINTS",
@@ -157,7 +158,7 @@ class LayoutSpec:
     # --- conversions ---------------------------------------------------------------------------
 
     @classmethod
-    def from_config(cls, cfg: Any) -> LayoutSpec:
+    def from_config(cls, cfg: LayoutConfig) -> LayoutSpec:
         """The layout a resolved ``JobConfig`` runs (data-parallel degrees of -1 must be filled first).
 
         Raises ValueError for what one spec cannot say: pipeline microbatches and gradient

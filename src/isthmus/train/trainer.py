@@ -177,7 +177,7 @@ class Trainer:
     def _restore(self, resume: ResumePoint | None) -> GeoSync | None:
         """Load the checkpoint to resume from (if any) and build the cross-datacenter strategy;
         returns the strategy (None for geo.sync = none)."""
-        n_dc = self.dims.dc
+        n_dc = self.dims.datacenters
         self.train_state = TrainState(
             self.pm.modules,
             self.optimizer,
