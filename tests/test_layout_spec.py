@@ -88,6 +88,7 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
             "parallel.microbatches": 2,
             "geo.datacenters": 2,
             "geo.dc_axis": "pp",
+            "geo.wan_schedule": "time_shared",
             "train.batch_size": 8,
             "train.seq_len": 32,
         },

@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from isthmus.errors import ConfigError
 from isthmus.layout.plan import is_plan_file, plan_overrides
-from isthmus.layout.spec import ActivationCheckpoint, CpImpl, PpSchedule, SyncKind
+from isthmus.layout.spec import ActivationCheckpoint, CpImpl, PpSchedule, SyncKind, WanSchedule
 
 RUN_DIR_PLACEHOLDERS = ("{config}", "{time}")
 """What train.run_dir may hold: the config's name and the run's start time (see isthmus.launch.rundir)."""
@@ -205,6 +205,8 @@ class GeoConfig:
     """streaming_diloco: parameter fragments synchronised in turn, staggered by inner_steps // fragments."""
     overlap_steps: int = 1
     """streaming_diloco: inner steps tau between launching a fragment's transfer and applying its result."""
+    wan_schedule: WanSchedule = "fair"
+    """dc_axis = pp: how the pipelines crossing one WAN link share it: fair (all at once, what the runtime's sends do) or time_shared (in turn, staggered by one transfer; isthmus plan / simulate only)."""
     mix_alpha: float = 0.5
     """streaming_diloco: fragment <- alpha * local + (1 - alpha) * global when applied (0 = replace by global)."""
     outer_dtype: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"

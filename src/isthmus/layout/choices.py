@@ -22,3 +22,8 @@ DILOCO_SYNCS: tuple[SyncKind, ...] = ("diloco", "streaming_diloco")
 DcAxis = Literal["none", "dp", "pp"]
 DC_AXES: tuple[DcAxis, ...] = ("none", "dp", "pp")
 """What a datacenter boundary cuts; 'none' is one datacenter (the config's geo.dc_axis is dp or pp)."""
+WanSchedule = Literal["fair", "time_shared"]
+WAN_SCHEDULES: tuple[WanSchedule, ...] = ("fair", "time_shared")
+"""How the pipelines that cross one WAN link at a stage boundary share it: all at once at a fair share
+of its bandwidth (what the runtime's sends do), or in turn, each transfer with the whole link, the
+pipelines' starts staggered by one transfer slot (Atlas, arXiv 2411.14458)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from isthmus.layout.choices import ActivationCheckpoint, CpImpl, DcAxis, PpSchedule, SyncKind
+from isthmus.layout.choices import ActivationCheckpoint, CpImpl, DcAxis, PpSchedule, SyncKind, WanSchedule
 
 
 class ParallelSection(Protocol):
@@ -70,6 +70,8 @@ class GeoSection(Protocol):
     def fragments(self) -> int: ...
     @property
     def overlap_steps(self) -> int: ...
+    @property
+    def wan_schedule(self) -> WanSchedule: ...
     @property
     def fault_tolerant(self) -> bool: ...
 

@@ -33,11 +33,13 @@ from isthmus.layout.choices import (
     GEO_SYNCS,
     PP_SCHEDULES,
     SYNC_KINDS,
+    WAN_SCHEDULES,
     ActivationCheckpoint,
     CpImpl,
     DcAxis,
     PpSchedule,
     SyncKind,
+    WanSchedule,
 )
 from isthmus.layout.dims import ParallelDims
 from isthmus.layout.rules import shard_degree
@@ -54,12 +56,14 @@ __all__ = [
     "PARALLEL_KEYS",
     "PP_SCHEDULES",
     "SYNC_KINDS",
+    "WAN_SCHEDULES",
     "ActivationCheckpoint",
     "CpImpl",
     "DcAxis",
     "LayoutSpec",
     "PpSchedule",
     "SyncKind",
+    "WanSchedule",
 ]
 
 PARALLEL_KEYS = (
@@ -77,7 +81,7 @@ PARALLEL_KEYS = (
     "activation_checkpoint",
 )
 """The ``[parallel]`` keys a layout sets (besides ``nproc``, its world size)."""
-GEO_KEYS = ("datacenters", "dc_axis", "sync", "inner_steps", "fragments", "overlap_steps")
+GEO_KEYS = ("datacenters", "dc_axis", "sync", "inner_steps", "fragments", "overlap_steps", "wan_schedule")
 """The ``[geo]`` keys a layout sets."""
 DERIVED = ("micro_batch",)
 """Fields with no config key (see the module docstring)."""
@@ -115,6 +119,8 @@ class LayoutSpec:
     """streaming_diloco: fragments synchronised in turn, one every inner_steps / fragments steps."""
     overlap_steps: int = 1
     """streaming_diloco: inner steps a fragment's transfer overlaps before its result is applied."""
+    wan_schedule: WanSchedule = "fair"
+    """dc_axis == 'pp': how the pipelines crossing one WAN link share it (fair: at once; time_shared: in turn)."""
     micro_batch: int = 1
     """Derived, no config key: sequences per microbatch (train.batch_size / (dp x microbatches))."""
 
@@ -191,6 +197,7 @@ class LayoutSpec:
             inner_steps=g.inner_steps,
             fragments=g.fragments,
             overlap_steps=g.overlap_steps,
+            wan_schedule=g.wan_schedule,
             micro_batch=max(1, t.batch_size // max(1, dp * microbatches)),
         )
 
@@ -209,7 +216,7 @@ class LayoutSpec:
             out["train.batch_size"] = self.global_batch
         out["geo.datacenters"] = self.datacenters
         out["geo.dc_axis"] = "dp" if self.dc_axis == "none" else self.dc_axis
-        for key in ("sync", "inner_steps", "fragments", "overlap_steps"):
+        for key in ("sync", "inner_steps", "fragments", "overlap_steps", "wan_schedule"):
             out[f"geo.{key}"] = getattr(self, key)
         return out
 
@@ -285,6 +292,7 @@ class LayoutSpec:
                 + ("/dc" if self.dc_axis == "pp" else "")
                 + " "
                 + sched.get(self.pp_schedule, self.pp_schedule)
+                + (" ts" if self.wan_schedule == "time_shared" else "")
             )
         dp = f"dp{self.dp}"
         if self.replicas > 1 and self.dp_shard > 1:

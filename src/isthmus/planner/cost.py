@@ -16,7 +16,7 @@ from typing import Protocol
 from isthmus.models.flops import flops_per_token
 from isthmus.planner import comm
 from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_times, optimizer_time, shard_overhead
-from isthmus.planner.geo import dp_sync, streaming_exposed
+from isthmus.planner.geo import dp_sync, pipeline_transfer, streaming_exposed
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory, stage_params
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
@@ -180,7 +180,10 @@ def _stage_cost(
         p2p = 0.0
         if layout.pp > 1 and not runtime.p2p_async:  # blocking send/recv to each neighbour, per virtual stage
             gather = comm.all_gather(act, site.tp) if runtime.scatter_gather else 0.0
-            p2p = sum(v * (comm.p2p(msg, link, share) + gather) for link, share, _ in near)
+            p2p = sum(
+                v * (pipeline_transfer(msg, link, share, layout.wan_schedule if wan else "fair").seconds + gather)
+                for link, share, wan in near
+            )
         compute = (
             n * (bc.compute.fwd * (1 + rc) + bc.compute.backward) + emb.fwd + emb.backward + head.fwd + head.backward
         )
@@ -287,13 +290,22 @@ def pipeline_links(
         * ELEM_BYTES[work.dtype]
         / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
     )
+    xfers = [
+        pipeline_transfer(msg, link, share, layout.wan_schedule if wan else "fair")
+        for link, share, wan in pl.boundary_links
+    ]
+    # Time slots start the pipelines one slot apart, and the same offsets serve every boundary:
+    # the last pipeline ends the widest boundary's stagger after the first, once per step.
+    stagger = max(x.stagger for x in xfers)
     links = []
-    for r, (link, share, _) in enumerate(pl.boundary_links):
-        one = comm.p2p(msg, link, share)
+    for r, xfer in enumerate(xfers):
+        one = xfer.seconds
         # A boundary paces the pipeline by its busy time, or by the round trip its latency adds
         # to rank r, spread over the microbatches rank r keeps in flight to hide it.
         rtt = busy[r] + 2 * one / max(1.0, in_flight(layout.pp_schedule, p, v, m, r))
-        links.append(LinkStage(max(v * (one - link.latency), rtt), 2 * one))
+        links.append(LinkStage(max(v * xfer.occupancy, rtt), 2 * one))
+    if stagger > 0:
+        links.append(LinkStage(0.0, stagger))
     return links
 
 

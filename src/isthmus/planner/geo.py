@@ -17,6 +17,14 @@ crosses the WAN by one of four strategies:
   while the next ``overlap_steps`` (tau) inner steps compute. The transfer blocks only where it
   outlasts them: a step costs max(0, t_fragment - tau * t_step) * F / H on top
   (`streaming_exposed`); the WAN bytes per step are the int4 model's exchange over H.
+
+When stage boundaries cross the WAN (``dc_axis = 'pp'``), the k data-parallel pipelines of a stage
+(k = dp x cp x tp senders) each send a message of S bytes over the same link of bandwidth B at
+each boundary (`pipeline_transfer`). ``geo.wan_schedule = 'fair'``: all k at once, each at B/k, so
+every message takes k S/B and the pipelines stall together. ``'time_shared'`` (Atlas): the link
+serves them in turn, each in a slot of S/B with the whole link, pipeline i starting its
+microbatches i slots after the first; the link is as busy (k S/B per message round), but each
+message arrives after S/B, and the step ends (k - 1) S/B later than one pipeline's.
 """
 
 from __future__ import annotations
@@ -27,12 +35,35 @@ from isthmus.planner import comm
 from isthmus.planner.comm import Span
 from isthmus.planner.layout import LayoutSpec, Runtime
 from isthmus.planner.placement import SiteSpans
+from isthmus.planner.topology import Link
 
 DILOCO_DELTA_BYTES = 4
 """DiLoCo's outer gradients (parameter deltas) are exchanged in fp32."""
 STREAMING_BYTES_PER_PARAM = 0.5 + 4 / 256
 """Streaming DiLoCo's outer gradients on the wire: int4 with one fp32 scale per 256 elements (the
 trainer's defaults, ``geo.outer_dtype = auto``, ``geo.block_size = 256``)."""
+
+
+@dataclass(frozen=True)
+class PipelineTransfer:
+    """One message round at a pipeline boundary: every pipeline's message of one microbatch."""
+
+    seconds: float
+    """What one message takes as its receiver sees it, latency included."""
+    occupancy: float
+    """Seconds the link is busy carrying every pipeline's message (the same for both schedules)."""
+    stagger: float
+    """time_shared: seconds the last pipeline starts after the first (once per step)."""
+
+
+def pipeline_transfer(nbytes: float, link: Link, pipelines: int, schedule: str) -> PipelineTransfer:
+    """``pipelines`` messages of ``nbytes`` crossing ``link`` together, fairly shared or in time slots."""
+    if nbytes <= 0:
+        return PipelineTransfer(0.0, 0.0, 0.0)
+    slot = nbytes / link.bandwidth
+    if schedule == "time_shared":
+        return PipelineTransfer(link.latency + slot, pipelines * slot, (pipelines - 1) * slot)
+    return PipelineTransfer(link.latency + pipelines * slot, pipelines * slot, 0.0)
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,17 @@
 Ranks are numbered datacenter by datacenter, node by node. The mesh puts tensor parallelism
 innermost (consecutive ranks, so inside a node), then cp, dp_shard, dp_replicate, and pipeline
 outermost, like ``ParallelDims``. A datacenter boundary therefore cuts either the pipeline
-(``dc_axis = 'pp'``: pp is outermost, each datacenter holds pp/dc consecutive stages) or an extra
+(``dc_axis = 'pp'``: pp is outermost, each datacenter holds consecutive stages) or an extra
 outer data-parallel factor (``dc_axis = 'dp'``: mesh ``dc, pp, dp_replicate/dc, dp_shard, cp, tp``).
 Per-layer traffic (tp, cp, sequence parallelism, ZeRO-3 gathers) never leaves a datacenter.
+
+Which datacenters, and how many stages each (Atlas, arXiv 2411.14458): a layout over k of n
+datacenters uses the k with the most compute (:func:`choose_dcs`). With
+``dc_axis = 'pp'`` every stage keeps all its data-parallel replicas in one datacenter, so only
+stage boundaries cross the WAN, and the datacenters take stage counts in proportion to their
+compute, within what their devices hold (:func:`stage_counts`): the largest takes the most. The
+runtime splits ranks evenly over all the topology's datacenters, so a subset (1 < k < n) or
+unequal counts are the planner's what-ifs (:func:`runnable`).
 """
 
 from __future__ import annotations
@@ -47,6 +55,11 @@ class Placement:
     boundary_links: tuple[tuple[Link, int, bool], ...]
     """Per pipeline boundary r -> r+1: (link, messages sharing it at once, crosses the WAN)."""
 
+    @property
+    def stages_per_dc(self) -> tuple[int, ...]:
+        """Pipeline ranks each used datacenter runs (dc_axis == 'pp'), in ``dcs`` order."""
+        return tuple(sum(1 for s in self.stage_sites if s == (j,)) for j in range(len(self.sites)))
+
     def kind_of_stage(self, rank: int) -> list[DeviceKind]:
         return [self.sites[i].dc.kind for i in self.stage_sites[rank]]
 
@@ -77,26 +90,90 @@ def _ring_order(topo: Topology, idx: list[int], closed: bool) -> tuple[list[int]
     return best_order, best_link
 
 
+def _compute(dc: Datacenter) -> float:
+    return dc.devices * dc.kind.peak("bf16")
+
+
 def choose_dcs(topo: Topology, layout: LayoutSpec) -> list[int]:
-    """The datacenters a layout uses: all of them, or for dc == 1 the one with the most peak FLOP/s."""
-    n = len(topo.datacenters)
-    if layout.datacenters == n:
+    """The datacenters a layout uses, largest first: the ``layout.datacenters`` with the most peak FLOP/s.
+
+    Ties go to the datacenter nearest (widest, then shortest WAN link) to those already chosen, so a
+    far datacenter is the last one added. A layout over all of them keeps the file order, as the
+    runtime numbers its ranks; the stage counts (:func:`stage_counts`) still follow the sizes.
+    """
+    n, k = len(topo.datacenters), layout.datacenters
+    if not 1 <= k <= n:
+        raise ConfigError("geo.datacenters", k, f"topology {topo.name!r} has {n} datacenter(s)")
+    if k == n:
         return list(range(n))
-    if layout.datacenters == 1:
-        return [max(range(n), key=lambda i: topo.datacenters[i].devices * topo.datacenters[i].kind.peak("bf16"))]
-    raise ConfigError("geo.datacenters", layout.datacenters, f"a layout spans 1 or all {n} datacenters")
+    dcs = topo.datacenters
+    chosen = [max(range(n), key=lambda i: _compute(dcs[i]))]
+    while len(chosen) < k:
+
+        def reach(i: int) -> tuple[float, float, float]:
+            links = [topo.wan_link(dcs[i].name, dcs[j].name) for j in chosen]
+            return (_compute(dcs[i]), min(l.bandwidth for l in links), -max(l.latency for l in links))
+
+        chosen.append(max((i for i in range(n) if i not in chosen), key=reach))
+    return chosen
+
+
+def stage_counts(topo: Topology, order: list[int], pp: int, width: int) -> list[int]:
+    """Pipeline ranks per datacenter of ``order`` (dc_axis = 'pp'), each rank ``width`` devices.
+
+    At least one each; the rest in proportion to each datacenter's compute (largest remainder, the
+    earlier datacenter on ties), never more than its devices hold. Equal datacenters get pp / k
+    each, as the runtime places them.
+    """
+    dcs = [topo.datacenters[i] for i in order]
+    hold = [d.devices // width for d in dcs]
+    if len(dcs) > pp or min(hold) < 1 or sum(hold) < pp:
+        raise ConfigError(
+            "parallel.pp",
+            pp,
+            f"{len(dcs)} datacenter(s) holding {'+'.join(map(str, hold))} stage(s) of {width} devices cannot run it",
+        )
+    total = sum(_compute(d) for d in dcs)
+    ideal = [pp * _compute(d) / total for d in dcs]
+    counts = [1] * len(dcs)
+    for _ in range(pp - len(dcs)):
+        # The datacenter furthest below its share that still has room.
+        j = max((i for i in range(len(dcs)) if counts[i] < hold[i]), key=lambda i: (ideal[i] - counts[i], -i))
+        counts[j] += 1
+    return counts
+
+
+def runnable(topo: Topology, layout: LayoutSpec) -> str | None:
+    """Why the runtime cannot run ``layout`` as the planner places it, or None when it can.
+
+    The runtime (``isthmus train`` / ``emulate``) splits the ranks evenly over every datacenter of
+    its topology and sends pipeline activations all at once; the planner can also use a subset,
+    give datacenters unequal stage counts and time-share a WAN link.
+    """
+    n = len(topo.datacenters)
+    why = []
+    if 1 < layout.datacenters < n:
+        why.append(f"uses {layout.datacenters} of the {n} datacenters")
+    if layout.dc_axis == "pp":
+        counts = stage_counts(topo, choose_dcs(topo, layout), layout.pp, layout.dp * layout.cp * layout.tp)
+        if len(set(counts)) > 1:
+            why.append(f"puts {'+'.join(map(str, counts))} stages in its datacenters")
+    if layout.wan_schedule != "fair":
+        why.append(f"time-shares the WAN (geo.wan_schedule = {layout.wan_schedule})")
+    return "; ".join(why) or None
 
 
 def place(topo: Topology, layout: LayoutSpec) -> Placement:
     """Map ``layout`` onto ``topo``; ConfigError when the datacenters cannot hold it."""
     used = choose_dcs(topo, layout)
     per_dc = layout.world // layout.datacenters
-    for i in used:
-        dc = topo.datacenters[i]
-        if dc.devices < per_dc:
-            raise ConfigError(
-                "plan.layout", layout.label(), f"needs {per_dc} devices in {dc.name!r}, which has {dc.devices}"
-            )
+    if layout.dc_axis != "pp":  # with stages per datacenter, stage_counts checks what each holds
+        for i in used:
+            dc = topo.datacenters[i]
+            if dc.devices < per_dc:
+                raise ConfigError(
+                    "plan.layout", layout.label(), f"needs {per_dc} devices in {dc.name!r}, which has {dc.devices}"
+                )
     order, ring_link = _ring_order(topo, used, closed=layout.dc_axis == "dp")
     t, c, s = layout.tp, layout.cp, layout.dp_shard
     rep_inner = layout.dp_replicate
@@ -121,10 +198,9 @@ def place(topo: Topology, layout: LayoutSpec) -> Placement:
         )
     pp = layout.pp
     if layout.dc_axis == "pp":
-        if pp % layout.datacenters:
-            raise ConfigError("parallel.pp", pp, f"must be a multiple of the {layout.datacenters} datacenters it spans")
-        per = pp // layout.datacenters
-        stage_sites: tuple[tuple[int, ...], ...] = tuple((r // per,) for r in range(pp))
+        # Whole stages, all their replicas, per datacenter in chain order, counts by compute.
+        counts = stage_counts(topo, order, pp, layout.dp * c * t)
+        stage_sites: tuple[tuple[int, ...], ...] = tuple((j,) for j, count in enumerate(counts) for _ in range(count))
     else:
         # Every datacenter runs every stage; alike datacenters cost alike, so keep one of each shape.
         shapes: dict[tuple[object, ...], int] = {}

@@ -1,6 +1,9 @@
 """Search every valid layout of a workload on a topology, prune, and rank by throughput.
 
-The space: datacenters used and which axis crosses them (dp or pp), tp (a divisor of the node that
+The space: datacenters used (1, every subset size k with the k largest, or all; see
+``placement.choose_dcs``) and which axis crosses them (dp or pp; with pp, stage counts in proportion
+to the datacenters' compute and every device used, as Atlas places them, besides even counts, and
+the WAN schedule, fair or time-shared), tp (a divisor of the node that
 divides the heads), cp, pp, the dp_replicate x dp_shard split and ZeRO stage, microbatch size and
 count, pipeline schedule and virtual stages, recomputation, and the cross-datacenter strategy.
 Pruning, in order: rules the runtime enforces (``pipeline.check_pipeline``, ZeRO-1 alone); a
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 
 from isthmus.errors import ConfigError
 from isthmus.layout.rules import zero_stages
-from isthmus.layout.spec import GEO_SYNCS, LayoutSpec
+from isthmus.layout.spec import GEO_SYNCS, WAN_SCHEDULES, LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import count_params
 from isthmus.planner import comm
@@ -37,7 +40,7 @@ from isthmus.planner.layout import Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, model_state_bytes, stage_params
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
 from isthmus.planner.placement import Placement, choose_dcs, place
-from isthmus.planner.topology import Topology
+from isthmus.planner.topology import Datacenter, Topology
 
 DEFAULT_SEQ_LENS = (2048, 4096, 8192)
 DEFAULT_BATCH_TOKENS = 4 * 1024 * 1024
@@ -73,6 +76,10 @@ class SearchSpace:
     """streaming_diloco: steps a fragment's transfer overlaps (geo.overlap_steps)."""
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS
     """Tokens per step when batch_size is left to the search."""
+    datacenters: int | None = None
+    """Datacenters to use (geo.datacenters); None: 1, every subset size, and all."""
+    wan_schedule: tuple[str, ...] = WAN_SCHEDULES
+    """How pipelines share a WAN link at a stage boundary (geo.wan_schedule) to consider."""
 
 
 @dataclass
@@ -82,7 +89,7 @@ class SearchResult:
     considered: int = 0
     pruned_memory: int = 0
     alternatives: dict[str, Estimate] = field(default_factory=dict)
-    """Best layout per family ('dc_axis=pp', 'sync=diloco', 'tp=4', ...) for explanations."""
+    """Best layout per family ('dc_axis=pp', 'datacenters=2', 'sync=diloco', 'tp=4', ...) for explanations."""
 
     @property
     def best(self) -> Estimate:
@@ -94,9 +101,14 @@ def divisors(n: int) -> list[int]:
 
 
 def _placements(topo: Topology, space: SearchSpace) -> list[tuple[int, str]]:
+    """(datacenters, axis): one datacenter, or k of n (the k largest) cut along dp or pp."""
     n = len(topo.datacenters)
-    opts = [(1, "none")] + ([(n, "dp"), (n, "pp")] if n > 1 else [])
-    return [o for o in opts if space.dc_axis is None or o[1] == space.dc_axis]
+    opts = [(1, "none")] + [(k, axis) for k in range(2, n + 1) for axis in ("dp", "pp")]
+    return [
+        o
+        for o in opts
+        if (space.dc_axis is None or o[1] == space.dc_axis) and space.datacenters in (None, o[0])
+    ]
 
 
 def _schedules(space: SearchSpace, pp: int, m: int, layers: int, runtime: Runtime) -> list[tuple[str, int]]:
@@ -124,7 +136,15 @@ def search(
     args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, top: int = 10, dtype: str = "bf16"
 ) -> SearchResult:
     """The ``top`` best layouts that fit in memory; ConfigError when none does."""
+    if space.datacenters is not None and not 1 <= space.datacenters <= len(topo.datacenters):
+        raise ConfigError(
+            "--geo.datacenters", space.datacenters, f"topology {topo.name!r} has {len(topo.datacenters)} datacenter(s)"
+        )
     if not _placements(topo, space):
+        if space.datacenters is not None:
+            raise ConfigError(
+                "--geo.datacenters", space.datacenters, f"does not go with --geo.dc_axis {space.dc_axis}"
+            )
         raise ConfigError("--geo.dc_axis", space.dc_axis, f"topology {topo.name!r} has one datacenter; use none")
     seqs = [space.seq_len] if space.seq_len else list(DEFAULT_SEQ_LENS)
     heap: list[tuple[float, int, Estimate]] = []
@@ -143,12 +163,7 @@ def search(
                     c for c in divisors(per_dc // tp) if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS)
                 ]
                 for cp in _fix(cps, space.cp):
-                    for pp in _fix([p for p in divisors(world // (tp * cp)) if p <= args.n_layers], space.pp):
-                        if axis == "pp" and (pp % dc or pp < dc):
-                            continue
-                        dp = world // (tp * cp * pp)
-                        if axis == "dp" and dp % dc:
-                            continue
+                    for pp, dp in _pipelines(used, axis, world, tp, cp, args.n_layers, space.pp):
                         for mb in _fix(list(MICRO_BATCHES), space.micro_batch):
                             m = _microbatches(space, seq, dp, mb, pp)
                             if m is None:
@@ -175,6 +190,8 @@ def search(
                                             activation_checkpoint=rc,  # type: ignore[arg-type]
                                             datacenters=dc,
                                             dc_axis=axis,  # type: ignore[arg-type]
+                                            # The bound takes the faster schedule; variants try each.
+                                            wan_schedule=_wan_schedules(axis, space)[-1],  # type: ignore[arg-type]
                                         )
                                         cand = _prepare(work, topo, core, runtime, space, usable, result)
                                         if cand is not None:
@@ -211,6 +228,33 @@ def _cp_impls(args: ModelArgs, tp: int, cp: int) -> list[str]:
 
 def _used(topo: Topology, dc: int) -> list[int]:
     return choose_dcs(topo, LayoutSpec(datacenters=dc))
+
+
+def _pipelines(
+    used: list[Datacenter], axis: str, world: int, tp: int, cp: int, n_layers: int, fixed: int | None
+) -> list[tuple[int, int]]:
+    """(pp, dp) pairs on the used datacenters: ``world`` (the smallest one's devices in each) split
+    evenly, and with dc_axis = 'pp' also every device of each used: stage counts in proportion
+    to the datacenters (Atlas; the same pairs when they are alike)."""
+    k = len(used)
+    pairs = [(p, world // (tp * cp * p)) for p in divisors(world // (tp * cp)) if p <= n_layers]
+    if axis == "dp":
+        pairs = [(p, d) for p, d in pairs if d % k == 0]
+    if axis == "pp":
+        pairs = [(p, d) for p, d in pairs if p % k == 0 and p >= k]
+        smallest = min(u.devices for u in used)
+        for d in divisors(smallest // (tp * cp)):
+            p = sum(u.devices // (tp * cp * d) for u in used)
+            if p <= n_layers and (p, d) not in pairs:
+                pairs.append((p, d))
+    return [(p, d) for p, d in pairs if fixed in (None, p)]
+
+
+def _wan_schedules(axis: str, space: SearchSpace) -> list[str]:
+    """WAN schedules to try, fair first: only pipeline boundaries (dc_axis = 'pp') have one to choose."""
+    if axis != "pp":
+        return ["fair"]
+    return [w for w in WAN_SCHEDULES if w in space.wan_schedule] or ["fair"]
 
 
 def _microbatches(space: SearchSpace, seq: int, dp: int, mb: int, pp: int) -> int | None:
@@ -316,10 +360,15 @@ def _tighten(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace) 
 
 
 def _hopeless(cand: _Core, heap: list[tuple[float, int, Estimate]], top: int, result: SearchResult) -> bool:
-    rival = result.alternatives.get(f"dc_axis={cand.core.dc_axis}")
-    return (
-        len(heap) >= top and cand.bound < heap[0][0] and rival is not None and cand.bound < rival.effective_tokens_per_s
-    )
+    """No variant can enter the top k, nor beat the best of its WAN crossing or of its datacenter
+    count (both explain the winner)."""
+    if len(heap) < top or cand.bound >= heap[0][0]:
+        return False
+    for key in (f"dc_axis={cand.core.dc_axis}", f"datacenters={cand.core.datacenters}"):
+        rival = result.alternatives.get(key)
+        if rival is None or cand.bound >= rival.effective_tokens_per_s:
+            return False
+    return True
 
 
 def _geos(core: LayoutSpec, space: SearchSpace) -> list[str]:
@@ -352,7 +401,7 @@ def _variants(
                 result.pruned_memory += 1
                 continue
             pl = pl or place(topo, probe)
-            for geo in _geos(core, space):
+            for geo, wan_schedule in ((g, w) for g in _geos(core, space) for w in _wan_schedules(core.dc_axis, space)):
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
                 lay = LayoutSpec(
@@ -364,8 +413,11 @@ def _variants(
                     inner_steps=space.inner_steps,
                     fragments=space.fragments,
                     overlap_steps=space.overlap_steps,
+                    wan_schedule=wan_schedule,  # type: ignore[arg-type]
                 )
-                est = estimate(work, topo, lay, runtime, pl, cand.stages)
+                # Blocking sends (Megatron) put the WAN schedule into the stage costs.
+                same = runtime.p2p_async or wan_schedule == core.wan_schedule
+                est = estimate(work, topo, lay, runtime, pl, cand.stages if same else None)
                 if not est.fits:
                     result.pruned_memory += 1
                     continue
@@ -405,6 +457,8 @@ def _remember(result: SearchResult, est: Estimate) -> None:
     lay = est.layout
     keys = [
         f"dc_axis={lay.dc_axis}",
+        f"datacenters={lay.datacenters}",
+        f"wan_schedule={lay.wan_schedule}",
         f"sync={lay.sync}",
         f"tp={lay.tp}",
         f"pp={'1' if lay.pp == 1 else '>1'}",
