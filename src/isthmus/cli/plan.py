@@ -16,7 +16,7 @@ import textwrap
 
 from isthmus.config import ModelConfig
 from isthmus.errors import ConfigError
-from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES
+from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES, WAN_SCHEDULES
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.explain import explain, format_table, result_json
 from isthmus.planner.layout import RUNTIMES
@@ -45,6 +45,7 @@ _POSITIVE = {
     "inner_steps": "--geo.inner_steps",
     "fragments": "--geo.fragments",
     "overlap_steps": "--geo.overlap_steps",
+    "datacenters": "--geo.datacenters",
     "max_batch_tokens": "--max-batch-tokens",
 }
 
@@ -153,6 +154,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="what crosses datacenters: none (use one), dp replicas or pp stages",
     )
     p.add_argument(
+        "--geo.datacenters",
+        dest="datacenters",
+        type=int,
+        default=None,
+        metavar="K",
+        help="datacenters to use, the K with the most compute (default: searched, every subset size)",
+    )
+    p.add_argument(
+        "--geo.wan_schedule",
+        dest="wan_schedule",
+        default=None,
+        metavar="LIST",
+        help="how pipelines share a WAN link at a stage boundary (comma list of "
+        f"{', '.join(WAN_SCHEDULES)}; default: both; the runtime runs fair)",
+    )
+    p.add_argument(
         "--geo.sync",
         dest="sync",
         default=None,
@@ -226,6 +243,12 @@ def search_space(ns: argparse.Namespace) -> SearchSpace:
     for g in sync:
         if g not in GEO_SYNCS:
             raise ConfigError("--geo.sync", g, f"choose from: {', '.join(GEO_SYNCS)}")
+    wan = (
+        WAN_SCHEDULES if ns.wan_schedule is None else tuple(w.strip() for w in ns.wan_schedule.split(",") if w.strip())
+    )
+    for w in wan or ("",):
+        if w not in WAN_SCHEDULES:
+            raise ConfigError("--geo.wan_schedule", w, f"choose from: {', '.join(WAN_SCHEDULES)}")
     return SearchSpace(
         batch_size=ns.batch_size,
         seq_len=ns.seq_len,
@@ -244,6 +267,8 @@ def search_space(ns: argparse.Namespace) -> SearchSpace:
         fragments=ns.fragments,
         overlap_steps=ns.overlap_steps,
         max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
+        datacenters=ns.datacenters,
+        wan_schedule=wan,
     )
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from isthmus.layout.spec import DILOCO_SYNCS
 from isthmus.models.flops import count_params
-from isthmus.planner.cost import Estimate
-from isthmus.planner.placement import place
+from isthmus.planner.cost import Estimate, estimate
+from isthmus.planner.layout import RUNTIMES
+from isthmus.planner.placement import place, runnable
 from isthmus.planner.search import SearchResult
 from isthmus.planner.topology import Topology
 
@@ -83,6 +84,7 @@ def explain(result: SearchResult, topo: Topology) -> str:
     shard = f"ZeRO-{lay.zero_stage} over {lay.shard_degree} ranks" if lay.shard_degree > 1 else "no sharding"
     out.append(f"It fits with {state} and {shard}.")
     out.extend(_wan_sentences(result, topo))
+    out.extend(placement_sentences(result, topo))
     second = _runner_up(result)
     if second is not None:
         out.append(
@@ -172,6 +174,68 @@ def _wan_sentences(result: SearchResult, topo: Topology) -> list[str]:
     return [s]
 
 
+def placement_sentences(result: SearchResult, topo: Topology) -> list[str]:
+    """Which datacenters the winner uses and what the others would cost, how its stages are spread,
+    what time-shared WAN slots buy, and whether the runtime can run it as placed."""
+    n = len(topo.datacenters)
+    if n < 2:
+        return []
+    best = result.best
+    lay = best.layout
+    pl = place(topo, lay)
+    names = [topo.datacenters[i].name for i in pl.dcs]
+    left = [d.name for i, d in enumerate(topo.datacenters) if i not in pl.dcs]
+    out = [f"It uses {_names(names)} ({len(names)} of {n} datacenters)."]
+    if left:
+        # The best layout over more datacenters: what adding the ones left out would do to a step.
+        wider = [
+            e
+            for k in range(lay.datacenters + 1, n + 1)
+            if (e := result.alternatives.get(f"datacenters={k}")) is not None
+        ]
+        if wider:
+            more = max(wider, key=lambda e: e.effective_tokens_per_s)
+            added = [topo.datacenters[i].name for i in place(topo, more.layout).dcs if i not in pl.dcs]
+            out.append(
+                f"It leaves out {_names(left)}: with {_names(added)} the best layout ({more.layout.label()}) "
+                f"takes {more.step_time_s:.3g} s per step, against {best.step_time_s:.3g} s without."
+            )
+        else:
+            out.append(f"It leaves out {_names(left)}: no layout that uses them fits or is valid.")
+    if lay.dc_axis == "pp":
+        counts = pl.stages_per_dc
+        spread = ", ".join(f"{c} in {name}" for c, name in zip(counts, names))
+        out.append(
+            f"Its {lay.pp} pipeline stages are spread {spread} (by compute, every device used where the sizes "
+            f"allow), each stage with its {lay.dp} data-parallel replica(s) in one datacenter, so only stage "
+            "boundaries cross the WAN."
+        )
+        other = "fair" if lay.wan_schedule == "time_shared" else "time_shared"
+        alt = estimate(best.work, topo, lay.with_(wan_schedule=other), RUNTIMES[best.runtime], pl)
+        ts, fair = (best, alt) if other == "fair" else (alt, best)
+        k = max((share for _, share, wan in pl.boundary_links if wan), default=1)
+        out.append(
+            f"With {k} transfers per WAN link at a boundary, time-shared slots take {ts.step_time_s:.3g} s per step "
+            f"and fair sharing {fair.step_time_s:.3g} s (geo.wan_schedule = {lay.wan_schedule})."
+        )
+    why = runnable(topo, lay)
+    if why is not None:
+        pool = list(result.ranked) + sorted(result.alternatives.values(), key=lambda e: -e.effective_tokens_per_s)
+        real = next((e for e in pool if runnable(topo, e.layout) is None), None)
+        s = f"This is a planner-only what-if: the runtime cannot run it as placed (it {why})."
+        if real is not None:
+            s += (
+                f" The best layout the runtime runs as planned is {real.layout.label()}: "
+                f"{real.tokens_per_s:,.0f} tokens/s, {real.step_time_s:.3g} s per step."
+            )
+        out.append(s)
+    return out
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
 def result_json(result: SearchResult, topo: Topology, top: int) -> dict[str, object]:
     return {
         "topology": topo.name,
@@ -179,6 +243,6 @@ def result_json(result: SearchResult, topo: Topology, top: int) -> dict[str, obj
         "model_params": count_params(result.best.work.args),
         "considered": result.considered,
         "pruned_memory": result.pruned_memory,
-        "layouts": [est.as_json() for est in result.ranked[:top]],
+        "layouts": [{**est.as_json(), "what_if": runnable(topo, est.layout)} for est in result.ranked[:top]],
         "explanation": explain(result, topo),
     }

@@ -159,7 +159,7 @@ def runnable(topo: Topology, layout: LayoutSpec) -> str | None:
         if len(set(counts)) > 1:
             why.append(f"puts {'+'.join(map(str, counts))} stages in its datacenters")
     if layout.wan_schedule != "fair":
-        why.append(f"time-shares the WAN (geo.wan_schedule = {layout.wan_schedule})")
+        why.append(f"time-shares the WAN links, geo.wan_schedule = {layout.wan_schedule}")
     return "; ".join(why) or None
 
 

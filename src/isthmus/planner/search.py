@@ -104,11 +104,7 @@ def _placements(topo: Topology, space: SearchSpace) -> list[tuple[int, str]]:
     """(datacenters, axis): one datacenter, or k of n (the k largest) cut along dp or pp."""
     n = len(topo.datacenters)
     opts = [(1, "none")] + [(k, axis) for k in range(2, n + 1) for axis in ("dp", "pp")]
-    return [
-        o
-        for o in opts
-        if (space.dc_axis is None or o[1] == space.dc_axis) and space.datacenters in (None, o[0])
-    ]
+    return [o for o in opts if (space.dc_axis is None or o[1] == space.dc_axis) and space.datacenters in (None, o[0])]
 
 
 def _schedules(space: SearchSpace, pp: int, m: int, layers: int, runtime: Runtime) -> list[tuple[str, int]]:
@@ -142,9 +138,7 @@ def search(
         )
     if not _placements(topo, space):
         if space.datacenters is not None:
-            raise ConfigError(
-                "--geo.datacenters", space.datacenters, f"does not go with --geo.dc_axis {space.dc_axis}"
-            )
+            raise ConfigError("--geo.datacenters", space.datacenters, f"does not go with --geo.dc_axis {space.dc_axis}")
         raise ConfigError("--geo.dc_axis", space.dc_axis, f"topology {topo.name!r} has one datacenter; use none")
     seqs = [space.seq_len] if space.seq_len else list(DEFAULT_SEQ_LENS)
     heap: list[tuple[float, int, Estimate]] = []
@@ -401,6 +395,7 @@ def _variants(
                 result.pruned_memory += 1
                 continue
             pl = pl or place(topo, probe)
+            fair_step = float("inf")
             for geo, wan_schedule in ((g, w) for g in _geos(core, space) for w in _wan_schedules(core.dc_axis, space)):
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
@@ -421,6 +416,10 @@ def _variants(
                 if not est.fits:
                     result.pruned_memory += 1
                     continue
+                if wan_schedule == "fair":
+                    fair_step = est.step_time_s
+                elif est.step_time_s >= fair_step:
+                    continue  # nothing shares the link (one pipeline): time slots change nothing
                 counter += 1
                 _remember(result, est)
                 item = (est.effective_tokens_per_s, -counter, est)

@@ -7,7 +7,9 @@ share of the link it uses when it runs at its nominal speed, as the cost model t
 all active flows slow down together by the sum of their weights, or speed up when that sum is
 below one (a flow never beats its ``min_stretch``). A :class:`Transfer` is a chain of phases
 (latency, then bytes on one link), optionally queued behind the previous transfer of the same
-:class:`Stream`, the way one NCCL/gloo communicator runs its collectives one after another.
+:class:`Stream`, the way one NCCL/gloo communicator runs its collectives one after another. A
+:class:`SlotLink` serves its transfers in turn instead, each with the whole link (time-shared WAN
+slots, ``geo.wan_schedule = 'time_shared'``).
 
 Everything is in seconds. Nothing here knows about models or layouts (program.py builds those).
 """
@@ -48,6 +50,8 @@ class Phase:
     """Lower bound of the slow-down factor: a flow alone never runs faster than 1/min_stretch of nominal."""
     wan_bytes: float = 0.0
     """Bytes all devices this phase stands for send across datacenters (for the report)."""
+    hold: float = 0.0
+    """SlotLink only: seconds the link stays reserved after this flow (the slots of the others it stands for)."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,10 @@ class Link:
         t = min((f[0] if f[0] > 0 else 0.0) * (w if w > f[2] else f[2]) for f in self.flows)
         self.engine.at(self.engine.now + t, self._complete, self._version)
 
-    def add(self, seconds: float, weight: float, min_stretch: float, on_done: Callable[[], None]) -> None:
+    def add(
+        self, seconds: float, weight: float, min_stretch: float, on_done: Callable[[], None], hold: float = 0.0
+    ) -> None:
+        assert hold == 0.0, "only a SlotLink reserves time after a flow"
         self._advance()
         self.flows.append([seconds, weight, min_stretch, on_done])
         self.weight += weight
@@ -151,6 +158,30 @@ class Link:
         self._reschedule()
         for f in done:
             f[3]()
+
+
+class SlotLink(Link):
+    """A link (one direction) that serves its flows in turn, in time slots, instead of sharing.
+
+    A flow waits until the link is free, takes all of it for its nominal ``seconds`` (weight and
+    min_stretch do not apply), and leaves it reserved for ``hold`` seconds more: the slots of the
+    other data-parallel pipelines that the simulated one stands for (program.py). The order is
+    first come, first served, so the end of the last slot is all the state it needs.
+    """
+
+    __slots__ = ("free_at",)
+
+    def __init__(self, engine: Engine, name: str, kind: str) -> None:
+        super().__init__(engine, name, kind)
+        self.free_at = 0.0
+
+    def add(
+        self, seconds: float, weight: float, min_stretch: float, on_done: Callable[[], None], hold: float = 0.0
+    ) -> None:
+        start = max(self.engine.now, self.free_at)
+        self.free_at = start + seconds + hold
+        self.busy += seconds + hold
+        self.engine.at(start + seconds, on_done)
 
 
 class Stream:
@@ -242,7 +273,7 @@ class Transfer:
         if ph.seconds <= 0:
             self._phase_done(ph)
             return
-        ph.link.add(ph.seconds, ph.weight, ph.min_stretch, lambda: self._phase_done(ph))
+        ph.link.add(ph.seconds, ph.weight, ph.min_stretch, lambda: self._phase_done(ph), ph.hold)
 
     def _phase_done(self, ph: Phase) -> None:
         eng = self.engine

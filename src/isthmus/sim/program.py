@@ -7,7 +7,11 @@ and context-parallel peers of a pipeline stage are symmetric too: one simulated 
 the ``tp x cp`` devices of each pipeline rank, and its tensor-parallel collectives run inside its
 ops on the group's own NVLink share (blocking, as the planner assumes, uncontended); pipeline
 sends and data-parallel traffic go over that device's ports and WAN links, where they share
-bandwidth with whatever else is in flight.
+bandwidth with whatever else is in flight. With ``geo.wan_schedule = 'time_shared'`` a WAN link at
+a stage boundary is a :class:`~isthmus.sim.engine.SlotLink`: the simulated pipeline's message takes
+the whole link for one slot and reserves it for the other pipelines' slots; those pipelines run
+the same program one slot apart each, so a step ends (pipelines - 1) slots after the simulated
+one's (the stagger, as in ``planner.geo.pipeline_transfer``).
 
 Per device, per step: the pipeline schedule's actions in torch's order (schedule.py), each a
 forward, backward, input-gradient or weight-gradient pass of one microbatch through one stage
@@ -24,17 +28,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from isthmus.planner import comm
 from isthmus.planner.compute import ends_times, optimizer_time, shard_overhead
 from isthmus.planner.cost import block_cost, recompute_share, stage_costs
-from isthmus.planner.geo import dp_sync
+from isthmus.planner.geo import dp_sync, pipeline_transfer
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.pipeline import partition_layers
 from isthmus.planner.placement import Placement, SiteSpans, place
 from isthmus.planner.topology import DeviceKind, Topology
 from isthmus.sim import costs
 from isthmus.sim.costs import DpPlan, PhaseSpec, StageOps
-from isthmus.sim.engine import Device, Engine, Link, Phase, Stream, Token, Transfer
+from isthmus.sim.engine import Device, Engine, Link, Phase, SlotLink, Stream, Token, Transfer
 from isthmus.sim.schedule import Action, peak_in_flight, rank_actions, stage_ranks
 
 
@@ -110,6 +113,15 @@ class Simulation:
             self.first_layer.append(first)
             first += self.ranks[self.stage_rank[s]].stages[s].layers
         self.msg = costs.p2p_message(work, layout, runtime)
+        self.stagger = max(
+            [
+                pipeline_transfer(self.msg, link, share, layout.wan_schedule).stagger
+                for link, share, wan in self.placement.boundary_links
+                if wan
+            ]
+            + [0.0]
+        )
+        """Seconds the last data-parallel pipeline ends after the simulated one (time-shared WAN slots)."""
         self.iter_start = [Token() for _ in range(iterations + 1)]
         self.iter_time: list[float] = []
         self.streams = {(r, "gather"): Stream() for r in range(p)}
@@ -178,10 +190,10 @@ class Simulation:
         assert best is not None
         return best
 
-    def _link(self, name: str, kind: str) -> Link:
+    def _link(self, name: str, kind: str, slotted: bool = False) -> Link:
         link = self.links.get(name)
         if link is None:
-            link = self.links[name] = Link(self.engine, name, kind)
+            link = self.links[name] = (SlotLink if slotted else Link)(self.engine, name, kind)
         return link
 
     def _phases(self, r: int, specs: list[PhaseSpec], wan_bytes: float = 0.0) -> list[Phase]:
@@ -208,16 +220,20 @@ class Simulation:
         phase = self._routes.get((r, peer))
         if phase is None:
             link, share, crosses = self._boundary(r, peer)
+            slotted = crosses and self.layout.wan_schedule == "time_shared"
             if crosses:
                 a, b = (self.ranks[r].site.dc.name, self.ranks[peer].site.dc.name)
-                res = self._link(f"wan {a}->{b}", "wan")
+                res = self._link(f"wan {a}->{b}", "wan", slotted)
             else:
                 tier = "intra" if link == self.ranks[r].site.dc.intra_node else "fabric"
                 res = self._link(f"stage{r}.{tier}", tier)
-            seconds = comm.p2p(self.msg, link, share) - link.latency
-            # A message stands for all dp x cp x tp devices' messages on a WAN boundary (share).
+            timing = pipeline_transfer(self.msg, link, share, "time_shared" if slotted else "fair")
+            seconds = timing.seconds - link.latency
+            # A message stands for all dp x cp x tp devices' messages on a WAN boundary (share):
+            # shared, it takes them all at once; in slots, its own and then the others' turns.
             wan_bytes = self.msg * share if crosses else 0.0
-            phase = self._routes[(r, peer)] = Phase(res, link.latency, seconds, 1.0, 0.0, wan_bytes)
+            hold = timing.occupancy - seconds if slotted else 0.0
+            phase = self._routes[(r, peer)] = Phase(res, link.latency, seconds, 1.0, 0.0, wan_bytes, hold)
         name = f"{'act' if forward else 'grad'} mb{mb} s{src}->s{dst}" if self.engine.record else ""
         xfer = Transfer(self.engine, [phase], name, "p2p", f"device:{r}", "p2p")
         xfer.token = token
@@ -382,8 +398,13 @@ class Simulation:
         self._left -= 1
         if self._left == 0:
             self._left = len(self.devices)
-            self.iter_time.append(self.engine.now - (self.iter_start[it].time if it else 0.0))
-            self.engine.fire(self.iter_start[it + 1])
+            # The barrier waits for the last pipeline, a stagger behind the simulated one.
+            end = self.engine.now + self.stagger
+            self.iter_time.append(end - (self.iter_start[it].time if it else 0.0))
+            if self.stagger > 0:
+                self.engine.at(end, self.engine.fire, self.iter_start[it + 1])
+            else:
+                self.engine.fire(self.iter_start[it + 1])
 
     # --- running ---------------------------------------------------------------------------------
     def run(self) -> Simulation:
