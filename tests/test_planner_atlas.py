@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -24,39 +25,20 @@ from isthmus.planner.geo import pipeline_transfer
 from isthmus.planner.layout import RUNTIMES, Workload
 from isthmus.planner.placement import place, runnable, stage_counts
 from isthmus.planner.search import SearchSpace, search
-from isthmus.planner.topology import Link, Topology, load_topology, parse_topology
+from isthmus.planner.topology import Link, Topology, load_topology
 from isthmus.sim.engine import Engine, SlotLink
 from isthmus.sim.run import simulate
 
 ISTHMUS = RUNTIMES["isthmus"]
 
 
-def _dc(name: str, nodes: int) -> dict[str, object]:
-    return {
-        "name": name,
-        "device": "h100-sxm",
-        "nodes": nodes,
-        "devices_per_node": 8,
-        "intra_node": {"bandwidth_gb_s": 360, "latency_us": 3},
-        "fabric": {"bandwidth_gb_s": 45, "latency_us": 6},
-    }
+ATLAS_3DC = Path(__file__).resolve().parents[1] / "examples" / "atlas-3dc.toml"
 
 
 def _three_dcs() -> Topology:
-    """A big and a mid-sized datacenter 10 ms apart, and a small one 80 ms away on a thin link
-    (listed first, so only the placement rule leaves it out)."""
-    far = {"bandwidth_gb_s": 0.5, "latency_us": 80000}
-    return parse_topology(
-        {
-            "name": "atlas-3dc",
-            "datacenters": [_dc("far", 1), _dc("big", 4), _dc("mid", 2)],
-            "wan": [
-                {"between": ["big", "mid"], "bandwidth_gb_s": 10, "latency_us": 10000},
-                {"between": ["big", "far"], **far},
-                {"between": ["mid", "far"], **far},
-            ],
-        }
-    )
+    """A big and a mid-sized datacenter 10 ms apart, and a small one 80 ms away on thin links
+    (listed first, so only the placement rule leaves it out); docs/planner.md plans on it too."""
+    return load_topology(str(ATLAS_3DC))
 
 
 @pytest.fixture(scope="module")

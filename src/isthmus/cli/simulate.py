@@ -23,6 +23,7 @@ from isthmus.errors import ConfigError
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.autoplan import choose_layout, parse_plan
 from isthmus.planner.layout import RUNTIMES
+from isthmus.planner.placement import runnable
 from isthmus.planner.topology import load_topology
 from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.run import SimResult
@@ -94,6 +95,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         written.append(f"timeline: {ns.png}")
     if ns.json:
         out = result.as_json()
+        out["what_if"] = runnable(topo, result.layout)  # as `isthmus plan --json` says it
         out["topology"] = topo.name
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
         return 0

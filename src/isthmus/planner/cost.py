@@ -449,8 +449,12 @@ def estimate(
     # Streaming DiLoCo: the slowest fragment transfer against the steps it overlaps.
     streaming = streaming_exposed(max(sy.fragment for sy in syncs), step, layout)
     step += streaming
-    # Activations and their gradients cross each WAN boundary once per sequence.
-    wan_cuts = sum(1 for _, _, wan in pl.boundary_links if wan)
+    # Activations and their gradients cross each WAN boundary once per sequence and virtual stage
+    # (ZB-V's V and interleaving's chain pass each boundary v times); interleaving also wraps from
+    # the last rank back to the first v - 1 times, across the WAN when they are in two datacenters.
+    wan_cuts = sum(1 for _, _, wan in pl.boundary_links if wan) * v
+    if layout.pp_schedule == "interleaved_1f1b" and pl.stage_sites[0] != pl.stage_sites[-1]:
+        wan_cuts += v - 1
     wan_bytes = sum(sy.wan_bytes for sy in syncs) + wan_cuts * 2 * work.tokens_per_step * a.dim * e * (
         1 if runtime.scatter_gather or layout.sequence_parallel else layout.tp
     )

@@ -414,7 +414,8 @@ def _variants(
                 same = runtime.p2p_async or wan_schedule == core.wan_schedule
                 est = estimate(work, topo, lay, runtime, pl, cand.stages if same else None)
                 if not est.fits:
-                    result.pruned_memory += 1
+                    # One count per layout: the WAN schedule changes no memory.
+                    result.pruned_memory += wan_schedule == _wan_schedules(core.dc_axis, space)[0]
                     continue
                 if wan_schedule == "fair":
                     fair_step = est.step_time_s
