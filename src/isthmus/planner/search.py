@@ -194,10 +194,10 @@ def search(
     # the top k or beat the best layout of its kind of WAN crossing (for the explanation).
     cores.sort(key=lambda c: -c.bound)
     for cand in cores:
-        if _hopeless(cand, heap, top, result):
+        if _hopeless(cand, heap, top, result, len(topo.datacenters)):
             continue
         _tighten(cand, topo, runtime, space)
-        if _hopeless(cand, heap, top, result):
+        if _hopeless(cand, heap, top, result, len(topo.datacenters)):
             continue
         counter = _variants(cand, topo, runtime, space, heap, top, result, counter)
     if not heap:
@@ -353,12 +353,15 @@ def _tighten(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace) 
     )
 
 
-def _hopeless(cand: _Core, heap: list[tuple[float, int, Estimate]], top: int, result: SearchResult) -> bool:
-    """No variant can enter the top k, nor beat the best of its WAN crossing or of its datacenter
-    count (both explain the winner)."""
+def _hopeless(cand: _Core, heap: list[tuple[float, int, Estimate]], top: int, result: SearchResult, n: int) -> bool:
+    """No variant can enter the top k, nor beat the best of its WAN crossing or, over every
+    datacenter, the best that uses them all (both explain the winner)."""
     if len(heap) < top or cand.bound >= heap[0][0]:
         return False
-    for key in (f"dc_axis={cand.core.dc_axis}", f"datacenters={cand.core.datacenters}"):
+    keys = [f"dc_axis={cand.core.dc_axis}"]
+    if cand.core.datacenters == n and n > 1:
+        keys.append(f"datacenters={n}")
+    for key in keys:
         rival = result.alternatives.get(key)
         if rival is None or cand.bound >= rival.effective_tokens_per_s:
             return False
@@ -395,10 +398,16 @@ def _variants(
                 result.pruned_memory += 1
                 continue
             pl = pl or place(topo, probe)
-            fair_step = float("inf")
-            for geo, wan_schedule in ((g, w) for g in _geos(core, space) for w in _wan_schedules(core.dc_axis, space)):
+            # Time slots matter only where several transfers share a WAN link; they change no memory.
+            schedules = _wan_schedules(core.dc_axis, space)
+            if len(schedules) > 1 and max((n for _, n, wan in pl.boundary_links if wan), default=1) == 1:
+                schedules = schedules[:1]
+            fair_step: float | None = None
+            for geo, wan_schedule in ((g, w) for g in _geos(core, space) for w in schedules):
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
+                if wan_schedule != schedules[0] and fair_step is None:
+                    continue  # the fair variant did not fit
                 lay = LayoutSpec(
                     **fields,
                     dp_replicate=per_dc // shard,
@@ -414,13 +423,12 @@ def _variants(
                 same = runtime.p2p_async or wan_schedule == core.wan_schedule
                 est = estimate(work, topo, lay, runtime, pl, cand.stages if same else None)
                 if not est.fits:
-                    # One count per layout: the WAN schedule changes no memory.
-                    result.pruned_memory += wan_schedule == _wan_schedules(core.dc_axis, space)[0]
+                    result.pruned_memory += 1
                     continue
-                if wan_schedule == "fair":
+                if wan_schedule == schedules[0]:
                     fair_step = est.step_time_s
-                elif est.step_time_s >= fair_step:
-                    continue  # nothing shares the link (one pipeline): time slots change nothing
+                elif fair_step is not None and est.step_time_s >= fair_step:
+                    continue
                 counter += 1
                 _remember(result, est)
                 item = (est.effective_tokens_per_s, -counter, est)
