@@ -300,9 +300,11 @@ def _burst_bytes(mbit: float) -> int:
     return max(32 * 1024, int(mbit * 1e6 / 8 * 0.002))
 
 
-def _shape(net: EmulatedNetwork, dc: DatacenterNamespace, dcs: list[DatacenterNamespace], dev: str) -> None:
-    """Limit what leaves ``dc`` for other datacenters through ``dev`` to the WAN rate (its egress)."""
-    ns = dc.namespace
+def _shape(
+    net: EmulatedNetwork, dc: DatacenterNamespace, dcs: list[DatacenterNamespace], dev: str | None = None
+) -> None:
+    """Limit what leaves ``dc`` for other datacenters through ``dev`` (default: its veth) to the WAN rate."""
+    ns, dev = dc.namespace, dev or dc.ifname
     others = [d for d in dcs if d.index != dc.index]
     rates = {d.index: net.rate_mbit(dc.index, d.index) for d in others}
     if not others:
@@ -394,7 +396,7 @@ def _build(em: Emulation) -> None:
         netns.sh("ip", "-n", wan, "link", "set", port, "master", BRIDGE, "up")
         netns.sh("ip", "-n", dc.namespace, "addr", "add", f"{dc.address}/24", "dev", dc.ifname)
         netns.sh("ip", "-n", dc.namespace, "link", "set", dc.ifname, "up")
-        _shape(em.network, dc, em.dcs, dc.ifname)
+        _shape(em.network, dc, em.dcs)
         if em.network.delayed:
             _add_delay_route(em, dc)
     # Names for every address here, so that servers in the namespaces need no DNS (see write_hosts).
@@ -416,7 +418,7 @@ def _add_delay_route(em: Emulation, dc: DatacenterNamespace) -> None:
     for other in em.dcs:
         if other.index != dc.index:
             netns.sh("ip", "-n", ns, "route", "add", f"{other.address}/32", "dev", TUN_IFNAME, "src", dc.address)
-    _shape(em.network, dc, em.dcs, TUN_IFNAME)
+    _shape(em.network, dc, em.dcs, dev=TUN_IFNAME)
 
 
 def start_delay_line(em: Emulation) -> None:
