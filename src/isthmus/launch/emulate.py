@@ -61,7 +61,7 @@ from typing import IO, Any
 
 from isthmus.errors import ConfigError
 from isthmus.launch import netns
-from isthmus.launch.delayline import TUN_IFNAME, DelayLineSpec, delay_line_argv
+from isthmus.launch.delayline import DELAY_LINE_CEILING_MBIT, TUN_IFNAME, DelayLineSpec, delay_line_argv
 from isthmus.launch.reaper import dismiss_reaper, start_reaper
 from isthmus.log import get_logger
 
@@ -461,6 +461,12 @@ def emulated_network(net: EmulatedNetwork, clean_stale: bool = True) -> Iterator
             _build(em)
             if net.delayed:
                 start_delay_line(em)
+                if max(net.distinct_rates_mbit()) > DELAY_LINE_CEILING_MBIT:
+                    log.warning(
+                        "WAN rates above %g Mbit/s may not be reached with latency: the delay line is one "
+                        "Python process (about 500-800 Mbit/s on 2 shared cores)",
+                        DELAY_LINE_CEILING_MBIT,
+                    )
             n = len(dcs)
             rtts = sorted({net.rtt_ms(i, j) for i in range(n) for j in range(n) if i != j} or {net.wan_rtt_ms})
             log.info(
