@@ -23,10 +23,12 @@ from pathlib import Path
 import pytest
 
 from isthmus.cli import main
+from isthmus.cli.emulate import emulated_network_of
 from isthmus.errors import ConfigError
 from isthmus.launch import netns
 from isthmus.launch.emulate import EmulatedDatacenter, EmulatedNetwork, emulated_network
 from isthmus.launch.wanprobe import ping_ms, tcp_flows_bps
+from isthmus.planner.topology import load_topology
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0 or not Path("/dev/net/tun").exists(),
@@ -130,6 +132,65 @@ def test_rtt_validation_names_the_key() -> None:
         _net(-1.0)
     with pytest.raises(ConfigError, match=r"wan_rtt_ms_per_pair\[0,1\]"):
         _net(10.0, wan_rtt_ms_per_pair={(0, 1): -5.0})
+
+
+_THREE_DC = """
+name = "three"
+[[datacenters]]
+name = "a"
+device = "cpu"
+nodes = 1
+devices_per_node = 1
+intra_node = { bandwidth_gb_s = 1, latency_us = 1 }
+fabric = { bandwidth_gb_s = 1, latency_us = 1 }
+[[datacenters]]
+name = "b"
+device = "cpu"
+nodes = 1
+devices_per_node = 1
+intra_node = { bandwidth_gb_s = 1, latency_us = 1 }
+fabric = { bandwidth_gb_s = 1, latency_us = 1 }
+[[datacenters]]
+name = "c"
+device = "cpu"
+nodes = 1
+devices_per_node = 1
+intra_node = { bandwidth_gb_s = 1, latency_us = 1 }
+fabric = { bandwidth_gb_s = 1, latency_us = 1 }
+[[wan]]
+between = ["a", "b"]
+bandwidth_gb_s = 0.0125
+latency_us = 5000
+[[wan]]
+between = ["a", "c"]
+bandwidth_gb_s = 0.0125
+latency_us = 20000
+[[wan]]
+between = ["b", "c"]
+bandwidth_gb_s = 0.0125
+latency_us = 20000
+"""
+
+
+def test_the_topologys_one_way_latency_is_half_of_each_links_rtt(tmp_path: Path) -> None:
+    path = tmp_path / "three.toml"
+    path.write_text(_THREE_DC)
+    net = emulated_network_of(load_topology(str(path)), str(path))
+    assert (net.wan_mbit, net.rtt_ms(0, 1), net.rtt_ms(1, 0), net.rtt_ms(0, 2), net.rtt_ms(2, 1)) == (
+        100.0,
+        10.0,
+        10.0,
+        40.0,
+        40.0,
+    )
+    flat = emulated_network_of(load_topology(str(path)), str(path), wan_rtt_ms=30.0)
+    assert {flat.rtt_ms(i, j) for i in range(3) for j in range(3) if i != j} == {30.0}
+    assert not emulated_network_of(load_topology("emulated-2dc"), "emulated-2dc").delayed  # RTT 0: today's path
+    with emulated_network(net) as em:
+        near, far = ping_ms(em, 0, 1, count=7, interval_s=0.15), ping_ms(em, 2, 1, count=7, interval_s=0.15)
+    print(f"per-pair RTT: a <-> b {near} (10 ms), c <-> b {far} (40 ms)")
+    assert abs(statistics.median(near) - 10.0) <= 1.0, near
+    assert abs(statistics.median(far) - 40.0) <= 4.0, far
 
 
 def test_a_negative_wan_rtt_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
