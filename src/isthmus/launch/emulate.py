@@ -17,8 +17,9 @@ emulate --wan-rtt-ms``): ``tc netem`` is unavailable on the kernel this was buil
 round-trip time is set each datacenter also gets a TUN device ``wan1`` that routes the other
 datacenters' addresses, shaped by the same qdiscs, and a forwarder in the ``-wan`` namespace
 holds each packet for half the pair's RTT before delivering it into the destination's TUN
-(:mod:`isthmus.launch.delayline`, which gives its throughput ceiling). With RTT 0 (the default)
-none of this exists and traffic takes ``wan0`` straight.
+(:mod:`isthmus.launch.delayline`, which gives its throughput ceiling). Only traffic between
+datacenters is delayed: a fault-tolerant run's Lighthouse, on the bridge, is reached through
+``wan0`` at once. With RTT 0 (the default) none of this exists and traffic takes ``wan0`` straight.
 
 Everything made here (namespaces, bridge, veths, qdiscs, the hosts files of ``/etc/netns``) is
 removed on exit, on an exception, on SIGINT / SIGTERM / SIGHUP; when this process is killed with
@@ -71,6 +72,7 @@ SUBNET = "10.213.0"
 _FIRST_HOST = 100  # three-digit host parts: address strings sort in datacenter order (see top)
 MAX_DATACENTERS = 154
 MAX_RTT_MS = 10_000.0
+"""The largest round-trip time accepted: beyond it TCP's and gloo's timeouts, not the WAN, would decide."""
 DC_IFNAME = "wan0"
 """The veth inside each datacenter's namespace (bind gloo here: GLOO_SOCKET_IFNAME)."""
 BRIDGE = "br0"
@@ -437,7 +439,8 @@ def start_delay_line(em: Emulation) -> None:
 
 @contextmanager
 def emulated_network(net: EmulatedNetwork, clean_stale: bool = True) -> Iterator[Emulation]:
-    """Make the namespaces, bridge, veths and qdiscs of ``net``; remove them all on the way out.
+    """Make the namespaces, bridge, veths and qdiscs of ``net`` (and its delay line when it has an
+    RTT); remove them all on the way out.
 
     ``clean_stale`` first removes namespaces left by emulator runs whose process is gone.
     """
