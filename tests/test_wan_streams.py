@@ -1,9 +1,9 @@
 """``geo.wan_streams``: a cross-datacenter transfer split over several connections gives the same bytes.
 
-The striped primitives against torch's own on 2 gloo ranks, then the trainer: a pipeline whose
-stages sit in two datacenters (``geo.dc_axis = pp``), and geo syncs whose inter-datacenter
-collectives are striped (hierarchical: all-reduce; streaming DiLoCo: int4 all-gather), each run with
-one stream and with several. The losses and gradient norms of every step must be equal exactly
+The striped primitives (all-reduce, all-gather, send/receive) against torch's own on 2 gloo ranks,
+then the trainer: a pipeline whose stages sit in two datacenters (``geo.dc_axis = pp``), and
+streaming DiLoCo, whose inter-datacenter int4 all-gathers are striped, each run with one stream and
+with several. The losses and gradient norms of every step must be equal exactly
 (fp32, ==): striping moves bytes, it does no arithmetic (an all-reduce over 2 datacenters adds two
 values, in either order the same).
 """
@@ -102,7 +102,6 @@ PIPELINE = (
     "--geo.dc_axis",
     "pp",
 )
-HIERARCHICAL = ("--geo.datacenters", "2", "--geo.sync", "hierarchical")
 STREAMING = (
     "--geo.datacenters",
     "2",
@@ -118,7 +117,7 @@ STREAMING = (
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "layout", "streams"),
-    [("pipeline", PIPELINE, 4), ("hierarchical", HIERARCHICAL, 3), ("streaming", STREAMING, 2)],
+    [("pipeline", PIPELINE, 4), ("streaming", STREAMING, 3)],
 )
 def test_striped_runs_equal_one_stream(tmp_path: Path, name: str, layout: tuple[str, ...], streams: int) -> None:
     one = _train(tmp_path, f"{name}-1", *layout)
