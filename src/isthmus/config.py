@@ -179,6 +179,10 @@ class MetricsConfig:
 WireDtype = Literal["fp32", "bf16", "int8", "int4"]
 
 
+WAN_STREAMS_MAX = 16
+"""The most connections one cross-datacenter transfer is split over (``geo.wan_streams``)."""
+
+
 @dataclass
 class GeoConfig:
     sync: SyncKind = "none"
@@ -211,6 +215,8 @@ class GeoConfig:
     """streaming_diloco: fragment <- alpha * local + (1 - alpha) * global when applied (0 = replace by global)."""
     outer_dtype: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
     """diloco / streaming_diloco: outer-gradient dtype on the WAN; auto = fp32 for diloco, int4 for streaming."""
+    wan_streams: int = 1
+    """Parallel connections per cross-datacenter transfer (pipeline sends and receives across datacenters, geo.sync's inter-datacenter collectives): each transfer is split into this many stripes, one per connection, reassembled exactly. One TCP flow carries at most its window / RTT."""
     fault_tolerant: bool = False
     """diloco / streaming_diloco: each datacenter is its own torch.distributed job and the outer step goes through torchft (a lighthouse at TORCHFT_LIGHTHOUSE): a datacenter that dies is dropped from the quorum, one that restarts rejoins from the current global model."""
 
@@ -590,6 +596,8 @@ def validate_geo(cfg: GeoConfig) -> None:
         raise ConfigError("geo.bucket_mb", cfg.bucket_mb, "must be at least 1")
     if cfg.inner_steps < 1:
         raise ConfigError("geo.inner_steps", cfg.inner_steps, "must be at least 1")
+    if not 1 <= cfg.wan_streams <= WAN_STREAMS_MAX:
+        raise ConfigError("geo.wan_streams", cfg.wan_streams, f"must be between 1 and {WAN_STREAMS_MAX}")
     if cfg.outer_lr <= 0:
         raise ConfigError("geo.outer_lr", cfg.outer_lr, "must be positive")
     if not 0 <= cfg.outer_momentum < 1:

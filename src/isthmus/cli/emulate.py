@@ -1,7 +1,8 @@
 """`isthmus emulate --topology FILE -- train ...`: a training run across emulated datacenters.
 
 The topology file is the planner's: its datacenters become network namespaces of ``devices``
-ranks each, its WAN links become ``tc``-shaped links. What the run needs to know of them (the
+ranks each, its WAN links become ``tc``-shaped links delayed by their ``latency_us`` each way
+(a user-space delay line, :mod:`isthmus.launch.delayline`). What the run needs to know of them (the
 number of datacenters, the world size) is added to the train command unless given, and the whole
 command is validated here, as its ranks will run it, before anything is made.
 """
@@ -19,26 +20,34 @@ from pathlib import Path
 from isthmus.cli.train import config_name, find_config, parse_train_command, train_config
 from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError, Interrupted, IsthmusError, RunFailed
-from isthmus.launch.emulate import EmulatedDatacenter, EmulatedNetwork, launch_emulated
+from isthmus.launch.emulate import MAX_RTT_MS, EmulatedDatacenter, EmulatedNetwork, launch_emulated
 from isthmus.launch.environ import environ
 from isthmus.launch.rundir import CLAIMED_ENV, claim_run_dir
 from isthmus.log import get_logger
-from isthmus.planner.topology import load_topology
+from isthmus.planner.topology import Topology, load_topology
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "emulate",
         allow_abbrev=False,
-        help="run `train` across datacenters emulated with network namespaces and shaped links (root)",
+        help="run `train` across datacenters emulated with network namespaces and shaped, delayed links (root)",
         description="Build one network namespace per datacenter of the topology, shape the WAN links with tc, "
         "run the train command after `--` with each datacenter's ranks inside its namespace, and remove it all "
-        "on exit. Latency is not emulated (tc netem is unavailable on this kernel).",
+        "on exit. A link's latency (the topology's latency_us one way, or --wan-rtt-ms) is emulated by a user-space "
+        "delay line (tc netem is unavailable on this kernel).",
     )
     p.add_argument(
         "--topology", default="emulated-2dc", help="topology preset name or TOML file (default: emulated-2dc)"
     )
     p.add_argument("--wan-mbit", type=float, default=None, help="override every WAN link's rate, in Mbit/s")
+    p.add_argument(
+        "--wan-rtt-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="override every WAN link's round-trip time, in ms (half each way; 0: no delay)",
+    )
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument(
         "--log-dir", default=None, help="write each datacenter's output to DIR/dc<i>.log (default: this console)"
@@ -127,6 +136,37 @@ def _as_torchrun_rank(world: int, local_world: int) -> AbstractContextManager[No
     return environ({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(local_world)})
 
 
+def emulated_network_of(
+    topo: Topology, topology: str, wan_mbit: float | None = None, wan_rtt_ms: float | None = None
+) -> EmulatedNetwork:
+    """The network to emulate for ``topo`` (named ``topology`` in errors): its datacenters, each WAN
+    link's rate and RTT, or ``wan_mbit`` / ``wan_rtt_ms`` for every link when given."""
+    if wan_mbit is not None and wan_mbit <= 0:
+        raise ConfigError("--wan-mbit", wan_mbit, "must be positive")
+    if wan_rtt_ms is not None and not 0 <= wan_rtt_ms <= MAX_RTT_MS:
+        raise ConfigError("--wan-rtt-ms", wan_rtt_ms, f"must be between 0 and {MAX_RTT_MS:g} ms")
+    names = [dc.name for dc in topo.datacenters]
+    per_pair: dict[tuple[int, int], float] = {}
+    rtt_per_pair: dict[tuple[int, int], float] = {}
+    for i, a in enumerate(names):
+        for j, b in enumerate(names[i + 1 :], i + 1):
+            link = topo.wan.get(frozenset((a, b)))
+            if link is None:
+                raise ConfigError("--topology", topology, f"no WAN link between {a!r} and {b!r}")
+            per_pair[(i, j)] = wan_mbit if wan_mbit is not None else link.bandwidth * 8 / 1e6
+            # The topology's latency is one way (time = latency + bytes / bandwidth): the RTT is twice it.
+            rtt_per_pair[(i, j)] = wan_rtt_ms if wan_rtt_ms is not None else 2 * link.latency * 1e3
+    rates = set(per_pair.values())
+    rtts = set(rtt_per_pair.values())
+    return EmulatedNetwork(
+        datacenters=[EmulatedDatacenter(dc.name, dc.devices) for dc in topo.datacenters],
+        wan_mbit=min(rates),
+        wan_mbit_per_pair=per_pair if len(rates) > 1 else None,
+        wan_rtt_ms=min(rtts),
+        wan_rtt_ms_per_pair=rtt_per_pair if len(rtts) > 1 else None,
+    )
+
+
 def run(ns: argparse.Namespace, rest: list[str]) -> int:
     topo = load_topology(ns.topology)
     if len(topo.datacenters) < 2:
@@ -138,25 +178,10 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
             ns.topology,
             f"datacenters must hold equal numbers of ranks to train across them (got {sorted(sizes)})",
         )
-    if ns.wan_mbit is not None and ns.wan_mbit <= 0:
-        raise ConfigError("--wan-mbit", ns.wan_mbit, "must be positive")
-    names = [dc.name for dc in topo.datacenters]
-    per_pair: dict[tuple[int, int], float] = {}
-    for i, a in enumerate(names):
-        for j, b in enumerate(names[i + 1 :], i + 1):
-            link = topo.wan.get(frozenset((a, b)))
-            if link is None:
-                raise ConfigError("--topology", ns.topology, f"no WAN link between {a!r} and {b!r}")
-            per_pair[(i, j)] = ns.wan_mbit if ns.wan_mbit is not None else link.bandwidth * 8 / 1e6
-    rates = set(per_pair.values())
-    net = EmulatedNetwork(
-        datacenters=[EmulatedDatacenter(dc.name, dc.devices) for dc in topo.datacenters],
-        wan_mbit=min(rates),
-        wan_mbit_per_pair=per_pair if len(rates) > 1 else None,
-    )
+    net = emulated_network_of(topo, ns.topology, ns.wan_mbit, ns.wan_rtt_ms)
     if ns.dc_restarts < 0:
         raise ConfigError("--dc-restarts", ns.dc_restarts, "must be 0 or more")
-    command = train_command(rest, ns.topology, len(names), sizes.pop())
+    command = train_command(rest, ns.topology, len(topo.datacenters), sizes.pop())
     fault_tolerant = command.config.geo.fault_tolerant
     if ns.dc_restarts and not fault_tolerant:
         raise ConfigError("--dc-restarts", ns.dc_restarts, "needs --geo.fault_tolerant true in the train command")

@@ -12,7 +12,7 @@ every grid, makes all their groups (every rank must create every group) and keep
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -42,6 +42,9 @@ class GeoGroups:
     """Ranks per machine inside a datacenter, for the intra_node byte tier; None = count all as intra_dc."""
     grid: list[list[int]] | None = None
     """Global rank of replica j of datacenter d, ``grid[d][j]``; None: ``d * intra_size + j``."""
+    inter_stripes: list[dist.ProcessGroup] = field(default_factory=list)
+    """With ``geo.wan_streams > 1``: ``inter`` and more groups over the same ranks, one connection
+    per stripe of each inter-datacenter collective (:mod:`isthmus.parallel.striped`); else empty."""
 
     @property
     def world_size(self) -> int:

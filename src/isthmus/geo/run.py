@@ -14,6 +14,7 @@ links. Two answers exist:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,9 @@ from isthmus.geo.groups import build_geo_groups
 from isthmus.geo.strategy import GeoSync
 from isthmus.geo.sync import build_geo_sync
 from isthmus.log import get_logger
-from isthmus.parallel.dims import ParallelDims
-from isthmus.parallel.pipeline import count_cross_dc_sends
+from isthmus.parallel.dims import MESH_DIMS, Meshes, ParallelDims
+from isthmus.parallel.pipeline import count_cross_dc_sends, local_stages
+from isthmus.parallel.striped import stripe_groups, stripe_stage
 
 
 def build_geo_run(cfg: GeoConfig) -> GeoRun:
@@ -53,6 +55,8 @@ class GeoRun:
         self.pipeline_wan: dict[str, int] | None = None
         """``geo.dc_axis = pp``: the bytes this rank's stages sent to another datacenter (wan tier only)."""
         self._sync_sent_before: dict[str, int] = {}
+        self.striped = {"striped": 0}
+        """Cross-datacenter pipeline transfers this rank split over ``geo.wan_streams`` connections."""
         self._pipeline_sent_before: dict[str, int] = {}
 
     # -- where this process stands ---------------------------------------------------------------
@@ -97,6 +101,10 @@ class GeoRun:
         grids = geo_grids(dims.datacenters, dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
         replicas = len(grids[0][0])
         groups = build_geo_groups(dims.datacenters, replicas, ranks_per_node=_local_world(world), grids=grids)
+        if self.cfg.wan_streams > 1:
+            # Every inter-datacenter group again, wan_streams - 1 times: one connection per stripe.
+            inter = [[row[j] for row in grid] for grid in grids for j in range(replicas)]
+            groups.inter_stripes = [groups.inter] + [g[0] for g in stripe_groups(inter, self.cfg.wan_streams)]
         get_logger().info(
             "geo: %s across %d datacenters of %d ranks (%d replica(s) of each model part)",
             self.cfg.sync,
@@ -107,13 +115,26 @@ class GeoRun:
         self.sync = build_geo_sync(self.cfg.sync, groups, params, self.cfg)
         return self.sync
 
-    def count_pipeline(self, schedule: Any, pp: int) -> None:
+    def wire_pipeline(self, schedule: Any, pp: int, mesh: Meshes | None) -> None:
         """``geo.dc_axis = pp``: count the activations (and their gradients) that this rank's
-        pipeline stages send to a stage in another datacenter."""
+        pipeline stages send to a stage in another datacenter, and with ``geo.wan_streams > 1``
+        split those transfers over that many connections. A collective (the stripe groups)."""
         if self.cfg.dc_axis != "pp" or self.cfg.datacenters == 1 or schedule is None:
             return
         self.pipeline_wan = new_counter()  # only its wan tier is counted
         count_cross_dc_sends(schedule, pp, self.cfg.datacenters, self.pipeline_wan)
+        if self.cfg.wan_streams == 1:
+            return
+        assert mesh is not None  # pp > 1 has a mesh
+        # Every pipeline's ranks (the pp dimension of the mesh), again wan_streams - 1 times.
+        ranks = mesh.root.mesh
+        pipelines = ranks.movedim(MESH_DIMS.index("pp"), -1).reshape(-1, pp).tolist()
+        extra = stripe_groups(pipelines, self.cfg.wan_streams)
+        per_dc = pp // self.cfg.datacenters
+        for st in local_stages(schedule):
+            assert st.group is not None  # the stage was built on the mesh's pp group
+            streams = [st.group, *(g[0] for g in extra)]
+            stripe_stage(st, streams, _crosses(st.group_rank // per_dc, per_dc), self.striped)
 
     def join(self, params: list[nn.Parameter]) -> int:
         """Meet the other datacenters before the first step; returns the step to train from
@@ -150,6 +171,13 @@ class GeoRun:
                 "pipeline across %d datacenters sent %s over the WAN (activations and their gradients)",
                 self.cfg.datacenters,
                 format_bytes(by_tier["wan"]),
+            )
+        if self.cfg.wan_streams > 1:
+            get_logger().info(
+                "geo.wan_streams = %d: this rank split %d pipeline transfer(s) and %d sync collective(s) across datacenters",
+                self.cfg.wan_streams,
+                self.striped["striped"],
+                self.sync.striped if self.sync is not None else 0,
             )
         return by_tier
 
@@ -209,6 +237,11 @@ class DatacenterJob(GeoRun):
             out["dc_quorum"] = history[-1].participants  # datacenters in this step's outer round
             self._rounds_seen = len(history)
         return out
+
+
+def _crosses(here: int, per_dc: int) -> Callable[[int], bool]:
+    """Whether pipeline rank ``peer`` lies in another datacenter than ``here`` (per_dc ranks each)."""
+    return lambda peer: peer // per_dc != here
 
 
 def _local_world(world: int) -> int:

@@ -25,6 +25,7 @@ from isthmus.geo import accounting
 from isthmus.geo.accounting import Scope
 from isthmus.geo.config import GeoConfig
 from isthmus.geo.groups import GeoGroups
+from isthmus.parallel.striped import StripedWork, striped_all_gather, striped_all_reduce
 
 
 def copy_state(name: str, mine: list[Tensor], saved: list[Tensor]) -> None:
@@ -56,6 +57,8 @@ class GeoSync:
 
     def __init__(self, groups: GeoGroups, params: list[nn.Parameter], cfg: GeoConfig) -> None:
         self.groups, self.cfg = groups, cfg
+        self.striped = 0
+        """Inter-datacenter collectives this rank split over ``geo.wan_streams`` connections."""
         assert params, "a geo strategy needs at least one parameter"
         self.n_params = len(params)
         self.device = params[0].device
@@ -107,6 +110,9 @@ class GeoSync:
         if n == 1:
             return _Done()
         self._count(scope, accounting.all_reduce_bytes(t.numel() * t.element_size(), n))
+        if scope == "inter" and self.groups.inter_stripes:
+            self.striped += 1
+            return _finish(striped_all_reduce(t, self.groups.inter_stripes), async_op)
         work = dist.all_reduce(t, group=self._group(scope), async_op=async_op)
         return work if async_op else _Done()
 
@@ -129,6 +135,9 @@ class GeoSync:
         self._count(scope, accounting.all_gather_bytes(out.numel() * out.element_size(), n))
         # torch 2.13 deprecates all_gather_into_tensor for this name; gloo implements it on CPU
         # for every dtype used here (fp32, uint8).
+        if scope == "inter" and self.groups.inter_stripes:
+            self.striped += 1
+            return _finish(striped_all_gather(out, inp, self.groups.inter_stripes), async_op)
         work = dist.all_gather_single(out, inp, group=self._group(scope), async_op=async_op)
         return work if async_op else _Done()
 
@@ -137,3 +146,11 @@ class GeoSync:
 
     def _check(self, params: list[nn.Parameter]) -> None:
         assert len(params) == self.n_params, f"built for {self.n_params} parameters, called with {len(params)}"
+
+
+def _finish(work: StripedWork, async_op: bool) -> Work:
+    """``work`` for the caller to wait on, or waited here when the call is synchronous."""
+    if async_op:
+        return work
+    work.wait()
+    return _Done()

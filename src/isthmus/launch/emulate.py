@@ -1,4 +1,5 @@
-"""Emulated datacenters on one machine: one network namespace per datacenter, WAN links shaped by tc.
+"""Emulated datacenters on one machine: one network namespace per datacenter, WAN links shaped by tc
+and delayed by a user-space delay line.
 
 `isthmus emulate --topology FILE -- train ...` lands here. The picture for N datacenters::
 
@@ -9,8 +10,16 @@
 Each datacenter's ranks run inside its namespace, with gloo bound to ``wan0``. Traffic between
 ranks of one datacenter goes to the namespace's own address and stays on its loopback: unshaped.
 Traffic to another datacenter leaves through ``wan0``, whose egress qdisc limits it to the WAN
-rate (``tbf``; ``htb`` with one class per destination when rates differ per pair). Latency is NOT
-emulated: ``tc netem`` is unavailable on the kernel this was built on, so only bandwidth is.
+rate (``tbf``; ``htb`` with one class per destination when rates differ per pair).
+
+Latency (``EmulatedNetwork.wan_rtt_ms``, from the topology's WAN ``latency_us`` or ``isthmus
+emulate --wan-rtt-ms``): ``tc netem`` is unavailable on the kernel this was built on, so when a
+round-trip time is set each datacenter also gets a TUN device ``wan1`` that routes the other
+datacenters' addresses, shaped by the same qdiscs, and a forwarder in the ``-wan`` namespace
+holds each packet for half the pair's RTT before delivering it into the destination's TUN
+(:mod:`isthmus.launch.delayline`, which gives its throughput ceiling). Only traffic between
+datacenters is delayed: a fault-tolerant run's Lighthouse, on the bridge, is reached through
+``wan0`` at once. With RTT 0 (the default) none of this exists and traffic takes ``wan0`` straight.
 
 Everything made here (namespaces, bridge, veths, qdiscs, the hosts files of ``/etc/netns``) is
 removed on exit, on an exception, on SIGINT / SIGTERM / SIGHUP; when this process is killed with
@@ -53,18 +62,17 @@ from typing import IO, Any
 
 from isthmus.errors import ConfigError
 from isthmus.launch import netns
+from isthmus.launch.delayline import DELAY_LINE_CEILING_MBIT, TUN_IFNAME, DelayLineSpec, delay_line_argv
 from isthmus.launch.reaper import dismiss_reaper, start_reaper
 from isthmus.log import get_logger
-
-LATENCY_NOTE = (
-    "latency is NOT emulated (tc netem is unavailable on this kernel): only the bandwidth between datacenters is shaped"
-)
 
 # These addresses live only inside the namespaces made here: no route to or from the root
 # namespace or any other network exists, so nothing outside can be reached or collide with them.
 SUBNET = "10.213.0"
 _FIRST_HOST = 100  # three-digit host parts: address strings sort in datacenter order (see top)
 MAX_DATACENTERS = 154
+MAX_RTT_MS = 10_000.0
+"""The largest round-trip time accepted: beyond it TCP's and gloo's timeouts, not the WAN, would decide."""
 DC_IFNAME = "wan0"
 """The veth inside each datacenter's namespace (bind gloo here: GLOO_SOCKET_IFNAME)."""
 BRIDGE = "br0"
@@ -95,6 +103,10 @@ class EmulatedNetwork:
     """Bandwidth of every inter-datacenter link, each direction, Mbit/s."""
     wan_mbit_per_pair: dict[tuple[int, int], float] | None = None
     """Overrides for traffic from datacenter i to j; (i, j) alone also sets j -> i."""
+    wan_rtt_ms: float = 0.0
+    """Round-trip time of every inter-datacenter link, ms (half of it each way); 0: no delay line."""
+    wan_rtt_ms_per_pair: dict[tuple[int, int], float] | None = None
+    """Overrides of the RTT between datacenters i and j (both directions)."""
 
     def __post_init__(self) -> None:
         n = len(self.datacenters)
@@ -112,11 +124,33 @@ class EmulatedNetwork:
                 )
             if not rate > 0:
                 raise ConfigError(f"emulate.wan_mbit_per_pair[{i},{j}]", rate, "must be > 0 Mbit/s")
+        if not 0 <= self.wan_rtt_ms <= MAX_RTT_MS:
+            raise ConfigError("emulate.wan_rtt_ms", self.wan_rtt_ms, f"must be between 0 and {MAX_RTT_MS:g} ms")
+        for (i, j), rtt in (self.wan_rtt_ms_per_pair or {}).items():
+            if not (0 <= i < n and 0 <= j < n and i != j):
+                raise ConfigError(
+                    "emulate.wan_rtt_ms_per_pair", (i, j), f"needs two different datacenter indices in 0..{n - 1}"
+                )
+            if not 0 <= rtt <= MAX_RTT_MS:
+                raise ConfigError(
+                    f"emulate.wan_rtt_ms_per_pair[{i},{j}]", rtt, f"must be between 0 and {MAX_RTT_MS:g} ms"
+                )
 
     def rate_mbit(self, src: int, dst: int) -> float:
         """The shaped rate of traffic from datacenter ``src`` to ``dst``."""
         pairs = self.wan_mbit_per_pair or {}
         return pairs.get((src, dst), pairs.get((dst, src), self.wan_mbit))
+
+    def rtt_ms(self, a: int, b: int) -> float:
+        """The round-trip time between datacenters ``a`` and ``b``, ms."""
+        pairs = self.wan_rtt_ms_per_pair or {}
+        return pairs.get((a, b), pairs.get((b, a), self.wan_rtt_ms))
+
+    @property
+    def delayed(self) -> bool:
+        """Whether any link has a round-trip time (and so the emulation a delay line)."""
+        n = len(self.datacenters)
+        return any(self.rtt_ms(i, j) > 0 for i in range(n) for j in range(n) if i != j)
 
     def distinct_rates_mbit(self) -> list[float]:
         """The WAN rates of this network, slowest first (one value unless rates differ per pair)."""
@@ -268,9 +302,11 @@ def _burst_bytes(mbit: float) -> int:
     return max(32 * 1024, int(mbit * 1e6 / 8 * 0.002))
 
 
-def _shape(net: EmulatedNetwork, dc: DatacenterNamespace, dcs: list[DatacenterNamespace]) -> None:
-    """Limit what leaves ``dc`` for other datacenters to the WAN rate (egress of its veth)."""
-    ns, dev = dc.namespace, dc.ifname
+def _shape(
+    net: EmulatedNetwork, dc: DatacenterNamespace, dcs: list[DatacenterNamespace], dev: str | None = None
+) -> None:
+    """Limit what leaves ``dc`` for other datacenters through ``dev`` (default: its veth) to the WAN rate."""
+    ns, dev = dc.namespace, dev or dc.ifname
     others = [d for d in dcs if d.index != dc.index]
     rates = {d.index: net.rate_mbit(dc.index, d.index) for d in others}
     if not others:
@@ -363,15 +399,48 @@ def _build(em: Emulation) -> None:
         netns.sh("ip", "-n", dc.namespace, "addr", "add", f"{dc.address}/24", "dev", dc.ifname)
         netns.sh("ip", "-n", dc.namespace, "link", "set", dc.ifname, "up")
         _shape(em.network, dc, em.dcs)
+        if em.network.delayed:
+            _add_delay_route(em, dc)
     # Names for every address here, so that servers in the namespaces need no DNS (see write_hosts).
     names = {dc.address: dc.namespace for dc in em.dcs} | {LIGHTHOUSE_ADDRESS: f"{em.prefix}lighthouse"}
     for ns in em.namespaces:
         netns.write_hosts(ns, names)
 
 
+def _add_delay_route(em: Emulation, dc: DatacenterNamespace) -> None:
+    """Send ``dc``'s traffic for the other datacenters into its TUN (the delay line's input), shaped there.
+
+    A /32 route per peer beats the bridge's /24; the ``src`` keeps the datacenter's one address
+    (torchrun and gloo announce it). The TUN is persistent, so it and its routes exist before the
+    forwarder attaches; packets arriving from the forwarder are delivered as if from the WAN.
+    """
+    ns = dc.namespace
+    netns.sh("ip", "-n", ns, "tuntap", "add", "dev", TUN_IFNAME, "mode", "tun")
+    netns.sh("ip", "-n", ns, "link", "set", TUN_IFNAME, "up")
+    for other in em.dcs:
+        if other.index != dc.index:
+            netns.sh("ip", "-n", ns, "route", "add", f"{other.address}/32", "dev", TUN_IFNAME, "src", dc.address)
+    _shape(em.network, dc, em.dcs, dev=TUN_IFNAME)
+
+
+def start_delay_line(em: Emulation) -> None:
+    """Start the forwarder that delays the WAN (:mod:`isthmus.launch.delayline`) in the bridge's
+    namespace; it is stopped with the emulation's other children, and with that namespace's processes."""
+    n = len(em.dcs)
+    spec = DelayLineSpec(
+        namespaces=[dc.namespace for dc in em.dcs],
+        addresses=[dc.address for dc in em.dcs],
+        delay_s=[[em.network.rtt_ms(i, j) / 2e3 if i != j else 0.0 for j in range(n)] for i in range(n)],
+    )
+    line = _serve(em, em.bridge_namespace, delay_line_argv(spec), "WAN delay line")
+    if line != "ready":
+        raise RuntimeError(f"the WAN delay line did not start in {em.bridge_namespace}: {line}")
+
+
 @contextmanager
 def emulated_network(net: EmulatedNetwork, clean_stale: bool = True) -> Iterator[Emulation]:
-    """Make the namespaces, bridge, veths and qdiscs of ``net``; remove them all on the way out.
+    """Make the namespaces, bridge, veths and qdiscs of ``net`` (and its delay line when it has an
+    RTT); remove them all on the way out.
 
     ``clean_stale`` first removes namespaces left by emulator runs whose process is gone.
     """
@@ -393,14 +462,25 @@ def emulated_network(net: EmulatedNetwork, clean_stale: bool = True) -> Iterator
             # Before anything is made: whatever exists of the run when this process dies is reaped.
             reaper = start_reaper(run_id)
             _build(em)
+            if net.delayed:
+                start_delay_line(em)
+                if max(net.distinct_rates_mbit()) > DELAY_LINE_CEILING_MBIT:
+                    log.warning(
+                        "WAN rates above %g Mbit/s may not be reached with latency: the delay line is one "
+                        "Python process (about 500-800 Mbit/s on 2 shared cores)",
+                        DELAY_LINE_CEILING_MBIT,
+                    )
+            n = len(dcs)
+            rtts = sorted({net.rtt_ms(i, j) for i in range(n) for j in range(n) if i != j} or {net.wan_rtt_ms})
             log.info(
-                "emulated %d datacenter(s) in namespaces %s*: %s; WAN %s Mbit/s",
-                len(dcs),
+                "emulated %d datacenter(s) in namespaces %s*: %s; WAN %s Mbit/s, RTT %s ms%s",
+                n,
                 prefix,
                 ", ".join(f"{d.name}={d.address} x{d.ranks}" for d in dcs),
                 "/".join(f"{r:g}" for r in net.distinct_rates_mbit()),
+                "/".join(f"{r:g}" for r in rtts),
+                " (user-space delay line)" if net.delayed else "",
             )
-            log.warning(LATENCY_NOTE)
             yield em
         finally:
             with _signals_ignored():
@@ -579,11 +659,11 @@ while True:
 """
 
 
-def _serve(em: Emulation, namespace: str, code: str, args: Sequence[str], what: str) -> str:
-    """Start ``python -c code args`` in ``namespace`` as a child of the emulation (stopped with the
-    others at teardown) and return the first line it prints, which says it is ready."""
+def _serve(em: Emulation, namespace: str, argv: Sequence[str], what: str) -> str:
+    """Start ``argv`` in ``namespace`` as a child of the emulation (stopped with the others at
+    teardown) and return the first line it prints, which says it is ready."""
     proc = subprocess.Popen(
-        ["ip", "netns", "exec", namespace, sys.executable, "-c", code, *args],
+        ["ip", "netns", "exec", namespace, *argv],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,
@@ -605,7 +685,7 @@ def serve_lighthouse(
     wan = em.bridge_namespace
     netns.sh("ip", "-n", wan, "addr", "add", f"{LIGHTHOUSE_ADDRESS}/24", "dev", BRIDGE)
     args = [LIGHTHOUSE_ADDRESS, str(port), str(heartbeat_timeout_ms), str(join_timeout_ms)]
-    line = _serve(em, wan, _LIGHTHOUSE, args, "torchft lighthouse")
+    line = _serve(em, wan, [sys.executable, "-c", _LIGHTHOUSE, *args], "torchft lighthouse")
     if not line.startswith("http://"):
         raise RuntimeError(f"the torchft lighthouse did not start in {wan}: {line}")
     return line
@@ -614,7 +694,8 @@ def serve_lighthouse(
 def serve_rendezvous_store(em: Emulation, port: int = RDZV_PORT) -> None:
     """Serve the agents' c10d rendezvous store on dc0's address until the emulation's teardown,
     which stops it after every agent has exited."""
-    _serve(em, em.dcs[0].namespace, _RDZV_STORE, [em.dcs[0].address, str(port)], "rendezvous store")
+    argv = [sys.executable, "-c", _RDZV_STORE, em.dcs[0].address, str(port)]
+    _serve(em, em.dcs[0].namespace, argv, "rendezvous store")
 
 
 def _wait_all(procs: list[subprocess.Popen[Any]], names: list[str], timeout_s: float | None, grace_s: float) -> int:
@@ -767,7 +848,6 @@ def launch_emulated(
 
 
 __all__ = [
-    "LATENCY_NOTE",
     "DatacenterNamespace",
     "EmulatedDatacenter",
     "EmulatedNetwork",
@@ -776,6 +856,7 @@ __all__ = [
     "launch_emulated",
     "serve_lighthouse",
     "serve_rendezvous_store",
+    "start_delay_line",
     "throughput_probe",
     "torchrun_argv",
 ]

@@ -188,7 +188,7 @@ def _check_even_split(batch: Tensor | None, microbatches: int) -> None:
         raise ConfigError("parallel.microbatches", microbatches, f"must divide the local batch size {batch.shape[0]}")
 
 
-def _local_stages(schedule: _PipelineSchedule) -> list[PipelineStage]:
+def local_stages(schedule: _PipelineSchedule) -> list[PipelineStage]:
     # torch keeps a rank's stages in `_stage` (single-stage) or `_stages` (multi-stage).
     return list(getattr(schedule, "_stages", None) or [schedule._stage])  # type: ignore[attr-defined]
 
@@ -206,7 +206,7 @@ def count_cross_dc_sends(schedule: _PipelineSchedule, pp: int, datacenters: int,
     """
     per_dc = pp // datacenters
     hooked = 0
-    for st in _local_stages(schedule):
+    for st in local_stages(schedule):
         nxt = st.stage_index_to_group_rank.get(st.stage_index + 1)
         here = st.stage_index_to_group_rank[st.stage_index]
         if nxt is None or nxt // per_dc == here // per_dc:
@@ -261,7 +261,7 @@ def pipeline_eval(
     activation travels after a small header with its shape and dtype, because the
     receiving rank may hold neither the inputs nor the targets.
     """
-    stages = sorted(_local_stages(schedule), key=lambda st: st.stage_index)
+    stages = sorted(local_stages(schedule), key=lambda st: st.stage_index)
     n_mb, loss_fn = schedule._n_microbatches, schedule._loss_fn
     assert loss_fn is not None
     _check_even_split(inputs if has_first else None, n_mb)

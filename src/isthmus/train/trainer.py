@@ -124,7 +124,7 @@ class Trainer:
             loss_fn=cross_entropy,
             geo_sync=cfg.geo.sync != "none",
         )
-        self.geo_run.count_pipeline(self.pm.schedule, self.dims.pp)
+        self.geo_run.wire_pipeline(self.pm.schedule, self.dims.pp, self.mesh)
         zero1_group = self._mesh_group("dp_cp") if self.pm.dp_kind == "zero1" else None
         self.optimizer = build_optimizer(self.pm.modules, t, zero1_group)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
