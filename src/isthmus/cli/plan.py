@@ -20,6 +20,7 @@ from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_S
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.explain import explain, format_table, result_json
 from isthmus.planner.layout import RUNTIMES
+from isthmus.planner.placement import runnable
 from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace, search
 from isthmus.planner.topology import load_topology
 
@@ -295,6 +296,10 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         f"isthmus plan: {ns.model} on {topo.name} ({topo.n_devices:,} devices), global batch {best.batch_size} x "
         f"{best.seq_len} tokens; {result.considered:,} layouts considered, {result.pruned_memory:,} over memory\n\n"
     )
-    sys.stdout.write(format_table(result, ns.top) + "\n\n")
+    sys.stdout.write(format_table(result, ns.top) + "\n")
+    what_ifs = [str(i) for i, est in enumerate(result.ranked[: ns.top], 1) if runnable(topo, est.layout) is not None]
+    if what_ifs:
+        sys.stdout.write(f"planner-only what-ifs (the runtime cannot run them as placed): #{', #'.join(what_ifs)}\n")
+    sys.stdout.write("\n")
     sys.stdout.write(textwrap.fill(explain(result, topo), width=100, break_on_hyphens=False) + "\n")
     return 0
