@@ -155,7 +155,7 @@ def runnable(topo: Topology, layout: LayoutSpec) -> str | None:
     if 1 < layout.datacenters < n:
         why.append(f"uses {layout.datacenters} of the {n} datacenters")
     if layout.dc_axis == "pp":
-        counts = stage_counts(topo, choose_dcs(topo, layout), layout.pp, layout.dp * layout.cp * layout.tp)
+        counts = place(topo, layout).stages_per_dc
         if len(set(counts)) > 1:
             why.append(f"puts {'+'.join(map(str, counts))} stages in its datacenters")
     if layout.wan_schedule != "fair":
