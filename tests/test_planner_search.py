@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from isthmus.errors import ConfigError
@@ -62,11 +60,9 @@ def test_nothing_fits_is_a_one_line_error() -> None:
     assert "\n" not in str(info.value)
 
 
-def test_175b_on_12288_gpus_in_under_10_seconds() -> None:
-    start = time.perf_counter()
+def test_175b_on_12288_gpus() -> None:
+    # How long this takes is measured by benchmarks/plan_speed.py (docs/benchmarks.md), not here.
     res = search(GPT3_175B, load_topology("geo-3dc-h100"), SearchSpace(batch_size=1536, seq_len=2048), ISTH, top=10)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 10, f"planning took {elapsed:.1f} s"
     assert res.best.layout.world == 12288 or res.best.layout.datacenters == 1
 
 
