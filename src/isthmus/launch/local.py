@@ -376,9 +376,12 @@ def _train_here(cfg: JobConfig) -> TrainResult:
 
 
 def _interrupted(cfg: JobConfig, signum: int, launch_dir: Path) -> str:
-    """The launcher's line for a signal: the step every rank had finished, from their heartbeats."""
+    """The launcher's line for a signal: the step every rank had finished, from their heartbeats, or
+    the last step the metrics record when that is later (a heartbeat is written every so often, so
+    the slowest one can lag a step that every rank took and rank 0 already logged)."""
     steps = [b.step for b in read_beats(launch_dir)]
-    return interrupted_line(signum, min(steps) if steps else 0, _checkpoint_root(cfg), cfg.checkpoint.every)
+    step = max(min(steps) if steps else 0, last_logged_step(_metrics_path(cfg)))
+    return interrupted_line(signum, step, _checkpoint_root(cfg), cfg.checkpoint.every)
 
 
 def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
