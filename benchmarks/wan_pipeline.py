@@ -1,10 +1,12 @@
 """A pipeline across two emulated datacenters: one WAN connection per transfer against several.
 
-    python benchmarks/wan_pipeline.py                        # 20/100 Mbit/s x 20/80 ms, 1 vs 4 streams
+    python benchmarks/wan_pipeline.py                   # 20/100 Mbit/s x 20/80 ms, 1 vs 4 streams
+    python benchmarks/wan_pipeline.py --window-kib 64   # every TCP window limited to 64 KiB
     python benchmarks/wan_pipeline.py --mbit 20 --rtt-ms 80 --streams 1,4,8
 
 Every run is a real `isthmus emulate --topology emulated-2dc --wan-mbit R --wan-rtt-ms T -- train`
-(root; network namespaces, tc tbf, the user-space delay line), the `small` flavor, 2 datacenters x 2
+(root; network namespaces, tc tbf, the user-space delay line; with --window-kib, `--wan-window-kib`
+limits every TCP window, so one flow carries at most window / RTT), the `small` flavor, 2 datacenters x 2
 CPU ranks: pp 2 with the stage boundary on the WAN (`geo.dc_axis = pp`), 2 pipelines (dp_replicate
 2) whose activations and gradients cross the same link, 1F1B with 4 microbatches, global batch
 16 x 128. Each setting runs once per stream count, in turns, with the same seed and data; the step
@@ -33,7 +35,7 @@ from isthmus.planner.topology import load_topology
 FLAVOR, BATCH, SEQ, MICROBATCHES = "small", 16, 128, 4
 
 
-def run(mbit: float, rtt_ms: float, streams: int, steps: int, out: Path) -> tuple[float, list[float]]:
+def run(mbit: float, rtt_ms: float, window_kib: int, streams: int, steps: int, out: Path) -> tuple[float, list[float]]:
     """(median step seconds from step 2 on, the losses) of one emulated run."""
     metrics = out / "metrics.jsonl"
     cmd = [
@@ -47,6 +49,8 @@ def run(mbit: float, rtt_ms: float, streams: int, steps: int, out: Path) -> tupl
         f"{mbit:g}",
         "--wan-rtt-ms",
         f"{rtt_ms:g}",
+        "--wan-window-kib",
+        str(window_kib),
         "--timeout",
         "600",
         "--log-dir",
@@ -110,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbit", default="20,100", help="WAN rates, Mbit/s (comma list)")
     ap.add_argument("--rtt-ms", default="20,80", help="WAN round trips, ms (comma list)")
     ap.add_argument("--streams", default="1,4", help="geo.wan_streams values (comma list; the first is the baseline)")
+    ap.add_argument("--window-kib", type=int, default=0, help="TCP window limit in the datacenters (0: autotuned)")
     ap.add_argument("--steps", type=int, default=6)
     ns = ap.parse_args(argv)
     streams = [int(s) for s in ns.streams.split(",")]
@@ -117,13 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for mbit in (float(x) for x in ns.mbit.split(",")):
             for rtt in (float(x) for x in ns.rtt_ms.split(",")):
-                got = {s: run(mbit, rtt, s, ns.steps, Path(tmp) / f"{mbit:g}-{rtt:g}-{s}") for s in streams}
+                got = {
+                    s: run(mbit, rtt, ns.window_kib, s, ns.steps, Path(tmp) / f"{mbit:g}-{rtt:g}-{s}") for s in streams
+                }
                 same = all(losses == got[streams[0]][1] for _, losses in got.values())
                 rows.append((mbit, rtt, {s: t for s, (t, _) in got.items()}, same, predicted(mbit, rtt)))
                 print(f"  {mbit:g} Mbit/s {rtt:g} ms: {got}", file=sys.stderr, flush=True)
     base = streams[0]
     head = " | ".join(f"{s} stream(s) s" for s in streams)
     ratios = " | ".join(f"{base} / {s}" for s in streams[1:])
+    window = f"{ns.window_kib} KiB" if ns.window_kib else "autotuned"
+    print(f"TCP window: {window}")
     print(f"| WAN Mbit/s | RTT ms | {head} | {ratios} | losses equal | predicted s (1 stream) |")
     print("|" + "---|" * (4 + 2 * len(streams) - 1))
     for mbit, rtt, times, same, pred in rows:

@@ -56,11 +56,11 @@ def test_ping_rtt_within_10_percent_of_the_setting(rtt_ms: float) -> None:
 
 
 def test_one_flow_is_window_bound_and_several_flows_recover_the_link() -> None:
-    buf = 64 * 1024
-    with emulated_network(_net(80.0, wan_mbit=100.0)) as em:
-        one = tcp_flows_bps(em, 0, 1, flows=1, sock_buf_bytes=buf) / 1e6
-        eight = tcp_flows_bps(em, 0, 1, flows=8, sock_buf_bytes=buf) / 1e6
-    print(f"80 ms RTT, 100 Mbit/s, {buf // 1024} KiB buffers: 1 flow {one:.1f} Mbit/s, 8 flows {eight:.1f} Mbit/s")
+    # The emulator's window limit (emulate --wan-window-kib), sockets left to the kernel: what gloo sees.
+    with emulated_network(_net(80.0, wan_mbit=100.0, wan_window_kib=64)) as em:
+        one = tcp_flows_bps(em, 0, 1, flows=1) / 1e6
+        eight = tcp_flows_bps(em, 0, 1, flows=8) / 1e6
+    print(f"80 ms RTT, 100 Mbit/s, 64 KiB windows: 1 flow {one:.1f} Mbit/s, 8 flows {eight:.1f} Mbit/s")
     assert one < 30.0, one  # window / RTT: a few Mbit/s, far under the link
     assert eight > 3 * one, (one, eight)
     assert eight <= 105.0, eight  # and the link's rate still holds
@@ -197,6 +197,9 @@ def test_a_negative_wan_rtt_flag_is_one_line(capsys: pytest.CaptureFixture[str])
     assert main(["emulate", "--wan-rtt-ms", "-20", "--", "train", "--config", "tiny"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == "isthmus: error: --wan-rtt-ms = -20.0: must be between 0 and 10000 ms", err
+    assert main(["emulate", "--wan-window-kib", "4", "--", "train", "--config", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "isthmus: error: --wan-window-kib = 4: must be 0 (autotuned) or between 16 and 65536 KiB"
 
 
 @pytest.mark.slow

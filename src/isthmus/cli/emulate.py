@@ -14,13 +14,20 @@ import signal
 import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from isthmus.cli.train import config_name, find_config, parse_train_command, train_config
 from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError, Interrupted, IsthmusError, RunFailed
-from isthmus.launch.emulate import MAX_RTT_MS, EmulatedDatacenter, EmulatedNetwork, launch_emulated
+from isthmus.launch.emulate import (
+    MAX_RTT_MS,
+    MAX_WINDOW_KIB,
+    MIN_WINDOW_KIB,
+    EmulatedDatacenter,
+    EmulatedNetwork,
+    launch_emulated,
+)
 from isthmus.launch.environ import environ
 from isthmus.launch.rundir import CLAIMED_ENV, claim_run_dir
 from isthmus.log import get_logger
@@ -47,6 +54,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="MS",
         help="override every WAN link's round-trip time, in ms (half each way; 0: no delay)",
+    )
+    p.add_argument(
+        "--wan-window-kib",
+        type=int,
+        default=0,
+        metavar="KIB",
+        help="limit every TCP window in the datacenters to KIB KiB, so that one flow carries at most "
+        "window / RTT (as across regions); 0: the kernel's autotuning (default)",
     )
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument(
@@ -178,7 +193,13 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
             ns.topology,
             f"datacenters must hold equal numbers of ranks to train across them (got {sorted(sizes)})",
         )
-    net = emulated_network_of(topo, ns.topology, ns.wan_mbit, ns.wan_rtt_ms)
+    if ns.wan_window_kib and not MIN_WINDOW_KIB <= ns.wan_window_kib <= MAX_WINDOW_KIB:
+        raise ConfigError(
+            "--wan-window-kib",
+            ns.wan_window_kib,
+            f"must be 0 (autotuned) or between {MIN_WINDOW_KIB} and {MAX_WINDOW_KIB} KiB",
+        )
+    net = replace(emulated_network_of(topo, ns.topology, ns.wan_mbit, ns.wan_rtt_ms), wan_window_kib=ns.wan_window_kib)
     if ns.dc_restarts < 0:
         raise ConfigError("--dc-restarts", ns.dc_restarts, "must be 0 or more")
     command = train_command(rest, ns.topology, len(topo.datacenters), sizes.pop())

@@ -71,6 +71,8 @@ from isthmus.log import get_logger
 SUBNET = "10.213.0"
 _FIRST_HOST = 100  # three-digit host parts: address strings sort in datacenter order (see top)
 MAX_DATACENTERS = 154
+MIN_WINDOW_KIB, MAX_WINDOW_KIB = 16, 65536
+"""The TCP window a namespace may be limited to (``--wan-window-kib``)."""
 MAX_RTT_MS = 10_000.0
 """The largest round-trip time accepted: beyond it TCP's and gloo's timeouts, not the WAN, would decide."""
 DC_IFNAME = "wan0"
@@ -107,6 +109,10 @@ class EmulatedNetwork:
     """Round-trip time of every inter-datacenter link, ms (half of it each way); 0: no delay line."""
     wan_rtt_ms_per_pair: dict[tuple[int, int], float] | None = None
     """Overrides of the RTT between datacenters i and j (both directions)."""
+    wan_window_kib: int = 0
+    """Largest TCP window in each datacenter, KiB (``net.ipv4.tcp_rmem`` / ``tcp_wmem`` maxima set
+    in its namespace); 0: the kernel's autotuning. A flow then carries at most window / RTT, as one
+    flow across regions does when its window, not the link, is the limit."""
 
     def __post_init__(self) -> None:
         n = len(self.datacenters)
@@ -126,6 +132,12 @@ class EmulatedNetwork:
                 raise ConfigError(f"emulate.wan_mbit_per_pair[{i},{j}]", rate, "must be > 0 Mbit/s")
         if not 0 <= self.wan_rtt_ms <= MAX_RTT_MS:
             raise ConfigError("emulate.wan_rtt_ms", self.wan_rtt_ms, f"must be between 0 and {MAX_RTT_MS:g} ms")
+        if self.wan_window_kib and not MIN_WINDOW_KIB <= self.wan_window_kib <= MAX_WINDOW_KIB:
+            raise ConfigError(
+                "emulate.wan_window_kib",
+                self.wan_window_kib,
+                f"must be 0 (autotuned) or between {MIN_WINDOW_KIB} and {MAX_WINDOW_KIB} KiB",
+            )
         for (i, j), rtt in (self.wan_rtt_ms_per_pair or {}).items():
             if not (0 <= i < n and 0 <= j < n and i != j):
                 raise ConfigError(
@@ -401,6 +413,11 @@ def _build(em: Emulation) -> None:
         _shape(em.network, dc, em.dcs)
         if em.network.delayed:
             _add_delay_route(em, dc)
+        if em.network.wan_window_kib:
+            # Per-namespace sysctls: the root namespace's TCP settings are untouched.
+            window = str(em.network.wan_window_kib * 1024)
+            for key in ("net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"):
+                netns.sh("ip", "netns", "exec", dc.namespace, "sysctl", "-q", "-w", f"{key}=4096 {window} {window}")
     # Names for every address here, so that servers in the namespaces need no DNS (see write_hosts).
     names = {dc.address: dc.namespace for dc in em.dcs} | {LIGHTHOUSE_ADDRESS: f"{em.prefix}lighthouse"}
     for ns in em.namespaces:
