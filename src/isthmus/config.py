@@ -44,6 +44,10 @@ class ModelConfig:
     """Override the MLP kind: swiglu (Llama) or gelu (GPT)."""
     tie_embeddings: bool | None = None
     """Override whether input embedding and output head share weights."""
+    norm_eps: float | None = None
+    """Override the flavor's RMSNorm epsilon (1e-5 unless the flavor says otherwise)."""
+    rope_theta: float | None = None
+    """Override the flavor's rotary base (10000; 500000 for Llama 3)."""
 
 
 @dataclass
@@ -541,6 +545,9 @@ def validate(cfg: JobConfig) -> None:
     for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
         v = getattr(m, key)
         _require(v is None or v >= 1, f"model.{key}", v, "must be at least 1")
+    for key in ("norm_eps", "rope_theta"):
+        v = getattr(m, key)
+        _require(v is None or v > 0, f"model.{key}", v, "must be positive")
     for key in ("nproc", "tp", "cp", "pp", "microbatches", "pp_virtual_stages"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be at least 1")
     for key in ("dp_replicate", "dp_shard"):

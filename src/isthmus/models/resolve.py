@@ -7,7 +7,18 @@ from isthmus.errors import ConfigError
 from isthmus.models.args import ModelArgs, check_args
 from isthmus.models.flavors import get_flavor
 
-_SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "mlp", "tie_embeddings")
+_SHAPE_KEYS = (
+    "n_layers",
+    "dim",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "mlp",
+    "tie_embeddings",
+    "norm_eps",
+    "rope_theta",
+)
 
 
 def resolve_model_args(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> ModelArgs:
