@@ -20,9 +20,11 @@ import pytest
 import torch
 
 from isthmus.errors import CheckpointError, ConfigError
-from isthmus.models.hf import from_hf_rows, to_hf_rows
+from isthmus.models.hf import from_hf_rows, hf_state_dict, to_hf_rows
 from isthmus.models.llama import Transformer, build_model
 from isthmus.models.pretrained import init_source_args
+from isthmus.train.export import ModelSource
+from isthmus.train.hf_export import write_hf_folder
 from isthmus.train.init_from import load_weights, open_weights
 from multirank import run_ranks
 
@@ -139,6 +141,36 @@ def test_shape_overrides_refused_with_init_from(gqa: tuple[Path, Any]) -> None:
         resolve_model_args(cfg.model, 256)
 
 
+def test_hf_isthmus_hf_round_trip_is_bit_exact(tmp_path: Path, gqa: tuple[Path, Any]) -> None:
+    from safetensors.torch import load_file
+
+    folder = gqa[0]
+    args = init_source_args(str(folder))
+    weights = open_weights(str(folder), args)
+    state = {name: weights.tensor(name) for name in build_model(args).state_dict()}
+    write_hf_folder(ModelSource(state, args, {"train": {"seq_len": 64}}, "final", None), tmp_path / "out")
+    original, back = load_file(folder / "model.safetensors"), load_file(tmp_path / "out" / "model.safetensors")
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    assert hf_state_dict(state, args).keys() == original.keys()
+
+
+def test_hf_export_refusals(tmp_path: Path, gqa: tuple[Path, Any]) -> None:
+    from dataclasses import replace
+
+    from isthmus.errors import IsthmusError
+
+    args = init_source_args(str(gqa[0]))
+    state = build_model(args, device="cpu").state_dict()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").touch()
+    with pytest.raises(IsthmusError, match="exists and is not an empty folder"):
+        write_hf_folder(ModelSource(state, args, {}, "final", None), tmp_path / "full")
+    with pytest.raises(IsthmusError, match=r"model\.mlp = 'gelu'"):
+        write_hf_folder(ModelSource(state, replace(args, mlp="gelu"), {}, "final", None), tmp_path / "gelu")
+    assert not (tmp_path / "gelu").exists()
+
+
 # --- fine-tuning in every layout --------------------------------------------------------------------
 BASE = [
     "--train.steps",
@@ -223,6 +255,19 @@ def test_finetune_layouts_match_one_process(
     losses, norms = per_rank[0]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=RTOL, atol=0)
+
+
+def test_exported_run_loads_in_transformers(finetuned: tuple[Path, list, list], tmp_path: Path) -> None:
+    from isthmus.cli import main
+
+    run = finetuned[0] / "single"
+    assert main(["export", "--run", str(run), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = isthmus_model(tmp_path / "hf")
+    assert logit_diff(hf, ours) <= ATOL
+    # The same weights as the run's final model, and the folder trains on again (model.init_from).
+    final = torch.load(run / "final" / "model.pt", weights_only=True)
+    assert all(torch.equal(p, final[n]) for n, p in ours.state_dict().items())
 
 
 def test_isthmus_export_file_is_an_init_source(finetuned: tuple[Path, list, list], tmp_path: Path) -> None:
