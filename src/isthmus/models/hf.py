@@ -66,11 +66,6 @@ def from_hf_rows(w: Tensor, n_heads: int) -> Tensor:
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def from_hf_tensor(w: Tensor, where: HfTensor) -> Tensor:
-    """An HF checkpoint's tensor in isthmus's layout."""
-    return from_hf_rows(w, where.rope_heads) if where.rope_heads else w
-
-
 def hf_state_dict(state: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
     """An isthmus state dict (canonical names) under HF names and rotary layout, contiguous."""
     out = {}

@@ -2,11 +2,12 @@
 
 `open_weights` checks the source before the model is built: every tensor the model needs is
 present with the right shape and a float dtype (read from the safetensors headers only). Then
-`load_weights` fills this rank's parameters, whatever the layout: like `init_weights`, each full
-tensor is read on its own, converted to isthmus's layout and the parameter's dtype, and sliced to
-this rank's shard (DTensor placements: TP, FSDP), so at most one full tensor is held at a time and
-a pipeline stage reads only its own layers. The optimizer starts fresh. Only safetensors and
-JSON are read: no pickle, so the data never runs code.
+`load_weights` fills this rank's parameters, whatever the layout. A rank whose shard is one block
+of the full tensor (TP, FSDP, HSDP: each dimension split over at most one mesh dimension) reads
+only that block from the file, converted to isthmus's rotary layout and the parameter's dtype;
+for other placements (FSDP over TP splits a dimension twice) it reads the one full tensor and
+slices it as DTensor does, one tensor at a time. Pipeline stages read only their own layers. The
+optimizer starts fresh. Only safetensors and JSON are read: no pickle, so the data never runs code.
 """
 
 from __future__ import annotations
@@ -18,12 +19,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from isthmus.errors import CheckpointError
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
-from isthmus.models.hf import HfTensor, from_hf_tensor, hf_name_map
+from isthmus.models.hf import HfTensor, from_hf_rows, hf_name_map
 from isthmus.models.llama import canonical_name
 from isthmus.models.pretrained import is_hf_folder, safetensors_header
 from isthmus.train.export import load_exported
@@ -39,8 +40,12 @@ class _Located:
     where: HfTensor
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A block of a tensor: (offset, shape) per dimension."""
+
+
 class PretrainedWeights:
-    """Full tensors of a pretrained model by isthmus's canonical name, in isthmus's layout, read one at a time."""
+    """Tensors of a pretrained model by isthmus's canonical name, in isthmus's layout, read one block at a time."""
 
     def __init__(self, args: ModelArgs, located: dict[str, _Located], exported: dict[str, torch.Tensor]) -> None:
         self.args = args
@@ -48,11 +53,49 @@ class PretrainedWeights:
         self._exported = exported
 
     def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor."""
+        shape = _expected_shape(name, self.args)
+        return self.block(name, ((0,) * len(shape), shape))
+
+    def block(self, name: str, box: Box) -> torch.Tensor:
+        """The block ``box`` of the tensor ``name``; from an HF file only those bytes are read."""
+        offset, shape = box
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
         if name in self._exported:
-            return self._exported[name]
+            return self._exported[name][index]
         loc = self._located[name]
         with safe_open(str(loc.file), framework="pt") as f:
-            return from_hf_tensor(f.get_tensor(loc.where.name), loc.where)
+            stored = f.get_slice(loc.where.name)
+            heads = loc.where.rope_heads
+            if not heads:
+                return stored[index]
+            # Permuted rows stay inside their head: read the whole heads the block touches, permute, cut.
+            head_rows = self.args.head_dim
+            first, last = offset[0] // head_rows, -(-(offset[0] + shape[0]) // head_rows)
+            rows = from_hf_rows(stored[first * head_rows : last * head_rows, index[1]], last - first)
+            start = offset[0] - first * head_rows
+            return rows[start : start + shape[0]]
+
+
+def _local_box(p: DTensor) -> Box | None:
+    """This rank's block of a DTensor when it is one chunk of the full tensor per dimension (each tensor
+    dimension sharded over at most one mesh dimension); None for other placements."""
+    offset, shape = [0] * p.dim(), list(p.shape)
+    coordinate = p.device_mesh.get_coordinate()
+    assert coordinate is not None, "a rank outside the parameter's mesh"
+    seen: set[int] = set()
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard or placement.dim in seen:
+            return None
+        seen.add(placement.dim)
+        d, parts = placement.dim, p.device_mesh.size(mesh_dim)
+        # DTensor's chunking (torch.chunk): equal chunks of ceil(n / parts), the last ones shorter or empty.
+        chunk = -(-shape[d] // parts)
+        start = min(chunk * coordinate[mesh_dim], shape[d])
+        offset[d], shape[d] = start, min(chunk, shape[d] - start)
+    return tuple(offset), tuple(shape)
 
 
 def _hf_files(folder: Path) -> dict[str, Path]:
@@ -140,11 +183,15 @@ def load_weights(modules: list[nn.Module], weights: PretrainedWeights) -> None:
             if weights.args.tie_embeddings and name == "output.weight":
                 # A tied head on a stage without the embedding is still the embedding.
                 name = "tok_embeddings.weight"
-            full = weights.tensor(name).to(p.dtype)
-            if isinstance(p, DTensor):
-                local = p.to_local()
-                # src_data_rank=None: every rank slices its own copy, no communication.
-                shard = distribute_tensor(full.to(local.device), p.device_mesh, p.placements, src_data_rank=None)
-                local.copy_(shard.to_local())
-            else:
-                p.copy_(full)
+            if not isinstance(p, DTensor):
+                p.copy_(weights.tensor(name))
+                continue
+            local = p.to_local()
+            box = _local_box(p)
+            if box is not None and box[1] == tuple(local.shape):
+                local.copy_(weights.block(name, box))
+                continue
+            # Other placements (a dimension sharded twice, strided FSDP-over-TP shards): slice a full
+            # copy the way DTensor does; src_data_rank=None: no communication.
+            full = weights.tensor(name).to(local.device, p.dtype)
+            local.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())

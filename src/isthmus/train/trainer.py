@@ -143,7 +143,7 @@ class Trainer:
         self.n_params = count_params(a)
         self.log.info(
             "model %s: %s parameters (%s); %s train / %s val tokens (%s tokenizer, vocab %d); layout %s over %d rank(s)",
-            cfg.model.flavor,
+            f"from {cfg.model.init_from}" if cfg.model.init_from else cfg.model.flavor,
             f"{self.n_params:,}",
             _shape_str(a),
             f"{len(self.data.train):,}",
