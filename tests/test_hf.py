@@ -150,6 +150,11 @@ def test_shape_overrides_refused_with_init_from(gqa: tuple[Path, Any]) -> None:
     cfg = build_config(None, parse_overrides(["--model.init_from", str(gqa[0]), "--model.dim", "128"]))
     with pytest.raises(ConfigError, match=r"^model\.dim = 128: is set by model\.init_from"):
         resolve_model_args(cfg.model, 256)
+    cfg = build_config(None, parse_overrides(["--model.init_from", str(gqa[0])]))
+    with pytest.raises(
+        ConfigError, match=r"^model\.init_from = .*: its vocabulary \(256\) is smaller than the tokenizer's"
+    ):
+        resolve_model_args(cfg.model, 4096)
 
 
 def test_hf_isthmus_hf_round_trip_is_bit_exact(tmp_path: Path, gqa: tuple[Path, Any]) -> None:

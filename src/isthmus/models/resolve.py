@@ -42,6 +42,12 @@ def resolve_model_args(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> 
             overrides["vocab_size"] = tokenizer_vocab
         args = get_flavor(cfg.flavor).with_overrides(**overrides)
     check_args(args)
+    if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab and cfg.init_from:
+        raise ConfigError(
+            "model.init_from",
+            cfg.init_from,
+            f"its vocabulary ({args.vocab_size}) is smaller than the tokenizer's ({tokenizer_vocab})",
+        )
     if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab:
         raise ConfigError(
             "model.vocab_size", args.vocab_size, f"must be at least the tokenizer's vocabulary ({tokenizer_vocab})"
