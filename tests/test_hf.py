@@ -295,3 +295,20 @@ def test_isthmus_export_file_is_an_init_source(finetuned: tuple[Path, list, list
     ours = isthmus_model(tmp_path / "model.safetensors")
     final = torch.load(run / "final" / "model.pt", weights_only=True)
     assert all(torch.equal(p, final[n]) for n, p in ours.state_dict().items())
+
+
+def test_gelu_isthmus_export_is_an_init_source(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from isthmus.models.flavors import get_flavor
+    from isthmus.models.llama import init_weights
+    from isthmus.train.export import export_model
+
+    args = replace(get_flavor("tiny"), mlp="gelu", tie_embeddings=True)
+    model = build_model(args, device="cpu")
+    init_weights(model, 3, args)
+    source = ModelSource(model.state_dict(), args, {}, "final", None)
+    export_model(source, {"kind": "byte", "vocab_size": 256}, tmp_path / "gelu.safetensors")
+    loaded = isthmus_model(tmp_path / "gelu.safetensors")
+    assert loaded.args == args
+    assert all(torch.equal(p, model.state_dict()[n]) for n, p in loaded.state_dict().items())

@@ -25,7 +25,7 @@ from isthmus.errors import CheckpointError
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.hf import HfTensor, from_hf_rows, hf_name_map
-from isthmus.models.llama import canonical_name
+from isthmus.models.llama import build_model, canonical_name
 from isthmus.models.pretrained import is_hf_folder, safetensors_header
 from isthmus.train.export import load_exported
 
@@ -49,12 +49,13 @@ class PretrainedWeights:
 
     def __init__(self, args: ModelArgs, located: dict[str, _Located], exported: dict[str, torch.Tensor]) -> None:
         self.args = args
+        self._shapes = _shapes(args)
         self._located = located
         self._exported = exported
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor."""
-        shape = _expected_shape(name, self.args)
+        shape = self._shapes[name]
         return self.block(name, ((0,) * len(shape), shape))
 
     def block(self, name: str, box: Box) -> torch.Tensor:
@@ -115,26 +116,14 @@ def _hf_files(folder: Path) -> dict[str, Path]:
     return dict.fromkeys(safetensors_header(single), single)
 
 
-def _expected_shape(name: str, args: ModelArgs) -> tuple[int, ...]:
-    """The full shape of a canonical parameter, from the model's shape alone."""
-    a, hd = args, args.head_dim
-    module = name.split(".")[-2]
-    shapes = {
-        "tok_embeddings": (a.vocab_size, a.dim),
-        "output": (a.vocab_size, a.dim),
-        "wq": (a.n_heads * hd, a.dim),
-        "wk": (a.n_kv_heads * hd, a.dim),
-        "wv": (a.n_kv_heads * hd, a.dim),
-        "wo": (a.dim, a.n_heads * hd),
-        "w1": (a.ffn_dim, a.dim),
-        "w3": (a.ffn_dim, a.dim),
-        "w2": (a.dim, a.ffn_dim),
-    }
-    return shapes.get(module, (a.dim,))
+def _shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor's full shape by canonical name, from a model built on meta (no memory)."""
+    return {name: tuple(t.shape) for name, t in build_model(args).state_dict().items()}
 
 
 def _open_hf(folder: Path, args: ModelArgs) -> PretrainedWeights:
     files = _hf_files(folder)
+    expected = _shapes(args)
     headers: dict[Path, dict] = {}
     located = {}
     for ours, where in hf_name_map(args).items():
@@ -145,9 +134,9 @@ def _open_hf(folder: Path, args: ModelArgs) -> PretrainedWeights:
             headers[file] = safetensors_header(file)
         info = headers[file].get(where.name) or {}
         shape, dtype = tuple(info.get("shape", ())), info.get("dtype")
-        if shape != _expected_shape(ours, args):
+        if shape != expected[ours]:
             raise CheckpointError(
-                f"{file}: {where.name} has shape {list(shape)}, config.json says {list(_expected_shape(ours, args))}"
+                f"{file}: {where.name} has shape {list(shape)}, config.json says {list(expected[ours])}"
             )
         if dtype not in FLOAT_DTYPES:
             raise CheckpointError(f"{file}: {where.name} is {dtype}; only {', '.join(FLOAT_DTYPES)} weights load")
@@ -163,12 +152,10 @@ def open_weights(init_from: str, args: ModelArgs, key: bytes | None = None) -> P
         weights = _open_hf(path, args)
     else:
         exported = load_exported(path, key)  # checks its sha256 (and signature) before use
-        for name in hf_name_map(args):  # the same tensors as an HF folder, by isthmus's names
+        for name, expected_shape in _shapes(args).items():
             shape = tuple(exported.state[name].shape) if name in exported.state else None
-            if shape != _expected_shape(name, args):
-                raise CheckpointError(
-                    f"{path}: {name} has shape {shape}, its metadata says {_expected_shape(name, args)}"
-                )
+            if shape != expected_shape:
+                raise CheckpointError(f"{path}: {name} has shape {shape}, its metadata says {expected_shape}")
         weights = PretrainedWeights(args, {}, exported.state)
     get_logger().info("initial weights from %s", path)
     return weights
