@@ -207,3 +207,26 @@ def test_few_steps_reduce_loss() -> None:
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+def test_norm_eps_and_rope_theta_knobs() -> None:
+    from isthmus.config import build_config, parse_overrides
+    from isthmus.models.resolve import resolve_model_args
+
+    def logits(*overrides: str) -> torch.Tensor:
+        cfg = build_config(None, parse_overrides(["--model.flavor", "tiny", *overrides]))
+        args = resolve_model_args(cfg.model)
+        with torch.no_grad():
+            return make(args)(tokens())
+
+    # Unset, the flavors keep the values the model always had: the same logits, bit for bit.
+    assert resolve_model_args(build_config(None, parse_overrides([])).model).norm_eps == 1e-5
+    assert resolve_model_args(build_config(None, [("model.flavor", "llama3-8b")]).model).rope_theta == 500000.0
+    with torch.no_grad():
+        today = make(TINY)(tokens())
+    assert torch.equal(logits(), today)
+    assert torch.equal(logits("--model.norm_eps", "1e-5", "--model.rope_theta", "10000"), today)
+    assert not torch.allclose(logits("--model.norm_eps", "0.5"), today, atol=1e-4)
+    assert not torch.allclose(logits("--model.rope_theta", "100"), today, atol=1e-4)
+    with pytest.raises(ConfigError, match=r"^model\.norm_eps = 0\.0: must be positive"):
+        build_config(None, parse_overrides(["--model.norm_eps", "0"]))

@@ -44,6 +44,13 @@ class ModelConfig:
     """Override the MLP kind: swiglu (Llama) or gelu (GPT)."""
     tie_embeddings: bool | None = None
     """Override whether input embedding and output head share weights."""
+    norm_eps: float | None = None
+    """Override the flavor's RMSNorm epsilon (1e-5 unless the flavor says otherwise)."""
+    rope_theta: float | None = None
+    """Override the flavor's rotary base (10000; 500000 for Llama 3)."""
+    init_from: str = ""
+    """Start from these weights: a Hugging Face Llama folder or a file `isthmus export` wrote; its shape
+    replaces the flavor's. Empty = a fresh seeded init."""
 
 
 @dataclass
@@ -541,6 +548,11 @@ def validate(cfg: JobConfig) -> None:
     for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
         v = getattr(m, key)
         _require(v is None or v >= 1, f"model.{key}", v, "must be at least 1")
+    for key in ("norm_eps", "rope_theta"):
+        v = getattr(m, key)
+        _require(v is None or v > 0, f"model.{key}", v, "must be positive")
+    if m.init_from:
+        _require(Path(m.init_from).exists(), "model.init_from", m.init_from, "no such folder or file")
     for key in ("nproc", "tp", "cp", "pp", "microbatches", "pp_virtual_stages"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be at least 1")
     for key in ("dp_replicate", "dp_shard"):

@@ -1,4 +1,4 @@
-"""`isthmus export`: a run's model (final, or a checkpoint in any layout) as one safetensors file."""
+"""`isthmus export`: a run's model (final, or a checkpoint in any layout) as one safetensors file or an HF folder."""
 
 from __future__ import annotations
 
@@ -12,14 +12,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     export = sub.add_parser(
         "export",
         allow_abbrev=False,
-        help="write a run's model as one .safetensors file that one process loads",
+        help="write a run's model as one .safetensors file that one process loads, or as a Hugging Face folder",
         description="Write a run's model (its final model, else its newest good checkpoint; any layout) as one "
-        "safetensors file, with its shape, config and tokenizer in the metadata.",
+        "safetensors file, with its shape, config and tokenizer in the metadata; or, with --format hf, as a "
+        "Hugging Face Llama folder that transformers loads with from_pretrained.",
     )
     export.add_argument(
         "--run", default=LATEST_RUN, help=f"run directory (train.run_dir of the run; default: {LATEST_RUN})"
     )
-    export.add_argument("--out", required=True, help="the file to write, FILE.safetensors")
+    export.add_argument(
+        "--format",
+        choices=("isthmus", "hf"),
+        default="isthmus",
+        help="isthmus: one FILE.safetensors for isthmus generate / model.init_from (default); "
+        "hf: a Hugging Face Llama folder (config.json, model.safetensors) for transformers' from_pretrained",
+    )
+    export.add_argument(
+        "--out", required=True, help="the file to write, FILE.safetensors (--format hf: a new or empty folder)"
+    )
     export.add_argument(
         "--checkpoint",
         nargs="?",
@@ -41,9 +51,11 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
     from isthmus.log import setup_logging
     from isthmus.train.checkpoint_manifest import checkpoint_key
     from isthmus.train.export import export_run
+    from isthmus.train.hf_export import export_run_hf
 
     setup_logging()  # a skipped damaged checkpoint is a warning line
-    done = export_run(ns.run, ns.out, ns.checkpoint, checkpoint_key(ns.key_file, "--key-file"))
+    export = export_run_hf if ns.format == "hf" else export_run
+    done = export(ns.run, ns.out, ns.checkpoint, checkpoint_key(ns.key_file, "--key-file"))
     origin = "final model" if done["origin"] == "final" else f"checkpoint {done['origin']} (step {done['step']})"
     sys.stdout.write(
         f"exported the {origin} of {ns.run}: {done['tensors']} tensors, {done['parameters']:,} parameters, "

@@ -6,23 +6,48 @@ from isthmus.config import DataConfig, ModelConfig
 from isthmus.errors import ConfigError
 from isthmus.models.args import ModelArgs, check_args
 from isthmus.models.flavors import get_flavor
+from isthmus.models.pretrained import init_source_args
 
-_SHAPE_KEYS = ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "mlp", "tie_embeddings")
+_SHAPE_KEYS = (
+    "n_layers",
+    "dim",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "mlp",
+    "tie_embeddings",
+    "norm_eps",
+    "rope_theta",
+)
 
 
 def resolve_model_args(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> ModelArgs:
     """The flavor's shape with the config's overrides applied, checked for consistency.
 
-    For training, ``tokenizer_vocab`` is the data's vocabulary: without an explicit
+    With ``model.init_from`` the shape is the weights' own (see `init_source_args`) and no override
+    may be set. For training, ``tokenizer_vocab`` is the data's vocabulary: without an explicit
     ``model.vocab_size`` the model's vocabulary follows the tokenizer (a flavor's own vocabulary
     is what it was published with; the tokenizer decides what the data needs).
     """
-    base = get_flavor(cfg.flavor)
     overrides = {k: getattr(cfg, k) for k in _SHAPE_KEYS}
-    if tokenizer_vocab is not None and cfg.vocab_size is None:
-        overrides["vocab_size"] = tokenizer_vocab
-    args = base.with_overrides(**overrides)
+    if cfg.init_from:
+        # The weights decide the shape: an override would make them not fit.
+        for key, value in overrides.items():
+            if value is not None:
+                raise ConfigError(f"model.{key}", value, "is set by model.init_from's weights; leave it unset")
+        args = init_source_args(cfg.init_from)
+    else:
+        if tokenizer_vocab is not None and cfg.vocab_size is None:
+            overrides["vocab_size"] = tokenizer_vocab
+        args = get_flavor(cfg.flavor).with_overrides(**overrides)
     check_args(args)
+    if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab and cfg.init_from:
+        raise ConfigError(
+            "model.init_from",
+            cfg.init_from,
+            f"its vocabulary ({args.vocab_size}) is smaller than the tokenizer's ({tokenizer_vocab})",
+        )
     if tokenizer_vocab is not None and args.vocab_size < tokenizer_vocab:
         raise ConfigError(
             "model.vocab_size", args.vocab_size, f"must be at least the tokenizer's vocabulary ({tokenizer_vocab})"

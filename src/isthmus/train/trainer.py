@@ -37,6 +37,7 @@ from isthmus.train.checkpoint_manifest import checkpoint_key, resume_note
 from isthmus.train.device import correct_peak, devices_worth, peak_flops, resolve_device
 from isthmus.train.final_model import gather_full_state, save_final_model
 from isthmus.train.grad import clip_grad_norm
+from isthmus.train.init_from import load_weights, open_weights
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
 from isthmus.train.short_run import max_steps_override
@@ -112,6 +113,10 @@ class Trainer:
             cfg.checkpoint, self.run_dir, a, _layout(self.dims, cfg), cfg.to_toml(), self.world
         )
         resume = self.checkpointer.find_resume()
+        # Checked before the model exists too; a resumed run takes its weights from the checkpoint.
+        pretrained = None
+        if cfg.model.init_from and resume is None:
+            pretrained = open_weights(cfg.model.init_from, a, checkpoint_key(cfg.checkpoint.key_file))
         self._write_run_files(resume)
         self.pm: ParallelModel = apply_layout(
             build_model(a, device="meta"),
@@ -124,6 +129,8 @@ class Trainer:
             loss_fn=cross_entropy,
             geo_sync=cfg.geo.sync != "none",
         )
+        if pretrained is not None:
+            load_weights(self.pm.modules, pretrained)
         self.geo_run.wire_pipeline(self.pm.schedule, self.dims.pp, self.mesh)
         zero1_group = self._mesh_group("dp_cp") if self.pm.dp_kind == "zero1" else None
         self.optimizer = build_optimizer(self.pm.modules, t, zero1_group)
@@ -136,7 +143,7 @@ class Trainer:
         self.n_params = count_params(a)
         self.log.info(
             "model %s: %s parameters (%s); %s train / %s val tokens (%s tokenizer, vocab %d); layout %s over %d rank(s)",
-            cfg.model.flavor,
+            f"from {cfg.model.init_from}" if cfg.model.init_from else cfg.model.flavor,
             f"{self.n_params:,}",
             _shape_str(a),
             f"{len(self.data.train):,}",
