@@ -67,7 +67,7 @@ def test_pipeline_across_datacenters_reports_wan_only() -> None:
 
 def test_no_pipeline_counter_without_a_pipeline_across_datacenters() -> None:
     run = GeoRun(GeoConfig(datacenters=2, dc_axis="pp"))
-    run.count_pipeline(None, 2)
+    run.wire_pipeline(None, 2, None)
     assert run.pipeline_wan is None
 
 
