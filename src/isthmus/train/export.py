@@ -197,15 +197,26 @@ def export_model(source: ModelSource, tokenizer: dict[str, Any], out: Path, key:
         tmp.replace(out)
     except Exception as e:  # OSError, or safetensors' own error for a failed write
         tmp.unlink(missing_ok=True)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [type(e).__name__])[0]
-        raise IsthmusError(f"--out {out}: cannot be written ({reason})") from None
+        raise write_failed(out, e) from None
+    return export_summary(out, source, tensors, out)
+
+
+def write_failed(out: Path, e: Exception) -> IsthmusError:
+    """The one line for an export that could not be written: the system's reason, or the first line of
+    safetensors' own error."""
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [type(e).__name__])[0]
+    return IsthmusError(f"--out {out}: cannot be written ({reason})")
+
+
+def export_summary(out: Path, source: ModelSource, tensors: dict[str, torch.Tensor], weights: Path) -> dict[str, Any]:
+    """What `isthmus export` prints of an export written to ``out`` (its weights in the file ``weights``)."""
     return {
         "out": out,
         "origin": source.origin,
         "step": source.step,
         "tensors": len(tensors),
         "parameters": sum(t.numel() for t in tensors.values()),
-        "bytes": out.stat().st_size,
+        "bytes": weights.stat().st_size,
     }
 
 

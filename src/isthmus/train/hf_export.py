@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 from isthmus.errors import IsthmusError
 from isthmus.models.hf import hf_state_dict
 from isthmus.models.hf_config import HF_CONFIG_FILE, hf_config_from_args
-from isthmus.train.export import ModelSource, find_source
+from isthmus.train.export import ModelSource, export_summary, find_source, write_failed
 
 WEIGHTS_FILE = "model.safetensors"
 GENERATION_FILE = "generation_config.json"
@@ -57,16 +57,8 @@ def write_hf_folder(source: ModelSource, out: Path) -> dict[str, Any]:
         tmp.replace(out)
     except Exception as e:  # OSError, or safetensors' own error for a failed write
         shutil.rmtree(tmp, ignore_errors=True)
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [type(e).__name__])[0]
-        raise IsthmusError(f"--out {out}: cannot be written ({reason})") from None
-    return {
-        "out": out,
-        "origin": source.origin,
-        "step": source.step,
-        "tensors": len(tensors),
-        "parameters": sum(t.numel() for t in tensors.values()),
-        "bytes": (out / WEIGHTS_FILE).stat().st_size,
-    }
+        raise write_failed(out, e) from None
+    return export_summary(out, source, tensors, out / WEIGHTS_FILE)
 
 
 def export_run_hf(
