@@ -14,8 +14,8 @@ links. Two answers exist:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from isthmus.geo.strategy import GeoSync
 from isthmus.geo.sync import build_geo_sync
 from isthmus.log import get_logger
 from isthmus.parallel.dims import MESH_DIMS, Meshes, ParallelDims
-from isthmus.parallel.pipeline import count_cross_dc_sends, local_stages
+from isthmus.parallel.pipeline import count_cross_dc_sends, crosses_datacenters, local_stages
 from isthmus.parallel.striped import stripe_groups, stripe_stage
 
 
@@ -130,11 +130,11 @@ class GeoRun:
         ranks = mesh.root.mesh
         pipelines = ranks.movedim(MESH_DIMS.index("pp"), -1).reshape(-1, pp).tolist()
         extra = stripe_groups(pipelines, self.cfg.wan_streams)
-        per_dc = pp // self.cfg.datacenters
         for st in local_stages(schedule):
             assert st.group is not None  # the stage was built on the mesh's pp group
             streams = [st.group, *(g[0] for g in extra)]
-            stripe_stage(st, streams, _crosses(st.group_rank // per_dc, per_dc), self.striped)
+            crosses = partial(crosses_datacenters, st.group_rank, pp=pp, datacenters=self.cfg.datacenters)
+            stripe_stage(st, streams, crosses, self.striped)
 
     def join(self, params: list[nn.Parameter]) -> int:
         """Meet the other datacenters before the first step; returns the step to train from
@@ -237,11 +237,6 @@ class DatacenterJob(GeoRun):
             out["dc_quorum"] = history[-1].participants  # datacenters in this step's outer round
             self._rounds_seen = len(history)
         return out
-
-
-def _crosses(here: int, per_dc: int) -> Callable[[int], bool]:
-    """Whether pipeline rank ``peer`` lies in another datacenter than ``here`` (per_dc ranks each)."""
-    return lambda peer: peer // per_dc != here
 
 
 def _local_world(world: int) -> int:

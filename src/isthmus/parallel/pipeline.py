@@ -193,6 +193,13 @@ def local_stages(schedule: _PipelineSchedule) -> list[PipelineStage]:
     return list(getattr(schedule, "_stages", None) or [schedule._stage])  # type: ignore[attr-defined]
 
 
+def crosses_datacenters(a: int, b: int, pp: int, datacenters: int) -> bool:
+    """Whether pipeline ranks ``a`` and ``b`` lie in different datacenters (``geo.dc_axis = pp``:
+    datacenter d holds pp ranks d * pp / datacenters onwards)."""
+    per_dc = pp // datacenters
+    return a // per_dc != b // per_dc
+
+
 def count_cross_dc_sends(schedule: _PipelineSchedule, pp: int, datacenters: int, counter: dict[str, int]) -> int:
     """Count, in ``counter["wan"]``, the bytes this rank's stages exchange with stages in another
     datacenter (``geo.dc_axis = pp``: datacenter d holds pp ranks d * pp / datacenters onwards).
@@ -204,12 +211,11 @@ def count_cross_dc_sends(schedule: _PipelineSchedule, pp: int, datacenters: int,
     gradient of the same shape that comes back. Forward-only validation sends are not counted.
     Returns how many local stages are wrapped.
     """
-    per_dc = pp // datacenters
     hooked = 0
     for st in local_stages(schedule):
         nxt = st.stage_index_to_group_rank.get(st.stage_index + 1)
         here = st.stage_index_to_group_rank[st.stage_index]
-        if nxt is None or nxt // per_dc == here // per_dc:
+        if nxt is None or not crosses_datacenters(here, nxt, pp, datacenters):
             continue
         st.forward_one_chunk = _counting(st.forward_one_chunk, counter)  # type: ignore[method-assign]
         hooked += 1
