@@ -237,19 +237,21 @@ def check_arguments(ns: argparse.Namespace) -> None:
         raise ConfigError("--wan-bandwidth", ns.wan_bandwidth, "must be positive (GB/s)")
 
 
+def _comma_choices(raw: str | None, choices: tuple[str, ...], flag: str, allow_empty: bool) -> tuple[str, ...]:
+    """A flag's comma list of choices (all of them when the flag is not given); ConfigError naming the
+    first that is not one, or an empty list where one is needed."""
+    picked = choices if raw is None else tuple(x.strip() for x in raw.split(",") if x.strip())
+    for x in picked or (() if allow_empty else ("",)):
+        if x not in choices:
+            raise ConfigError(flag, x, f"choose from: {', '.join(choices)}")
+    return picked
+
+
 def search_space(ns: argparse.Namespace) -> SearchSpace:
     """The search space the shared `plan` / `simulate` flags describe."""
 
-    sync = GEO_SYNCS if ns.sync is None else tuple(g.strip() for g in ns.sync.split(",") if g.strip())
-    for g in sync:
-        if g not in GEO_SYNCS:
-            raise ConfigError("--geo.sync", g, f"choose from: {', '.join(GEO_SYNCS)}")
-    wan = (
-        WAN_SCHEDULES if ns.wan_schedule is None else tuple(w.strip() for w in ns.wan_schedule.split(",") if w.strip())
-    )
-    for w in wan or ("",):
-        if w not in WAN_SCHEDULES:
-            raise ConfigError("--geo.wan_schedule", w, f"choose from: {', '.join(WAN_SCHEDULES)}")
+    sync = _comma_choices(ns.sync, GEO_SYNCS, "--geo.sync", allow_empty=True)
+    wan = _comma_choices(ns.wan_schedule, WAN_SCHEDULES, "--geo.wan_schedule", allow_empty=False)
     return SearchSpace(
         batch_size=ns.batch_size,
         seq_len=ns.seq_len,
