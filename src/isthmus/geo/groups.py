@@ -18,6 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from isthmus.errors import ConfigError
+from isthmus.parallel.striped import stripe_groups
 
 
 @dataclass
@@ -64,7 +65,11 @@ class GeoGroups:
 
 
 def build_geo_groups(
-    n_dc: int, ranks_per_dc: int, ranks_per_node: int | None = None, grids: list[list[list[int]]] | None = None
+    n_dc: int,
+    ranks_per_dc: int,
+    ranks_per_node: int | None = None,
+    grids: list[list[list[int]]] | None = None,
+    streams: int = 1,
 ) -> GeoGroups:
     """Create the intra, inter and world_dp groups from the default group (a collective call).
 
@@ -72,7 +77,8 @@ def build_geo_groups(
     ``ranks_per_dc`` global ranks; None = one grid of all ranks, datacenter-major.
     Every rank creates every group in the same order, as ``dist.new_group`` requires. ``world_dp``
     is a new group rather than the default one so that the trainer's own collectives on the default
-    group (loss logging, checkpoints) never queue behind an asynchronous WAN transfer.
+    group (loss logging, checkpoints) never queue behind an asynchronous WAN transfer. ``streams > 1``
+    (``geo.wan_streams``): every inter group again, ``streams - 1`` times, one connection per stripe.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     plain = grids is None
@@ -97,6 +103,10 @@ def build_geo_groups(
             group = dist.new_group([row[j] for row in grid])
             if here and grid[mine["dc"]][j] == rank:
                 mine["inter"] = group
+    stripes = []
+    if streams > 1:
+        inter = [[row[j] for row in grid] for grid in grids for j in range(ranks_per_dc)]
+        stripes = [mine["inter"]] + [g[0] for g in stripe_groups(inter, streams)]
     dc, local = int(mine["dc"]), int(mine["local"])
     return GeoGroups(
         world_dp=mine["world_dp"],
@@ -109,4 +119,5 @@ def build_geo_groups(
         rank=dc * ranks_per_dc + local,
         ranks_per_node=ranks_per_node,
         grid=None if plain else mine["grid"],
+        inter_stripes=stripes,
     )

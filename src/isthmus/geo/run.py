@@ -100,11 +100,9 @@ class GeoRun:
         # emulator's launcher orders ranks the same way.
         grids = geo_grids(dims.datacenters, dims.pp, dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp)
         replicas = len(grids[0][0])
-        groups = build_geo_groups(dims.datacenters, replicas, ranks_per_node=_local_world(world), grids=grids)
-        if self.cfg.wan_streams > 1:
-            # Every inter-datacenter group again, wan_streams - 1 times: one connection per stripe.
-            inter = [[row[j] for row in grid] for grid in grids for j in range(replicas)]
-            groups.inter_stripes = [groups.inter] + [g[0] for g in stripe_groups(inter, self.cfg.wan_streams)]
+        groups = build_geo_groups(
+            dims.datacenters, replicas, ranks_per_node=_local_world(world), grids=grids, streams=self.cfg.wan_streams
+        )
         get_logger().info(
             "geo: %s across %d datacenters of %d ranks (%d replica(s) of each model part)",
             self.cfg.sync,
