@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from isthmus.config import JobConfig, ParallelConfig
+from isthmus.config import JobConfig, ParallelConfig, set_value
 from isthmus.errors import ConfigError
 from isthmus.layout.dims import Meshes, ParallelDims, check_layout
 from isthmus.layout.spec import LayoutSpec
@@ -95,8 +95,7 @@ def parallelize(
     checked_len = seq_len if seq_len is not None else 2 * spec.cp * spec.tp
     cfg = JobConfig()
     for key, value in {**spec.config_overrides(batch=False), "train.seq_len": checked_len}.items():
-        section, name = key.split(".")
-        setattr(getattr(cfg, section), name, value)
+        set_value(cfg, key, value, from_cli=False)
     cfg.train.batch_size = spec.dp * (spec.microbatches if spec.pp > 1 else 1)
     cfg.train.grad_accum = 1
     dims = check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers)
