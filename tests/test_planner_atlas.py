@@ -150,13 +150,13 @@ def test_wan_schedule_round_trips_config_plan_and_layout(capsys: pytest.CaptureF
         plan_cli.search_space(parser.parse_args([*argv[:-1], "slotted"]))
 
 
-def test_training_refuses_a_time_shared_wan_in_one_line() -> None:
+def test_training_refuses_a_time_shared_wan_without_a_pipeline_across_datacenters() -> None:
     from isthmus.launch.preflight import preflight
 
     cfg = JobConfig()
     set_value(cfg, "model.flavor", "tiny", from_cli=False)
     set_value(cfg, "geo.wan_schedule", "time_shared", from_cli=False)
     validate(cfg)
-    with pytest.raises(ConfigError, match="geo.wan_schedule = 'time_shared'.*plan / simulate only") as err:
+    with pytest.raises(ConfigError, match="geo.wan_schedule = 'time_shared'.*geo.dc_axis = pp") as err:
         preflight(cfg)
     assert "\n" not in str(err.value)

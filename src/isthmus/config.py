@@ -217,7 +217,7 @@ class GeoConfig:
     overlap_steps: int = 1
     """streaming_diloco: inner steps tau between launching a fragment's transfer and applying its result."""
     wan_schedule: WanSchedule = "fair"
-    """dc_axis = pp: how the pipelines crossing one WAN link share it: fair (all at once, what the runtime's sends do) or time_shared (in turn, staggered by one transfer; isthmus plan / simulate only)."""
+    """dc_axis = pp: how the pipelines crossing one WAN link share it: fair (all at once, what the runtime's sends do) or time_shared (in turn, in replica order, staggered by one transfer)."""
     mix_alpha: float = 0.5
     """streaming_diloco: fragment <- alpha * local + (1 - alpha) * global when applied (0 = replace by global)."""
     outer_dtype: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"

@@ -33,6 +33,7 @@ from isthmus.log import get_logger
 from isthmus.parallel.dims import MESH_DIMS, Meshes, ParallelDims
 from isthmus.parallel.pipeline import count_cross_dc_sends, crosses_datacenters, local_stages
 from isthmus.parallel.striped import stripe_groups, stripe_stage
+from isthmus.parallel.timeshare import TimeShare, time_share_schedule, turn_groups
 
 
 def build_geo_run(cfg: GeoConfig) -> GeoRun:
@@ -58,6 +59,8 @@ class GeoRun:
         self.striped = {"striped": 0}
         """Cross-datacenter pipeline transfers this rank split over ``geo.wan_streams`` connections."""
         self._pipeline_sent_before: dict[str, int] = {}
+        self.time_share: TimeShare | None = None
+        """``geo.wan_schedule = time_shared``: this rank's turns on the WAN, once `wire_pipeline` made them."""
 
     # -- where this process stands ---------------------------------------------------------------
 
@@ -121,18 +124,37 @@ class GeoRun:
             return
         self.pipeline_wan = new_counter()  # only its wan tier is counted
         count_cross_dc_sends(schedule, pp, self.cfg.datacenters, self.pipeline_wan)
-        if self.cfg.wan_streams == 1:
-            return
         assert mesh is not None  # pp > 1 has a mesh
-        # Every pipeline's ranks (the pp dimension of the mesh), again wan_streams - 1 times.
         ranks = mesh.root.mesh
-        pipelines = ranks.movedim(MESH_DIMS.index("pp"), -1).reshape(-1, pp).tolist()
-        extra = stripe_groups(pipelines, self.cfg.wan_streams)
+        if self.cfg.wan_streams > 1:
+            # Every pipeline's ranks (the pp dimension of the mesh), again wan_streams - 1 times.
+            pipelines = ranks.movedim(MESH_DIMS.index("pp"), -1).reshape(-1, pp).tolist()
+            extra = stripe_groups(pipelines, self.cfg.wan_streams)
+            for st in local_stages(schedule):
+                assert st.group is not None  # the stage was built on the mesh's pp group
+                streams = [st.group, *(g[0] for g in extra)]
+                stripe_stage(st, streams, self._crosses(st.group_rank, pp), self.striped)
+        if self.cfg.wan_schedule == "time_shared":
+            self._time_share(schedule, ranks, pp)
+
+    def _crosses(self, group_rank: int, pp: int) -> Any:
+        return partial(crosses_datacenters, group_rank, pp=pp, datacenters=self.cfg.datacenters)
+
+    def _time_share(self, schedule: Any, ranks: torch.Tensor, pp: int) -> None:
+        """``geo.wan_schedule = time_shared``: the pipelines (every data-parallel and context-parallel
+        replica) that hold the same pipeline and tensor-parallel rank take the WAN in turn, in
+        replica order; the group that passes the turn lies in one datacenter. A collective."""
+        by_stage = ranks.movedim((MESH_DIMS.index("pp"), MESH_DIMS.index("tp")), (0, 1))
+        lists = by_stage.reshape(by_stage.shape[0] * by_stage.shape[1], -1).tolist()
+        if len(lists[0]) == 1:
+            return  # one pipeline: nobody to take turns with
+        group = turn_groups(lists)
+        assert group is not None  # every rank is in one list
+        share = TimeShare(group, schedule._n_microbatches)
         for st in local_stages(schedule):
-            assert st.group is not None  # the stage was built on the mesh's pp group
-            streams = [st.group, *(g[0] for g in extra)]
-            crosses = partial(crosses_datacenters, st.group_rank, pp=pp, datacenters=self.cfg.datacenters)
-            stripe_stage(st, streams, crosses, self.striped)
+            share.wrap_stage(st, self._crosses(st.group_rank, pp))
+        time_share_schedule(schedule, share)
+        self.time_share = share
 
     def join(self, params: list[nn.Parameter]) -> int:
         """Meet the other datacenters before the first step; returns the step to train from
@@ -176,6 +198,11 @@ class GeoRun:
                 self.cfg.wan_streams,
                 self.striped["striped"],
                 self.sync.striped if self.sync is not None else 0,
+            )
+        if self.time_share is not None:
+            get_logger().info(
+                "geo.wan_schedule = time_shared: this rank took %d turn(s) on the WAN",
+                sum(t.count for t in self.time_share.turns),
             )
         return by_tier
 

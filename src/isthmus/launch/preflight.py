@@ -41,12 +41,12 @@ def preflight(cfg: JobConfig) -> ModelArgs:
         # Each datacenter is its own job: the layout spans every datacenter's ranks.
         world = layout_world(cfg.geo, world or cfg.parallel.nproc)
     dims = check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers, world_size=world)
-    if cfg.geo.wan_schedule != "fair":
-        # The runtime's pipeline sends all start at once; only the planner and simulator model slots.
+    if cfg.geo.wan_schedule == "time_shared" and (cfg.geo.dc_axis != "pp" or cfg.geo.datacenters == 1):
+        # Only pipeline stages in different datacenters have WAN transfers to take turns with.
         raise ConfigError(
             "geo.wan_schedule",
             cfg.geo.wan_schedule,
-            "is modelled by isthmus plan / simulate only; training sends share the WAN link (fair)",
+            "needs pipeline stages across datacenters (geo.dc_axis = pp, geo.datacenters > 1)",
         )
     if cfg.model.tie_embeddings and cfg.parallel.pp > 1:
         raise ConfigError(
