@@ -89,6 +89,7 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
             "geo.datacenters": 2,
             "geo.dc_axis": "pp",
             "geo.wan_schedule": "time_shared",
+            "geo.wan_streams": 4,
             "train.batch_size": 8,
             "train.seq_len": 32,
         },

@@ -160,3 +160,39 @@ def test_training_refuses_a_time_shared_wan_without_a_pipeline_across_datacenter
     with pytest.raises(ConfigError, match="geo.wan_schedule = 'time_shared'.*geo.dc_axis = pp") as err:
         preflight(cfg)
     assert "\n" not in str(err.value)
+
+
+def test_a_tcp_window_caps_each_flow_and_streams_recover_the_link() -> None:
+    link = Link(bandwidth=12.5e6, latency=0.04, window=64 * 1024)  # 100 Mbit/s, 80 ms RTT, 64 KiB
+    assert link.rate(1) == pytest.approx(64 * 1024 / 0.08) and link.rate(100) == link.bandwidth
+    assert Link(12.5e6, 0.04).rate(1) == 12.5e6  # no window: the alpha-beta link, today's figures
+    msg = 262144.0  # one `small` microbatch's activation (2 x 128 x 256 fp32)
+    naive = pipeline_transfer(msg, link, 2, "fair", 1)
+    striped = pipeline_transfer(msg, link, 2, "fair", 4)
+    # Window-bound: one flow at 64 KiB per round trip, slow start from 10 segments; 4 flows each
+    # carry a quarter and ramp up in fewer round trips.
+    assert naive.seconds > 4 * 0.08 and striped.seconds < 0.6 * naive.seconds
+    # In slots the turn costs a round trip (the receiver posts its receive on its turn).
+    slots = pipeline_transfer(msg, link, 2, "time_shared", 4)
+    assert slots.stagger == pytest.approx(slots.occupancy / 2) and slots.seconds > 2 * 0.04
+
+
+def test_the_topology_carries_the_wan_window_to_planner_and_emulator(tmp_path: Path) -> None:
+    from isthmus.cli.emulate import topology_window_kib
+
+    preset = load_topology("emulated-2dc")
+    assert topology_window_kib(preset) == 0  # no window: the kernel's autotuning
+    text = (Path(__file__).resolve().parents[1] / "src/isthmus/topologies/emulated-2dc.toml").read_text()
+    path = tmp_path / "windowed.toml"
+    path.write_text(text.replace("latency_us = 0 ", "latency_us = 40000\nwindow_kib = 64 "))
+    topo = load_topology(str(path))
+    assert topology_window_kib(topo) == 64 and topo.wan_link("dc0", "dc1").window == 64 * 1024
+    work = Workload(get_flavor("small"), 16, 128, "fp32")
+    lay = LayoutSpec(pp=2, dp_replicate=2, microbatches=4, micro_batch=2, datacenters=2, dc_axis="pp")
+    free = simulate(work, preset.with_wan(latency_us=40000), lay, ISTHMUS).step_time_s
+    capped = simulate(work, topo, lay, ISTHMUS).step_time_s
+    striped = simulate(work, topo, lay.with_(wan_streams=4), ISTHMUS).step_time_s
+    assert capped > 1.5 * free and striped < capped
+    path.write_text(text.replace("latency_us = 0 ", "window_kib = -1\nlatency_us = 0 "))
+    with pytest.raises(ConfigError, match="window_kib"):
+        load_topology(str(path))

@@ -10,6 +10,7 @@ command is validated here, as its ranks will run it, before anything is made.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 from collections.abc import Iterator
@@ -58,10 +59,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--wan-window-kib",
         type=int,
-        default=0,
+        default=None,
         metavar="KIB",
         help="limit every TCP window in the datacenters to KIB KiB, so that one flow carries at most "
-        "window / RTT (as across regions); 0: the kernel's autotuning (default)",
+        "window / RTT (as across regions); 0: the kernel's autotuning; default: the topology's WAN "
+        "window_kib (the smallest), else 0",
     )
     p.add_argument("--timeout", type=float, default=None, help="stop the run after this many seconds")
     p.add_argument(
@@ -182,6 +184,13 @@ def emulated_network_of(
     )
 
 
+def topology_window_kib(topo: Topology) -> int:
+    """The TCP window the topology's WAN links give their flows (the smallest; the emulator limits
+    every namespace alike), KiB; 0 where none is set (the kernel's autotuning)."""
+    windows = [link.window for link in topo.wan.values() if math.isfinite(link.window)]
+    return round(min(windows) / 1024) if windows else 0
+
+
 def run(ns: argparse.Namespace, rest: list[str]) -> int:
     topo = load_topology(ns.topology)
     if len(topo.datacenters) < 2:
@@ -193,13 +202,14 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
             ns.topology,
             f"datacenters must hold equal numbers of ranks to train across them (got {sorted(sizes)})",
         )
-    if ns.wan_window_kib and not MIN_WINDOW_KIB <= ns.wan_window_kib <= MAX_WINDOW_KIB:
+    window = ns.wan_window_kib if ns.wan_window_kib is not None else topology_window_kib(topo)
+    if window and not MIN_WINDOW_KIB <= window <= MAX_WINDOW_KIB:
         raise ConfigError(
-            "--wan-window-kib",
-            ns.wan_window_kib,
+            "--wan-window-kib" if ns.wan_window_kib is not None else "topology.wan.window_kib",
+            window,
             f"must be 0 (autotuned) or between {MIN_WINDOW_KIB} and {MAX_WINDOW_KIB} KiB",
         )
-    net = replace(emulated_network_of(topo, ns.topology, ns.wan_mbit, ns.wan_rtt_ms), wan_window_kib=ns.wan_window_kib)
+    net = replace(emulated_network_of(topo, ns.topology, ns.wan_mbit, ns.wan_rtt_ms), wan_window_kib=window)
     if ns.dc_restarts < 0:
         raise ConfigError("--dc-restarts", ns.dc_restarts, "must be 0 or more")
     command = train_command(rest, ns.topology, len(topo.datacenters), sizes.pop())

@@ -81,7 +81,16 @@ PARALLEL_KEYS = (
     "activation_checkpoint",
 )
 """The ``[parallel]`` keys a layout sets (besides ``nproc``, its world size)."""
-GEO_KEYS = ("datacenters", "dc_axis", "sync", "inner_steps", "fragments", "overlap_steps", "wan_schedule")
+GEO_KEYS = (
+    "datacenters",
+    "dc_axis",
+    "sync",
+    "inner_steps",
+    "fragments",
+    "overlap_steps",
+    "wan_schedule",
+    "wan_streams",
+)
 """The ``[geo]`` keys a layout sets."""
 DERIVED = ("micro_batch",)
 """Fields with no config key (see the module docstring)."""
@@ -121,6 +130,8 @@ class LayoutSpec:
     """streaming_diloco: inner steps a fragment's transfer overlaps before its result is applied."""
     wan_schedule: WanSchedule = "fair"
     """dc_axis == 'pp': how the pipelines crossing one WAN link share it (fair: at once; time_shared: in turn)."""
+    wan_streams: int = 1
+    """TCP connections one cross-datacenter transfer is split over (each carries at most window / RTT)."""
     micro_batch: int = 1
     """Derived, no config key: sequences per microbatch (train.batch_size / (dp x microbatches))."""
 
@@ -198,6 +209,7 @@ class LayoutSpec:
             fragments=g.fragments,
             overlap_steps=g.overlap_steps,
             wan_schedule=g.wan_schedule,
+            wan_streams=g.wan_streams,
             micro_batch=max(1, t.batch_size // max(1, dp * microbatches)),
         )
 
@@ -216,7 +228,7 @@ class LayoutSpec:
             out["train.batch_size"] = self.global_batch
         out["geo.datacenters"] = self.datacenters
         out["geo.dc_axis"] = "dp" if self.dc_axis == "none" else self.dc_axis
-        for key in ("sync", "inner_steps", "fragments", "overlap_steps", "wan_schedule"):
+        for key in ("sync", "inner_steps", "fragments", "overlap_steps", "wan_schedule", "wan_streams"):
             out[f"geo.{key}"] = getattr(self, key)
         return out
 

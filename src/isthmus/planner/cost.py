@@ -181,7 +181,13 @@ def _stage_cost(
         if layout.pp > 1 and not runtime.p2p_async:  # blocking send/recv to each neighbour, per virtual stage
             gather = comm.all_gather(act, site.tp) if runtime.scatter_gather else 0.0
             p2p = sum(
-                v * (pipeline_transfer(msg, link, share, layout.wan_schedule if wan else "fair").seconds + gather)
+                v
+                * (
+                    pipeline_transfer(
+                        msg, link, share, layout.wan_schedule if wan else "fair", layout.wan_streams
+                    ).seconds
+                    + gather
+                )
                 for link, share, wan in near
             )
         compute = (
@@ -291,7 +297,7 @@ def pipeline_links(
         / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
     )
     xfers = [
-        pipeline_transfer(msg, link, share, layout.wan_schedule if wan else "fair")
+        pipeline_transfer(msg, link, share, layout.wan_schedule if wan else "fair", layout.wan_streams)
         for link, share, wan in pl.boundary_links
     ]
     # Time slots start the pipelines one slot apart, and the same offsets serve every boundary:

@@ -29,6 +29,7 @@ message arrives after S/B, and the step ends (k - 1) S/B later than one pipeline
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from isthmus.planner import comm
@@ -37,6 +38,8 @@ from isthmus.planner.layout import LayoutSpec, Runtime
 from isthmus.planner.placement import SiteSpans
 from isthmus.planner.topology import Link
 
+INITIAL_WINDOW_BYTES = 10 * 1448
+"""A new or long-idle TCP flow's first window: 10 segments (RFC 6928, Linux's default)."""
 DILOCO_DELTA_BYTES = 4
 """DiLoCo's outer gradients (parameter deltas) are exchanged in fp32."""
 STREAMING_BYTES_PER_PARAM = 0.5 + 4 / 256
@@ -56,14 +59,45 @@ class PipelineTransfer:
     """time_shared: seconds the last pipeline starts after the first (once per step)."""
 
 
-def pipeline_transfer(nbytes: float, link: Link, pipelines: int, schedule: str) -> PipelineTransfer:
-    """``pipelines`` messages of ``nbytes`` crossing ``link`` together, fairly shared or in time slots."""
+def tcp_seconds(nbytes: float, link: Link, flows: int) -> float:
+    """Seconds ``flows`` TCP connections, starting together, take to put ``nbytes`` (split evenly)
+    through ``link``, not counting the last byte's latency. A link without a TCP window is the
+    alpha-beta link (bytes / bandwidth). With one (`Link.window`), each flow carries at most its
+    window per round trip, and a flow left idle longer than its retransmission timeout (a pipeline's
+    flow between two microbatches) restarts from the initial window, doubling it every round trip
+    (slow start, Linux's default ``tcp_slow_start_after_idle``): a short message spends most of its
+    time there."""
+    rate = link.rate(flows)
+    if math.isinf(link.window) or link.latency <= 0:
+        return nbytes / rate
+    rtt = 2 * link.latency
+    per_flow, cap = nbytes / flows, rate * rtt / flows  # bytes per round trip once ramped up
+    sent, cwnd, seconds = 0.0, float(INITIAL_WINDOW_BYTES), 0.0
+    while cwnd < cap and sent + cwnd < per_flow:
+        sent, cwnd, seconds = sent + cwnd, 2 * cwnd, seconds + rtt
+    return seconds + (per_flow - sent) * rtt / cap
+
+
+def pipeline_transfer(nbytes: float, link: Link, pipelines: int, schedule: str, streams: int = 1) -> PipelineTransfer:
+    """``pipelines`` messages of ``nbytes`` crossing ``link`` together, fairly shared or in time
+    slots, each split over ``streams`` TCP connections (``geo.wan_streams``), timed by
+    `tcp_seconds`: shared, every pipeline's connections run at once; in slots, one pipeline's.
+
+    On a link with a TCP window (the flows modelled as TCP runs them) the runtime's handshake
+    counts too: gloo writes a message only once its receiver has posted the receive, and the
+    receiver posts it when it needs the data (a time-shared one: when it takes its turn), so the
+    sender learns of it one latency later: a round trip per message on top of its bytes. Links
+    without a window keep the alpha-beta figures (one latency per message)."""
     if nbytes <= 0:
         return PipelineTransfer(0.0, 0.0, 0.0)
-    slot = nbytes / link.bandwidth
+    handshake = link.latency if not math.isinf(link.window) else 0.0
     if schedule == "time_shared":
-        return PipelineTransfer(link.latency + slot, pipelines * slot, (pipelines - 1) * slot)
-    return PipelineTransfer(link.latency + pipelines * slot, pipelines * slot, 0.0)
+        busy = tcp_seconds(nbytes, link, streams)
+        # The next turn's bytes arrive a handshake and a latency after this one's last byte.
+        period = busy + 2 * handshake
+        return PipelineTransfer(handshake + link.latency + busy, pipelines * period, (pipelines - 1) * period)
+    busy = tcp_seconds(pipelines * nbytes, link, pipelines * streams)
+    return PipelineTransfer(handshake + link.latency + busy, busy, 0.0)
 
 
 @dataclass(frozen=True)

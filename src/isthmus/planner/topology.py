@@ -14,6 +14,7 @@ A topology is a TOML file (or the name of a preset shipped in ``topologies/``)::
     between = ["east", "west"]
     bandwidth_gb_s = 50                                      # the whole link, one direction
     latency_us = 20000
+    window_kib = 4096                                        # optional: largest TCP window of one flow
 
 Bandwidths are achievable GB/s (10^9 bytes/s), latencies microseconds. Every problem in a file
 is a :class:`ConfigError` naming the key, e.g. ``topology.datacenters[1].nodes``.
@@ -47,6 +48,7 @@ _DEVICE_KEYS = {
 }
 _DC_KEYS = {"name", "device", "nodes", "devices_per_node", "intra_node", "fabric"}
 _LINK_KEYS = {"bandwidth_gb_s", "latency_us"}
+_WAN_KEYS = _LINK_KEYS | {"between", "window_kib"}
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,19 @@ class Link:
     latency: float
     """Seconds per message."""
 
+    window: float = math.inf
+    """Largest TCP window of one flow, bytes (WAN links' ``window_kib``; unlimited by default, as
+    a tuned datacenter's links are): one flow carries at most window / round trip."""
+
     def time(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
+
+    def rate(self, flows: int = 1) -> float:
+        """Bytes/s that ``flows`` TCP connections reach together: the link, or each flow's window
+        per round trip (2 x latency) if that is less."""
+        if math.isinf(self.window) or self.latency <= 0:
+            return self.bandwidth
+        return min(self.bandwidth, flows * self.window / (2 * self.latency))
 
 
 @dataclass(frozen=True)
@@ -177,13 +190,16 @@ class Topology:
         wan = {pair: link for pair, link in self.wan.items() if pair <= names}
         return replace(self, datacenters=tuple(kept), wan=wan)
 
-    def with_wan(self, bandwidth_gb_s: float | None = None, latency_us: float | None = None) -> Topology:
-        """A copy with every WAN link's bandwidth and/or latency replaced (for sweeps)."""
+    def with_wan(
+        self, bandwidth_gb_s: float | None = None, latency_us: float | None = None, window_kib: float | None = None
+    ) -> Topology:
+        """A copy with every WAN link's bandwidth, latency and/or TCP window replaced (for sweeps)."""
 
         def change(link: Link) -> Link:
             bw = link.bandwidth if bandwidth_gb_s is None else bandwidth_gb_s * 1e9
             lat = link.latency if latency_us is None else latency_us * 1e-6
-            return Link(bw, lat)
+            window = link.window if window_kib is None else window_kib * 1024
+            return Link(bw, lat, window)
 
         return replace(self, wan={pair: change(link) for pair, link in self.wan.items()})
 
@@ -393,7 +409,7 @@ def _parse_wan(raw: Any, names: list[str]) -> dict[frozenset[str], Link]:
         where = f"topology.wan[{i}]"
         if not isinstance(link, dict):
             raise ConfigError(where, link, "must be a table")
-        _no_unknown(link, _LINK_KEYS | {"between"}, where)
+        _no_unknown(link, _WAN_KEYS, where)
         pair = link.get("between")
         if not isinstance(pair, list) or len(pair) != 2 or pair[0] == pair[1]:
             raise ConfigError(f"{where}.between", pair, "must name two different datacenters")
@@ -403,5 +419,7 @@ def _parse_wan(raw: Any, names: list[str]) -> dict[frozenset[str], Link]:
         key = frozenset(pair)
         if key in wan:
             raise ConfigError(f"{where}.between", pair, "this pair already has a link")
-        wan[key] = _parse_link({k: v for k, v in link.items() if k != "between"}, where)
+        alpha_beta = _parse_link({k: v for k, v in link.items() if k in _LINK_KEYS}, where)
+        window = _number(link, "window_kib", where, required=False)
+        wan[key] = alpha_beta if window is None else replace(alpha_beta, window=window * 1024)
     return wan

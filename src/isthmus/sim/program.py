@@ -115,7 +115,7 @@ class Simulation:
         self.msg = costs.p2p_message(work, layout, runtime)
         self.stagger = max(
             [
-                pipeline_transfer(self.msg, link, share, layout.wan_schedule).stagger
+                pipeline_transfer(self.msg, link, share, layout.wan_schedule, layout.wan_streams).stagger
                 for link, share, wan in self.placement.boundary_links
                 if wan
             ]
@@ -227,7 +227,8 @@ class Simulation:
             else:
                 tier = "intra" if link == self.ranks[r].site.dc.intra_node else "fabric"
                 res = self._link(f"stage{r}.{tier}", tier)
-            timing = pipeline_transfer(self.msg, link, share, "time_shared" if slotted else "fair")
+            schedule = "time_shared" if slotted else "fair"
+            timing = pipeline_transfer(self.msg, link, share, schedule, self.layout.wan_streams if crosses else 1)
             seconds = timing.seconds - link.latency
             # A message stands for all dp x cp x tp devices' messages on a WAN boundary (share):
             # shared, it takes them all at once; in slots, its own and then the others' turns.
