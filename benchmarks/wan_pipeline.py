@@ -1,30 +1,41 @@
-"""A pipeline across two emulated datacenters: one WAN connection per transfer against several.
+"""A pipeline across two emulated datacenters: naive vs multi-connection vs time-shared WAN transfers vs a geo-sync strategy.
 
-    python benchmarks/wan_pipeline.py                   # 20/100 Mbit/s x 20/80 ms, 1 vs 4 streams
-    python benchmarks/wan_pipeline.py --window-kib 64   # every TCP window limited to 64 KiB
-    python benchmarks/wan_pipeline.py --mbit 20 --rtt-ms 80 --streams 1,4,8
+    python benchmarks/wan_pipeline.py --window-kib 64 --out runs.json    # run, print the table
+    python benchmarks/wan_pipeline.py --table runs.json                   # the table again (predictions recomputed)
+    python benchmarks/wan_pipeline.py --mbit 20 --rtt-ms 80 --variants naive,multi_ts --rounds 1
 
 Every run is a real `isthmus emulate --topology emulated-2dc --wan-mbit R --wan-rtt-ms T -- train`
 (root; network namespaces, tc tbf, the user-space delay line; with --window-kib, `--wan-window-kib`
 limits every TCP window, so one flow carries at most window / RTT), the `small` flavor, 2 datacenters x 2
-CPU ranks: pp 2 with the stage boundary on the WAN (`geo.dc_axis = pp`), 2 pipelines (dp_replicate
-2) whose activations and gradients cross the same link, 1F1B with 4 microbatches, global batch
-16 x 128. Each setting runs once per stream count, in turns, with the same seed and data; the step
-time is the median of rank 0's `step_time_s` over steps 2.. (step 1 builds the schedule). The losses
-of every run at one setting must be equal (striping moves bytes only). "Predicted" is
-`isthmus.planner.estimate` for the same layout on `emulated-2dc` with the WAN set to the rate and
-latency (one connection: the planner does not model TCP windows).
+CPU ranks, global batch 16 x 128. The pipeline variants put pp 2 with the stage boundary on the WAN
+(`geo.dc_axis = pp`) and 2 pipelines (dp_replicate 2) whose activations and gradients cross the
+same link, 1F1B with 4 microbatches:
+
+- naive: one connection per transfer, the pipelines share the link (fair);
+- multi: `geo.wan_streams` connections per transfer (--streams, 4);
+- multi_ts: the same, and the pipelines take the link in turn (`geo.wan_schedule = time_shared`);
+- geo_sync: no pipeline across the WAN: each datacenter runs the pp 2 pipeline on its own 2 ranks
+  (`geo.dc_axis = dp`) and streaming DiLoCo (2 fragments, every 2 inner steps, int4) keeps them in
+  step over `geo.wan_streams` connections; its losses differ by design.
+
+Each round runs every variant once per setting, alternating the order between rounds; a variant's
+step time is the median of rank 0's `step_time_s` over steps 2.. of all its rounds (step 1 builds the
+schedule). The pipeline variants run the same seed and data: their losses must be equal (striping
+and turns move bytes only). "Predicted" is `isthmus.planner.estimate` for the same layout on
+`emulated-2dc` with the WAN set to the rate, latency and TCP window.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import get_flavor
@@ -33,113 +44,126 @@ from isthmus.planner.layout import RUNTIMES, Workload
 from isthmus.planner.topology import load_topology
 
 FLAVOR, BATCH, SEQ, MICROBATCHES = "small", 16, 128, 4
+PIPELINE = ["--parallel.pp", "2", "--parallel.dp_replicate", "2", "--geo.dc_axis", "pp"]
+GEO_SYNC = ["--parallel.pp", "2", "--geo.dc_axis", "dp", "--geo.sync", "streaming_diloco"]
+GEO_SYNC += ["--geo.inner_steps", "2", "--geo.fragments", "2"]
+VARIANTS = ("naive", "multi", "multi_ts", "geo_sync")
 
 
-def run(mbit: float, rtt_ms: float, window_kib: int, streams: int, steps: int, out: Path) -> tuple[float, list[float]]:
-    """(median step seconds from step 2 on, the losses) of one emulated run."""
+def variant_flags(variant: str, streams: int) -> list[str]:
+    """The train flags that make ``variant`` (see the module docstring)."""
+    if variant == "naive":
+        return [*PIPELINE, "--geo.wan_streams", "1"]
+    if variant == "multi":
+        return [*PIPELINE, "--geo.wan_streams", str(streams)]
+    if variant == "multi_ts":
+        return [*PIPELINE, "--geo.wan_streams", str(streams), "--geo.wan_schedule", "time_shared"]
+    assert variant == "geo_sync", variant
+    return [*GEO_SYNC, "--geo.wan_streams", str(streams)]
+
+
+def run(
+    mbit: float, rtt_ms: float, window_kib: int, flags: list[str], steps: int, out: Path
+) -> tuple[list[float], list[float]]:
+    """(rank 0's step seconds from step 2 on, the losses) of one emulated run."""
     metrics = out / "metrics.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "isthmus",
-        "emulate",
-        "--topology",
-        "emulated-2dc",
-        "--wan-mbit",
-        f"{mbit:g}",
-        "--wan-rtt-ms",
-        f"{rtt_ms:g}",
-        "--wan-window-kib",
-        str(window_kib),
-        "--timeout",
-        "600",
-        "--log-dir",
-        str(out / "logs"),
-        "--",
-        "train",
-        "--model.flavor",
-        FLAVOR,
-        "--parallel.nproc",
-        "4",
-        "--parallel.pp",
-        "2",
-        "--parallel.dp_replicate",
-        "2",
-        "--parallel.microbatches",
-        str(MICROBATCHES),
-        "--geo.datacenters",
-        "2",
-        "--geo.dc_axis",
-        "pp",
-        "--geo.wan_streams",
-        str(streams),
-        "--train.batch_size",
-        str(BATCH),
-        "--train.seq_len",
-        str(SEQ),
-        "--train.steps",
-        str(steps),
-        "--train.val_every",
-        "0",
-        "--train.run_dir",
-        str(out / "run"),
-        "--metrics.jsonl",
-        str(metrics),
-        "--metrics.progress",
-        "false",
-    ]
+    cmd = [sys.executable, "-m", "isthmus", "emulate", "--topology", "emulated-2dc"]
+    cmd += ["--wan-mbit", f"{mbit:g}", "--wan-rtt-ms", f"{rtt_ms:g}", "--wan-window-kib", str(window_kib)]
+    cmd += ["--timeout", "600", "--log-dir", str(out / "logs"), "--", "train"]
+    cmd += ["--model.flavor", FLAVOR, "--parallel.nproc", "4", "--parallel.microbatches", str(MICROBATCHES)]
+    cmd += ["--geo.datacenters", "2", "--train.batch_size", str(BATCH), "--train.seq_len", str(SEQ)]
+    cmd += ["--train.steps", str(steps), "--train.val_every", "0", "--train.run_dir", str(out / "run")]
+    cmd += ["--metrics.jsonl", str(metrics), "--metrics.progress", "false", *flags]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"{mbit:g} Mbit/s, {rtt_ms:g} ms, {streams} stream(s) failed:\n{proc.stdout[-3000:]}")
+        raise RuntimeError(f"{mbit:g} Mbit/s, {rtt_ms:g} ms, {flags} failed:\n{proc.stdout[-3000:]}")
     records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
-    return statistics.median(r["step_time_s"] for r in records[1:]), [r["loss"] for r in records]
+    return [r["step_time_s"] for r in records[1:]], [r["loss"] for r in records]
 
 
-def predicted(mbit: float, rtt_ms: float) -> float:
-    topo = load_topology("emulated-2dc").with_wan(bandwidth_gb_s=mbit / 8 / 1000, latency_us=rtt_ms * 1000 / 2)
-    lay = LayoutSpec(
-        pp=2,
-        dp_replicate=2,
-        microbatches=MICROBATCHES,
-        micro_batch=BATCH // (2 * MICROBATCHES),
-        datacenters=2,
-        dc_axis="pp",
+def predicted(variant: str, mbit: float, rtt_ms: float, window_kib: int, streams: int) -> float:
+    """The planner's step seconds for ``variant`` on ``emulated-2dc`` with this WAN."""
+    topo = load_topology("emulated-2dc").with_wan(
+        bandwidth_gb_s=mbit / 8 / 1000, latency_us=rtt_ms * 1000 / 2, window_kib=window_kib or None
     )
+    base = LayoutSpec(pp=2, microbatches=MICROBATCHES, datacenters=2, wan_streams=1 if variant == "naive" else streams)
+    if variant == "geo_sync":
+        lay = base.with_(dp_replicate=1, dc_axis="dp", sync="streaming_diloco", inner_steps=2, fragments=2)
+    else:
+        ts = "time_shared" if variant == "multi_ts" else "fair"
+        lay = base.with_(dp_replicate=2, dc_axis="pp", wan_schedule=ts)  # type: ignore[arg-type]
+    lay = lay.with_(micro_batch=BATCH // (lay.dp * MICROBATCHES))
     work = Workload(get_flavor(FLAVOR), BATCH, SEQ, "fp32")
     return estimate(work, topo, lay, RUNTIMES["isthmus"]).step_time_s
+
+
+def measure(ns: argparse.Namespace) -> dict[str, Any]:
+    """Run every setting and variant ``ns.rounds`` times; the raw step times and losses."""
+    variants = ns.variants.split(",")
+    rows = []
+    settings = [(float(m), float(r)) for m in ns.mbit.split(",") for r in ns.rtt_ms.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (mbit, rtt) in enumerate(settings):
+            times: dict[str, list[float]] = {v: [] for v in variants}
+            losses: dict[str, list[float]] = {}
+            for rnd in range(ns.rounds):
+                # The order alternates between rounds and settings: no variant always runs first.
+                for v in variants if (i + rnd) % 2 == 0 else variants[::-1]:
+                    out = Path(tmp) / f"{mbit:g}-{rtt:g}-{v}-{rnd}"
+                    t, loss = run(mbit, rtt, ns.window_kib, variant_flags(v, ns.streams), ns.steps, out)
+                    times[v] += t
+                    losses.setdefault(v, loss)
+                    load = os.getloadavg()[0]
+                    print(
+                        f"  {mbit:g} Mbit/s {rtt:g} ms {v} round {rnd}: {statistics.median(t):.3f} s, load {load:.1f}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            rows.append({"mbit": mbit, "rtt_ms": rtt, "times": times, "losses": losses})
+    return {"window_kib": ns.window_kib, "streams": ns.streams, "rounds": ns.rounds, "steps": ns.steps, "rows": rows}
+
+
+def table(raw: dict[str, Any]) -> tuple[list[str], float]:
+    """The markdown table of ``raw`` with the planner's prediction next to each figure; the median
+    relative error of the predictions."""
+    variants = [v for v in VARIANTS if v in raw["rows"][0]["times"]]
+    pipes = [v for v in variants if v != "geo_sync"]
+    cells = " | ".join(f"{v} s (pred.)" for v in variants)
+    lines = [f"| WAN Mbit/s | RTT ms | {cells} | naive / multi_ts | pipeline losses equal |"]
+    lines.append("|" + "---|" * (len(variants) + 4))
+    errors = []
+    for row in raw["rows"]:
+        med = {v: statistics.median(row["times"][v]) for v in variants}
+        pred = {v: predicted(v, row["mbit"], row["rtt_ms"], raw["window_kib"], raw["streams"]) for v in variants}
+        errors += [abs(pred[v] - med[v]) / med[v] for v in variants]
+        same = all(row["losses"][v] == row["losses"][pipes[0]] for v in pipes)
+        ratio = f"{med['naive'] / med['multi_ts']:.2f}" if {"naive", "multi_ts"} <= set(variants) else "-"
+        figures = " | ".join(f"{med[v]:.3f} ({pred[v]:.3f})" for v in variants)
+        lines.append(f"| {row['mbit']:g} | {row['rtt_ms']:g} | {figures} | {ratio} | {'yes' if same else 'NO'} |")
+    return lines, statistics.median(errors)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mbit", default="20,100", help="WAN rates, Mbit/s (comma list)")
     ap.add_argument("--rtt-ms", default="20,80", help="WAN round trips, ms (comma list)")
-    ap.add_argument("--streams", default="1,4", help="geo.wan_streams values (comma list; the first is the baseline)")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="which of " + ", ".join(VARIANTS))
+    ap.add_argument("--streams", type=int, default=4, help="geo.wan_streams of the multi-connection variants")
     ap.add_argument("--window-kib", type=int, default=0, help="TCP window limit in the datacenters (0: autotuned)")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, help="write the raw results (JSON) here")
+    ap.add_argument("--table", type=Path, help="print the table of earlier raw results; run nothing")
     ns = ap.parse_args(argv)
-    streams = [int(s) for s in ns.streams.split(",")]
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for mbit in (float(x) for x in ns.mbit.split(",")):
-            for rtt in (float(x) for x in ns.rtt_ms.split(",")):
-                got = {
-                    s: run(mbit, rtt, ns.window_kib, s, ns.steps, Path(tmp) / f"{mbit:g}-{rtt:g}-{s}") for s in streams
-                }
-                same = all(losses == got[streams[0]][1] for _, losses in got.values())
-                rows.append((mbit, rtt, {s: t for s, (t, _) in got.items()}, same, predicted(mbit, rtt)))
-                print(f"  {mbit:g} Mbit/s {rtt:g} ms: {got}", file=sys.stderr, flush=True)
-    base = streams[0]
-    head = " | ".join(f"{s} stream(s) s" for s in streams)
-    ratios = " | ".join(f"{base} / {s}" for s in streams[1:])
-    window = f"{ns.window_kib} KiB" if ns.window_kib else "autotuned"
-    print(f"TCP window: {window}")
-    print(f"| WAN Mbit/s | RTT ms | {head} | {ratios} | losses equal | predicted s (1 stream) |")
-    print("|" + "---|" * (4 + 2 * len(streams) - 1))
-    for mbit, rtt, times, same, pred in rows:
-        cells = " | ".join(f"{times[s]:.3f}" for s in streams)
-        rs = " | ".join(f"{times[base] / times[s]:.2f}" for s in streams[1:])
-        print(f"| {mbit:g} | {rtt:g} | {cells} | {rs} | {'yes' if same else 'NO'} | {pred:.3f} |")
-    return 0 if all(r[3] for r in rows) else 1
+    raw = json.loads(ns.table.read_text()) if ns.table else measure(ns)
+    if ns.out:
+        ns.out.write_text(json.dumps(raw))
+    lines, error = table(raw)
+    window = f"{raw['window_kib']} KiB" if raw["window_kib"] else "autotuned"
+    print(f"TCP window: {window}; geo.wan_streams {raw['streams']}; {raw['rounds']} round(s) of {raw['steps']} steps")
+    print("\n".join(lines))
+    print(f"median |predicted - measured| / measured: {100 * error:.0f}%")
+    return 0 if all(line.endswith("| yes |") for line in lines[2:]) else 1
 
 
 if __name__ == "__main__":
