@@ -126,7 +126,7 @@ def test_time_shared_slots_beat_fair_sharing_and_the_simulator_agrees(latency_us
     # 16 transfers per boundary (2 replicas x 8 tensor-parallel ranks) on one 5 GB/s link.
     assert slots.step_time_s < 0.9 * fair.step_time_s
     assert slots.planner.step_time_s < 0.9 * fair.planner.step_time_s
-    assert runnable(topo, base) is None and runnable(topo, slots.layout) is not None
+    assert runnable(topo, base) is None and runnable(topo, slots.layout) is None  # the runtime runs both
 
 
 def test_wan_schedule_round_trips_config_plan_and_layout(capsys: pytest.CaptureFixture[str]) -> None:
@@ -139,7 +139,7 @@ def test_wan_schedule_round_trips_config_plan_and_layout(capsys: pytest.CaptureF
     assert plan_cli.run(parser.parse_args(argv)) == 0
     best = json.loads(capsys.readouterr().out)["layouts"][0]
     assert best["geo"]["wan_schedule"] == "time_shared" and best["layout"]["wan_schedule"] == "time_shared"
-    assert "time-shares the WAN links" in best["what_if"]
+    assert best["what_if"] is None  # the runtime runs time slots as planned
     cfg = JobConfig()
     for section in ("parallel", "geo", "train"):
         for key, value in best[section].items():

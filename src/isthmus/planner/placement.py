@@ -147,8 +147,8 @@ def runnable(topo: Topology, layout: LayoutSpec) -> str | None:
     """Why the runtime cannot run ``layout`` as the planner places it, or None when it can.
 
     The runtime (``isthmus train`` / ``emulate``) splits the ranks evenly over every datacenter of
-    its topology and sends pipeline activations all at once; the planner can also use a subset,
-    give datacenters unequal stage counts and time-share a WAN link.
+    its topology (it runs both WAN schedules); the planner can also use a subset and give
+    datacenters unequal stage counts.
     """
     n = len(topo.datacenters)
     why = []
@@ -158,8 +158,6 @@ def runnable(topo: Topology, layout: LayoutSpec) -> str | None:
         counts = place(topo, layout).stages_per_dc
         if len(set(counts)) > 1:
             why.append(f"puts {'+'.join(map(str, counts))} stages in its datacenters")
-    if layout.wan_schedule != "fair":
-        why.append(f"time-shares the WAN links, geo.wan_schedule = {layout.wan_schedule}")
     return "; ".join(why) or None
 
 
