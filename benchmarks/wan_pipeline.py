@@ -1,7 +1,7 @@
 """A pipeline across two emulated datacenters: naive vs multi-connection vs time-shared WAN transfers vs a geo-sync strategy.
 
     python benchmarks/wan_pipeline.py --window-kib 64 --out runs.json    # run, print the table
-    python benchmarks/wan_pipeline.py --table runs.json                   # the table again (predictions recomputed)
+    python benchmarks/wan_pipeline.py --table runs.json more.json         # the table again, rounds joined
     python benchmarks/wan_pipeline.py --mbit 20 --rtt-ms 80 --variants naive,multi_ts --rounds 1
 
 Every run is a real `isthmus emulate --topology emulated-2dc --wan-mbit R --wan-rtt-ms T -- train`
@@ -108,7 +108,7 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
         for i, (mbit, rtt) in enumerate(settings):
             times: dict[str, list[float]] = {v: [] for v in variants}
             losses: dict[str, list[float]] = {}
-            for rnd in range(ns.rounds):
+            for rnd in range(ns.first_round, ns.first_round + ns.rounds):
                 # The order alternates between rounds and settings: no variant always runs first.
                 for v in variants if (i + rnd) % 2 == 0 else variants[::-1]:
                     out = Path(tmp) / f"{mbit:g}-{rtt:g}-{v}-{rnd}"
@@ -123,6 +123,20 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
                     )
             rows.append({"mbit": mbit, "rtt_ms": rtt, "times": times, "losses": losses})
     return {"window_kib": ns.window_kib, "streams": ns.streams, "rounds": ns.rounds, "steps": ns.steps, "rows": rows}
+
+
+def joined(raws: list[dict[str, Any]]) -> dict[str, Any]:
+    """Raw results of separate invocations (same settings) as one: their rounds' step times together."""
+    out = raws[0]
+    for raw in raws[1:]:
+        assert raw["window_kib"] == out["window_kib"] and raw["streams"] == out["streams"]
+        for row, more in zip(out["rows"], raw["rows"], strict=True):
+            assert (row["mbit"], row["rtt_ms"]) == (more["mbit"], more["rtt_ms"])
+            for v, times in more["times"].items():
+                row["times"][v] += times
+                assert row["losses"][v] == more["losses"][v], "the same seed and data give the same losses"
+        out["rounds"] += raw["rounds"]
+    return out
 
 
 def table(raw: dict[str, Any]) -> tuple[list[str], float, float]:
@@ -155,10 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-kib", type=int, default=0, help="TCP window limit in the datacenters (0: autotuned)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--first-round", type=int, default=0, help="number of the first round (sets the order)")
     ap.add_argument("--out", type=Path, help="write the raw results (JSON) here")
-    ap.add_argument("--table", type=Path, help="print the table of earlier raw results; run nothing")
+    ap.add_argument(
+        "--table", type=Path, nargs="+", help="print the table of earlier raw results (their rounds joined)"
+    )
     ns = ap.parse_args(argv)
-    raw = json.loads(ns.table.read_text()) if ns.table else measure(ns)
+    raw = joined([json.loads(p.read_text()) for p in ns.table]) if ns.table else measure(ns)
     if ns.out:
         ns.out.write_text(json.dumps(raw))
     lines, plan_err, sim_err = table(raw)

@@ -135,10 +135,11 @@ def test_wan_schedule_round_trips_config_plan_and_layout(capsys: pytest.CaptureF
     plan_cli.add_parser(sub)
     argv = ["plan", "--model", "tiny", "--topology", "emulated-2dc", "--train.batch_size", "8"]
     argv += ["--train.seq_len", "32", "--top", "3", "--json", "--geo.dc_axis", "pp", "--parallel.pp", "2"]
-    argv += ["--parallel.tp", "2", "--geo.wan_schedule", "time_shared"]
+    argv += ["--parallel.tp", "2", "--geo.wan_streams", "3", "--geo.wan_schedule", "time_shared"]
     assert plan_cli.run(parser.parse_args(argv)) == 0
     best = json.loads(capsys.readouterr().out)["layouts"][0]
     assert best["geo"]["wan_schedule"] == "time_shared" and best["layout"]["wan_schedule"] == "time_shared"
+    assert best["geo"]["wan_streams"] == 3 and best["layout"]["wan_streams"] == 3
     assert best["what_if"] is None  # the runtime runs time slots as planned
     cfg = JobConfig()
     for section in ("parallel", "geo", "train"):

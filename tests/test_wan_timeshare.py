@@ -42,9 +42,17 @@ def test_time_shared_runs_equal_fair_sharing(tmp_path: Path, streams: int) -> No
     fair = _train(tmp_path, "fair", *LAYOUT, *wan)
     shared = _train(tmp_path, "shared", *LAYOUT, *wan, "--geo.wan_schedule", "time_shared")
     assert len(fair) == 4 and shared == fair
+    held = {}
     for rank in range(4):
         log = (tmp_path / "shared" / "logs" / f"rank{rank}.log").read_text()
-        found = re.search(r"time_shared: this rank took (\d+) turn\(s\)", log)
+        found = re.search(r"time_shared: this rank took (\d+) turn\(s\) on the WAN, held .*?: (.*)", log)
         assert found is not None, log[-2000:]
         # Each rank receives one side's transfers: 4 steps x 4 microbatches.
         assert int(found.group(1)) == 16
+        held[rank] = [tuple(map(float, pair.split(","))) for pair in found.group(2).split()]
+    # The receivers of one direction (the two replicas of a stage, one datacenter: ranks 0 and 1
+    # receive gradients, 2 and 3 activations) never hold the link at once, and alternate.
+    for a, b in ((0, 1), (2, 3)):
+        spans = sorted([(s, e, a) for s, e in held[a]] + [(s, e, b) for s, e in held[b]])
+        assert all(e1 <= s2 for (_, e1, _), (s2, _, _) in zip(spans, spans[1:], strict=False))
+        assert [r for _, _, r in spans] == [a, b] * 16

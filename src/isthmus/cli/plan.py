@@ -14,7 +14,7 @@ import json
 import sys
 import textwrap
 
-from isthmus.config import ModelConfig
+from isthmus.config import WAN_STREAMS_MAX, ModelConfig
 from isthmus.errors import ConfigError
 from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES, WAN_SCHEDULES
 from isthmus.models.resolve import resolve_model_args
@@ -168,7 +168,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=None,
         metavar="LIST",
         help="how pipelines share a WAN link at a stage boundary (comma list of "
-        f"{', '.join(WAN_SCHEDULES)}; default: both; the runtime runs fair)",
+        f"{', '.join(WAN_SCHEDULES)}; default: both)",
+    )
+    p.add_argument(
+        "--geo.wan_streams",
+        dest="wan_streams",
+        type=int,
+        default=1,
+        metavar="N",
+        help="TCP connections each cross-datacenter pipeline transfer is split over (default 1; it "
+        "matters on WAN links with a window_kib, where one connection carries window / RTT)",
     )
     p.add_argument(
         "--geo.sync",
@@ -252,6 +261,8 @@ def search_space(ns: argparse.Namespace) -> SearchSpace:
 
     sync = _comma_choices(ns.sync, GEO_SYNCS, "--geo.sync", allow_empty=True)
     wan = _comma_choices(ns.wan_schedule, WAN_SCHEDULES, "--geo.wan_schedule", allow_empty=False)
+    if not 1 <= ns.wan_streams <= WAN_STREAMS_MAX:
+        raise ConfigError("--geo.wan_streams", ns.wan_streams, f"must be between 1 and {WAN_STREAMS_MAX}")
     return SearchSpace(
         batch_size=ns.batch_size,
         seq_len=ns.seq_len,
@@ -272,6 +283,7 @@ def search_space(ns: argparse.Namespace) -> SearchSpace:
         max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
         datacenters=ns.datacenters,
         wan_schedule=wan,
+        wan_streams=ns.wan_streams,
     )
 
 

@@ -200,9 +200,11 @@ class GeoRun:
                 self.sync.striped if self.sync is not None else 0,
             )
         if self.time_share is not None:
+            held = sorted(span for t in self.time_share.turns for span in t.held)
             get_logger().info(
-                "geo.wan_schedule = time_shared: this rank took %d turn(s) on the WAN",
-                sum(t.count for t in self.time_share.turns),
+                "geo.wan_schedule = time_shared: this rank took %d turn(s) on the WAN, held (posted, done, unix s): %s",
+                len(held),
+                " ".join(f"{a:.4f},{b:.4f}" for a, b in held),
             )
         return by_tier
 

@@ -30,6 +30,7 @@ each turn is the whole transfer whatever :mod:`isthmus.parallel.striped` does in
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,8 @@ class Turns:
         self.per_step = per_step
         self.tag = tag
         self.count = 0
+        self.held: list[tuple[float, float]] = []
+        """(wall-clock seconds) each receive of this rank was posted and completed: when it held the link."""
         self._pending = pending  # token sends in flight, shared with the stage's send works
         self._token = torch.zeros(1, dtype=torch.uint8)
 
@@ -79,7 +82,9 @@ class _TurnRecv:
     def wait(self, timeout: Any = None) -> bool:
         if not self._done:
             self._turns.take()
+            posted = time.time()
             self._start().wait()
+            self._turns.held.append((posted, time.time()))
             self._turns.pass_on()
             self._done = True
         return True

@@ -80,6 +80,8 @@ class SearchSpace:
     """Datacenters to use (geo.datacenters); None: 1, every subset size, and all."""
     wan_schedule: tuple[str, ...] = WAN_SCHEDULES
     """How pipelines share a WAN link at a stage boundary (geo.wan_schedule) to consider."""
+    wan_streams: int = 1
+    """TCP connections per cross-datacenter transfer (geo.wan_streams), for every layout."""
 
 
 @dataclass
@@ -186,6 +188,7 @@ def search(
                                             dc_axis=axis,  # type: ignore[arg-type]
                                             # The bound takes the faster schedule; variants try each.
                                             wan_schedule=_wan_schedules(axis, space)[-1],  # type: ignore[arg-type]
+                                            wan_streams=space.wan_streams,
                                         )
                                         cand = _prepare(work, topo, core, runtime, space, usable, result)
                                         if cand is not None:
@@ -418,6 +421,7 @@ def _variants(
                     fragments=space.fragments,
                     overlap_steps=space.overlap_steps,
                     wan_schedule=wan_schedule,  # type: ignore[arg-type]
+                    wan_streams=space.wan_streams,
                 )
                 # Blocking sends (Megatron) put the WAN schedule into the stage costs.
                 same = runtime.p2p_async or wan_schedule == core.wan_schedule
