@@ -118,12 +118,15 @@ class GeoRun:
 
     def wire_pipeline(self, schedule: Any, pp: int, mesh: Meshes | None) -> None:
         """``geo.dc_axis = pp``: count the activations (and their gradients) that this rank's
-        pipeline stages send to a stage in another datacenter, and with ``geo.wan_streams > 1``
-        split those transfers over that many connections. A collective (the stripe groups)."""
+        pipeline stages send to a stage in another datacenter; with ``geo.wan_streams > 1`` split
+        those transfers over that many connections, and with ``geo.wan_schedule = time_shared``
+        let the pipelines take the link in turn. A collective (the stripe and turn groups)."""
         if self.cfg.dc_axis != "pp" or self.cfg.datacenters == 1 or schedule is None:
             return
         self.pipeline_wan = new_counter()  # only its wan tier is counted
         count_cross_dc_sends(schedule, pp, self.cfg.datacenters, self.pipeline_wan)
+        if self.cfg.wan_streams == 1 and self.cfg.wan_schedule == "fair":
+            return
         assert mesh is not None  # pp > 1 has a mesh
         ranks = mesh.root.mesh
         if self.cfg.wan_streams > 1:
