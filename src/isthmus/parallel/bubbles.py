@@ -26,6 +26,7 @@ The filler never touches training state: its model is a separate frozen module, 
 from __future__ import annotations
 
 import hashlib
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -42,9 +43,9 @@ from torch.distributed.pipelining import PipelineStage
 COMPUTE = ("forward", "backward", "optimizer", "prefill")
 """Timeline categories that keep a rank busy (the others are waits)."""
 GAP_HISTORY = 3
-COST_HISTORY = 3
-COST_MARGIN = 1.3
-"""A chunk's predicted cost is its largest recent measured cost times this."""
+COST_HISTORY = 8
+COST_MARGIN = 1.25
+"""A chunk's predicted cost is the median of its recent measured costs times this."""
 SLACK_S = 0.0005
 """Time kept free before a gap's expected end (the waiter thread's wake-up, Python overhead)."""
 
@@ -166,13 +167,13 @@ class BubbleFiller:
                 self._costs.setdefault(n, deque(maxlen=COST_HISTORY)).append(time.perf_counter() - start)
 
     def predicted_cost(self, n_tokens: int) -> float:
-        """Seconds one prompt of ``n_tokens`` is expected to take, at most: its own recent costs, or
-        else the highest measured cost per token times its length (attention grows faster than
+        """Seconds one prompt of ``n_tokens`` is expected to take, with a margin: its own recent costs,
+        or else the highest measured cost per token times its length (attention grows faster than
         linearly, so per-token costs of the longest prompts overestimate shorter ones: safe)."""
         seen = self._costs.get(n_tokens)
         if seen:
-            return max(seen) * COST_MARGIN
-        per_token = max(max(c) / n for n, c in self._costs.items())
+            return statistics.median(seen) * COST_MARGIN
+        per_token = max(statistics.median(c) / n for n, c in self._costs.items())
         return per_token * n_tokens * COST_MARGIN
 
     def expected_gap(self, slot: int) -> float | None:
@@ -201,7 +202,11 @@ class BubbleFiller:
                 self._run(request, slot)
             done = future.result()  # re-raises a failed transfer's error here, on the main thread
         self._gaps.setdefault(slot, deque(maxlen=GAP_HISTORY)).append(done - start)
-        self.timeline.add(name, "wait", start, max(done, time.perf_counter()), slot=slot)
+        end = time.perf_counter()
+        # overrun: how long a chunk kept the rank past the transfer's completion (the delay filling caused).
+        expected_ms = round(expected * 1e3, 3) if expected is not None else None
+        overrun_ms = round(max(0.0, end - done) * 1e3, 3)
+        self.timeline.add(name, "wait", start, end, slot=slot, expected_ms=expected_ms, overrun_ms=overrun_ms)
 
     def _next_fitting(self, seconds: float) -> Request | None:
         # The first pending request that fits (requests are served in order when they fit).

@@ -107,6 +107,14 @@ class BubbleRun:
         if self.filler is not None:
             self.filler.begin_step(step)
 
+    def wait(self, work: Any, name: str) -> None:
+        """Wait for a collective of the step (gradient norm, loss), filling the wait when filling."""
+        if self.filler is not None:
+            self.filler.wait(work, name)
+        else:
+            with self.timeline.span(name, "wait"):
+                work.wait()
+
     def end_step(self, step: int) -> dict[str, Any]:
         """This step's busy fraction of every rank, and the prefill tokens served in its bubbles
         (summed over ranks). A collective: every rank calls it once per step."""

@@ -286,7 +286,7 @@ class Trainer:
             return nullcontext()
         return self.bubbles.timeline.span(what, "optimizer" if what == "optimizer" else "forward")
 
-    def _mean_over_ranks(self, local: torch.Tensor | None) -> float:
+    def _mean_over_ranks(self, local: torch.Tensor | None, fill: bool = False) -> float:
         """Average a per-rank loss over the ranks that computed one (last pipeline stage; every dp/cp rank)."""
         if self.world == 1:
             assert local is not None
@@ -294,7 +294,12 @@ class Trainer:
         value = torch.zeros(2, dtype=torch.float64)
         if local is not None:
             value[0], value[1] = float(local), 1.0
-        dist.all_reduce(value)
+        work = dist.all_reduce(value, async_op=True)
+        assert work is not None
+        if self.bubbles is not None and fill:
+            self.bubbles.wait(work, "all-reduce loss")  # stages without the loss wait here for the last one
+        else:
+            work.wait()
         return float(value[0] / value[1])
 
     # --- one optimizer step -------------------------------------------------------------
@@ -321,7 +326,8 @@ class Trainer:
         if self.geo is not None:
             self.geo.reduce_gradients(self.pm.parameters())
         pp_group = self._mesh_group("pp") if self.dims.pp_enabled else None
-        grad_norm = clip_grad_norm(self.pm.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf, pp_group)
+        wait = self.bubbles.wait if self.bubbles is not None else None
+        grad_norm = clip_grad_norm(self.pm.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf, pp_group, wait)
         with self._span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -330,7 +336,7 @@ class Trainer:
             self.geo.after_optimizer_step(self.step, self.pm.parameters())
         self.step += 1
         local = torch.stack(losses).mean() if losses else None
-        return self._mean_over_ranks(local), grad_norm
+        return self._mean_over_ranks(local, fill=True), grad_norm
 
     @torch.no_grad()
     def validate(self) -> float:
