@@ -209,11 +209,16 @@ class BubbleFiller:
         self.timeline.add(name, "wait", start, end, slot=slot, expected_ms=expected_ms, overrun_ms=overrun_ms)
 
     def _next_fitting(self, seconds: float) -> Request | None:
-        # The first pending request that fits (requests are served in order when they fit).
+        # The first pending request that fits (requests are served in order when they fit); each
+        # length's prediction is computed once per decision, as this runs between chunks.
+        predicted: dict[int, float] = {}
         for i, r in enumerate(self.pending):
             if i >= 64:
                 break
-            if self.predicted_cost(len(r.tokens)) <= seconds:
+            n = len(r.tokens)
+            if n not in predicted:
+                predicted[n] = self.predicted_cost(n)
+            if predicted[n] <= seconds:
                 return r
         return None
 
