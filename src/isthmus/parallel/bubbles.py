@@ -26,12 +26,15 @@ The filler never touches training state: its model is a separate frozen module, 
 from __future__ import annotations
 
 import hashlib
+import os
 import statistics
+import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -151,6 +154,7 @@ class BubbleFiller:
         self._gaps: dict[int, deque[float]] = {}
         self._costs: dict[int, deque[float]] = {}
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isthmus-bubble-wait")
+        self._niced = NicedThread()
 
     # --- cost model ---------------------------------------------------------------------
     def calibrate(self) -> None:
@@ -193,7 +197,7 @@ class BubbleFiller:
             work.wait()
             done = time.perf_counter()
         else:
-            future: Future[float] = self._waiter.submit(_wait_and_stamp, work)
+            future: Future[float] = self._waiter.submit(_wait_and_stamp, work, self._niced.restore)
             while not future.done():
                 left = expected - (time.perf_counter() - start) - SLACK_S
                 request = self._next_fitting(left)
@@ -225,7 +229,8 @@ class BubbleFiller:
     def _run(self, request: Request, slot: int | None) -> None:
         self.pending.remove(request)
         start = time.perf_counter()
-        out = prefill(self.model, request.tokens, self.device)
+        with self._niced if slot is not None else nullcontext():
+            out = prefill(self.model, request.tokens, self.device)
         end = time.perf_counter()
         self._costs.setdefault(len(request.tokens), deque(maxlen=COST_HISTORY)).append(end - start)
         in_bubble = slot is not None
@@ -245,9 +250,39 @@ class BubbleFiller:
         return left
 
 
-def _wait_and_stamp(work: Any) -> float:
+class NicedThread:
+    """Run a block at the lowest CPU priority (nice 19) on this thread, then restore it.
+
+    Where the device is a CPU core shared with other work (the transport's threads, the other
+    ranks, an emulator's forwarder), a filler chunk at normal priority takes CPU time from them and
+    so slows training; at nice 19 the kernel gives it only what they leave. Linux sets nice per
+    thread; restoring a lower value needs CAP_SYS_NICE (root), so without it this does nothing.
+    """
+
+    def __init__(self) -> None:
+        self.tid = threading.get_native_id()
+        self.normal = os.getpriority(os.PRIO_PROCESS, self.tid)
+        self.enabled = sys.platform == "linux" and os.geteuid() == 0
+
+    def __enter__(self) -> None:
+        if self.enabled:
+            os.setpriority(os.PRIO_PROCESS, self.tid, 19)
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
+
+    def restore(self) -> None:
+        """Back to normal priority; also called by the waiter thread the moment the transfer
+        completes, so that a chunk running past it finishes at full speed."""
+        if self.enabled:
+            os.setpriority(os.PRIO_PROCESS, self.tid, self.normal)
+
+
+def _wait_and_stamp(work: Any, then: Callable[[], None]) -> float:
     work.wait()
-    return time.perf_counter()
+    done = time.perf_counter()
+    then()
+    return done
 
 
 class FilledWork:
