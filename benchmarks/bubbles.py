@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rtt-ms", type=float, default=80.0, help="WAN round trip, ms")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--pairs", type=int, default=2, help="runs without and with filling, alternated")
-    ap.add_argument("--prefill", default="synthetic:4000:32", help="bubbles.prefill of the runs with filling")
+    ap.add_argument("--prefill", default="synthetic:1500:32", help="bubbles.prefill of the runs with filling")
     ns = ap.parse_args(argv)
     load_before = os.getloadavg()
     got: dict[str, list[dict[str, object]]] = {"without": [], "with": []}
