@@ -142,7 +142,9 @@ def prefill(model: nn.Module, tokens: list[int], device: torch.device) -> dict[s
 class BubbleFiller:
     """Runs this rank's share of the prefill requests in the waits of the pipeline schedule."""
 
-    def __init__(self, model: nn.Module, requests: list[Request], device: torch.device, timeline: Timeline) -> None:
+    def __init__(
+        self, model: nn.Module | None, requests: list[Request], device: torch.device, timeline: Timeline
+    ) -> None:
         self.model = model
         self.pending: deque[Request] = deque(requests)
         self.device = device
@@ -160,7 +162,7 @@ class BubbleFiller:
     def calibrate(self) -> None:
         """Measure the prefill cost of the shortest and longest prompts, so that the first gaps can be
         filled; a first, unmeasured call warms the allocator and kernels. Outputs are discarded."""
-        if not self.pending:
+        if self.model is None or not self.pending:
             return
         lengths = sorted({len(r.tokens) for r in self.pending})
         for n in {lengths[0], lengths[-1]}:
@@ -227,6 +229,7 @@ class BubbleFiller:
         return None
 
     def _run(self, request: Request, slot: int | None) -> None:
+        assert self.model is not None  # requests come with a model
         self.pending.remove(request)
         start = time.perf_counter()
         with self._niced if slot is not None else nullcontext():

@@ -81,19 +81,16 @@ class BubbleRun:
         self.timeline = Timeline()
         self.filler: BubbleFiller | None = None
         self._step_start = 0.0
-        if schedule is not None:
-            for st in local_stages(schedule):
-                time_stage(st, self.timeline)
-        if cfg.bubbles.prefill and schedule is not None:
+        self.serving = bool(cfg.bubbles.prefill) and schedule is not None
+        if schedule is None:
+            return
+        model: nn.Module | None = None
+        mine: list[Request] = []
+        if self.serving:
             vocab = tokenizer.vocab_size
             requests = load_requests(cfg, tokenizer, vocab)
             mine = requests[rank::world]  # every rank serves its own share, in order
             model = serving_model(cfg, run_args, vocab, device)
-            self.filler = BubbleFiller(model, mine, device, self.timeline)
-            self.filler.calibrate()
-            # Last: it wraps what the other hooks (WAN byte counting, striping) left on the factories.
-            for st in local_stages(schedule):
-                fill_stage(st, self.filler)
             get_logger().info(
                 "bubbles: %d of %d prefill request(s) on rank %d, served by %s",
                 len(mine),
@@ -101,6 +98,14 @@ class BubbleRun:
                 rank,
                 cfg.bubbles.model or "the run's initial weights",
             )
+        # Without requests the filler only records the waits, so that a timeline without filling
+        # shows them too (and runs with and without filling go through the same hook).
+        self.filler = BubbleFiller(model, mine, device, self.timeline)
+        self.filler.calibrate()
+        for st in local_stages(schedule):
+            time_stage(st, self.timeline)
+            # Last: it wraps what the other hooks (WAN byte counting, striping) left on the factories.
+            fill_stage(st, self.filler)
 
     def begin_step(self, step: int) -> None:
         self._step_start = time.perf_counter()
@@ -128,7 +133,7 @@ class BubbleRun:
         else:
             every = [mine]
         out: dict[str, Any] = {"busy": [round(float(t[0]), 4) for t in every]}
-        if self.filler is not None:
+        if self.serving:
             out["prefill_tokens"] = int(sum(float(t[1]) for t in every))
         return out
 
@@ -154,7 +159,7 @@ class BubbleRun:
             parts = [mine]
         if self.rank != 0:
             return
-        if self.filler is not None:
+        if self.serving:
             results = sorted((r for p in parts for r in p["results"]), key=lambda r: _order(r["id"]))
             with (self.run_dir / "prefill.jsonl").open("w") as f:
                 for r in results:
