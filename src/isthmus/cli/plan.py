@@ -209,7 +209,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--runtime",
-        choices=("isthmus", "megatron-2021"),
+        choices=tuple(RUNTIMES),
         default="isthmus",
         help="software assumptions: isthmus (default) or Megatron-LM as in its 2021 paper",
     )

@@ -157,7 +157,9 @@ def choose_layout(
             raise ConfigError("--plan sequence_parallel", True, "needs tp > 1")
         best = estimate(best.work, topo, replace(best.layout, sequence_parallel=fixed["sequence_parallel"]), runtime)
     lay = best.layout
-    why = check_pipeline(lay.pp_schedule, lay.pp, lay.microbatches, lay.pp_virtual_stages, args.n_layers, runtime.name)
+    why = check_pipeline(
+        lay.pp_schedule, lay.pp, lay.microbatches, lay.pp_virtual_stages, args.n_layers, runtime.megatron_stages
+    )
     assert why is None, why
     return best
 

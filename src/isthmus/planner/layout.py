@@ -53,6 +53,13 @@ class Runtime:
     grad_bytes: int
     optimizer_bytes: int
     """Bytes per parameter of weights, gradients and optimizer state (master copy + Adam moments)."""
+    selective: Literal["alternate_blocks", "attention_core"] = "alternate_blocks"
+    """What ``activation_checkpoint = selective`` recomputes: every other block whole (isthmus), or
+    only each block's attention core, the softmax over the score matrix and what feeds it
+    (Korthikanti et al. 2022, Megatron-LM since 2022): all blocks keep their other activations."""
+    megatron_stages: bool = False
+    """Megatron-LM's pipeline rules: layers split evenly over stages (n_layers divisible by pp x v),
+    interleaving only with pp > 2 and microbatches divisible by pp."""
     compress_ratio: float = 0.25
     """Bytes sent over the WAN by the 'compressed' strategy, relative to the gradient's own bytes."""
     quality: tuple[tuple[str, float], ...] = (("compressed", 0.98), ("diloco", 0.9), ("streaming_diloco", 0.9))
@@ -89,5 +96,40 @@ RUNTIMES: dict[str, Runtime] = {
         weight_bytes=2,
         grad_bytes=2,
         optimizer_bytes=12,
+        selective="attention_core",
+        megatron_stages=True,
+    ),
+    # Megatron-LM from 2022 (Korthikanti et al. 2022; MT-NLG 530B and BLOOM 176B ran its
+    # Megatron-DeepSpeed fork): as 2021, plus sequence parallelism and selective recomputation of
+    # the attention core. The data-parallel all-reduce still follows the flush.
+    "megatron-2022": Runtime(
+        "megatron-2022",
+        attention="materialized",
+        dropout=True,
+        dp_overlap=False,
+        p2p_async=False,
+        scatter_gather=True,
+        weight_bytes=2,
+        grad_bytes=2,
+        optimizer_bytes=12,
+        selective="attention_core",
+        megatron_stages=True,
+    ),
+    # Llama 3 405B on H100 (Dubey et al. 2024, section 3.3): bf16 with fp32 master weights and
+    # Adam moments (ZeRO-1-style sharding is the layout's dp_shard), flash attention, no dropout,
+    # gradient reduce-scatter and parameter all-gather overlapped with compute, asynchronous
+    # pipeline sends, interleaved 1F1B with even stages.
+    "llama3": Runtime(
+        "llama3",
+        attention="flash",
+        dropout=False,
+        dp_overlap=True,
+        p2p_async=True,
+        scatter_gather=False,
+        weight_bytes=2,
+        grad_bytes=4,
+        optimizer_bytes=12,
+        selective="attention_core",
+        megatron_stages=False,
     ),
 }

@@ -7,6 +7,7 @@ for a GPT block (multi-head attention, 4h GELU MLP, dropout, softmax over a stor
     tensor parallel t       s b h (10 + 24/t + 5 a s / (h t))
     tp + sequence parallel  s b h (34/t + 5 a s / (h t))
     full recomputation      2 s b h   (the block input; / t with sequence parallelism)
+    selective (attention)   s b h (34/t)  with tp + sp: the 5as/h score tensors are recomputed
 
 :func:`layer_activation_bytes` builds these from their parts, so grouped-query attention, SwiGLU,
 no dropout and fused attention (no S x S tensor) follow from the same accounting, and reproduces the
@@ -51,8 +52,10 @@ def layer_activation_bytes(
     sp: bool,
     runtime: Runtime,
     dtype: str = "bf16",
+    scores: bool = True,
 ) -> float:
-    """Bytes one block keeps for backward, for one microbatch, without recomputation."""
+    """Bytes one block keeps for backward, for one microbatch, without recomputation (``scores=False``:
+    without the attention core's S x S tensors, which attention-core selective recomputation drops)."""
     e = ELEM_BYTES[dtype]
     sb = micro_batch * seq_len / cp
     h, hd, f = args.dim, args.head_dim, args.ffn_dim
@@ -64,7 +67,7 @@ def layer_activation_bytes(
     # Inside (split over tp): Q, K, V, attention output (proj input), MLP activations.
     mlp = (4 if args.mlp == "swiglu" else 2) * e * sb * f
     inside = e * sb * (q + 2 * kv + q) + mlp
-    if runtime.attention == "materialized":
+    if runtime.attention == "materialized" and scores:
         scores = micro_batch * args.n_heads * (seq_len / cp) * seq_len
         inside += scores * (e + (e + 1) * mask)  # softmax output; dropout mask and output
     return outside / (tp if sp else 1) + inside / tp
@@ -146,6 +149,8 @@ def device_memory(
     kept = layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, dtype)
     if activation_checkpoint == "full":
         per_layer = kept
+    elif activation_checkpoint == "selective" and runtime.selective == "attention_core":
+        per_layer = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype, scores=False)
     elif activation_checkpoint == "selective":  # isthmus: every other block fully recomputed
         per_layer = (full + kept) / 2
     else:
