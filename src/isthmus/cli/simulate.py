@@ -24,7 +24,6 @@ from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.autoplan import choose_layout, parse_plan
 from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.placement import runnable
-from isthmus.planner.topology import load_topology
 from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.run import SimResult
 
@@ -73,11 +72,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         **{key: getattr(ns, f"model_{key}") for key, _ in plan_cli.SHAPE_FLAGS},
     )
     args = resolve_model_args(model)
-    topo = load_topology(ns.topology)
-    if ns.gpus is not None:
-        topo = topo.subset(ns.gpus)
-    if ns.wan_bandwidth is not None:
-        topo = topo.with_wan(bandwidth_gb_s=ns.wan_bandwidth)
+    topo = plan_cli.cli_topology(ns)
     space = plan_cli.search_space(ns)
     runtime = RUNTIMES[ns.runtime]
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype

@@ -177,6 +177,20 @@ class Topology:
         wan = {pair: link for pair, link in self.wan.items() if pair <= names}
         return replace(self, datacenters=tuple(kept), wan=wan)
 
+    def with_nodes(self, nodes: int) -> Topology:
+        """Every datacenter with ``nodes`` nodes of its own kind and links (``--nodes``: a preset grown,
+        or shrunk, past the size its file gives; the links per device stay as they are, i.e. a
+        non-blocking fabric is assumed at any size)."""
+        if nodes < 1:
+            raise ConfigError("--nodes", nodes, "must be at least 1")
+        for dc in self.datacenters:
+            # A file without a fabric describes one node; its intra-node link stands in for the fabric.
+            if nodes > 1 and dc.nodes == 1 and dc.fabric is dc.intra_node:
+                raise ConfigError(
+                    "--nodes", nodes, f"datacenter {dc.name!r} of {self.name!r} has no fabric between nodes"
+                )
+        return replace(self, datacenters=tuple(replace(dc, nodes=nodes) for dc in self.datacenters))
+
     def with_wan(self, bandwidth_gb_s: float | None = None, latency_us: float | None = None) -> Topology:
         """A copy with every WAN link's bandwidth and/or latency replaced (for sweeps)."""
 
