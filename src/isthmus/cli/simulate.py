@@ -126,5 +126,19 @@ def format_result(r: SimResult, topo_name: str) -> str:
     ]
     lines += [f"{a:{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
     parts = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.breakdown.items() if v > 0)
-    lines += ["", f"step by cause: {parts}"]
+    mem = r.memory
+    held = (
+        ("weights", mem.weights),
+        ("grads", mem.grads),
+        ("optimizer", mem.optimizer),
+        ("activations", mem.activations),
+        ("transient", mem.transient),
+    )
+    lines += [
+        "",
+        f"step by cause: {parts}",
+        "memory of the fullest device: "
+        + "  ".join(f"{k} {v / 1e9:.2f} GB" for k, v in held)
+        + f"  (total {mem.total / 1e9:.2f} GB)",
+    ]
     return "\n".join(lines)
