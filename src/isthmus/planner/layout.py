@@ -115,6 +115,23 @@ RUNTIMES: dict[str, Runtime] = {
         selective="attention_core",
         megatron_stages=True,
     ),
+    # Megatron-DeepSpeed as MT-NLG 530B (Smith et al. 2022) and BLOOM 176B (BigScience 2022) ran it:
+    # Megatron's tensor parallelism inside DeepSpeed's pipeline engine, which runs 1F1B without
+    # interleaving and sends whole activations (no scatter/gather), blocking; data-parallel
+    # all-reduce (or ZeRO-1 reduce-scatter) after the flush; 2 + 2 + 12 bytes per parameter.
+    "megatron-deepspeed": Runtime(
+        "megatron-deepspeed",
+        attention="materialized",
+        dropout=True,
+        dp_overlap=False,
+        p2p_async=False,
+        scatter_gather=False,
+        weight_bytes=2,
+        grad_bytes=2,
+        optimizer_bytes=12,
+        selective="attention_core",
+        megatron_stages=False,  # DeepSpeed splits blocks by count, unevenly where pp does not divide them
+    ),
     # Llama 3 405B on H100 (Dubey et al. 2024, section 3.3): bf16 with fp32 master weights and
     # Adam moments (ZeRO-1-style sharding is the layout's dp_shard), flash attention, no dropout,
     # gradient reduce-scatter and parameter all-gather overlapped with compute, asynchronous
