@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
     ns = ap.parse_args(argv)
-    head = ["source", "row", "layout", "runtime", "metric", "published", "simulated", "cost model", "error", "mem GB"]
+    head = ["source", "row", "runtime", "metric", "published", "simulated", "cost model", "error", "mem GB"]
     if ns.markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
@@ -60,7 +60,6 @@ def main(argv: list[str] | None = None) -> int:
         cells = [
             row.source,
             row.row,
-            f"`{res['layout_label']}`" if "layout_label" in res else "",
             row.runtime,
             row.metric,
             f"{row.published:g}",

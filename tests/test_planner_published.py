@@ -1,0 +1,93 @@
+"""Published runs beyond Megatron-LM 2021 Table 1, reproduced through the CLI (planner/published_runs.csv).
+
+One test per source: every row through ``isthmus simulate ... --json`` in this process, against what the
+source reported, and the simulator against the cost model on the same layout (5%). Korthikanti et al. 2022
+meet the 10% target; the two Megatron-DeepSpeed sources do not yet (the model predicts them 19-31% faster
+than they ran, docs/planner.md says why it is open), so their bound only guards against drifting further.
+Also the memory model against Korthikanti et al.'s activation formulas and the distributed optimizer.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from isthmus.models.flavors import gpt3
+from isthmus.planner.layout import RUNTIMES
+from isthmus.planner.memory import layer_activation_bytes, model_state_bytes
+from isthmus.planner.reference import published_runs
+
+# The comparison itself lives in the benchmark script, so the docs table and this test run the same code.
+_SPEC = importlib.util.spec_from_file_location(
+    "published_runs_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "published_runs.py"
+)
+assert _SPEC is not None and _SPEC.loader is not None
+bench = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(bench)
+predict, figures, error = bench.predict, bench.figures, bench.error
+
+BOUND = {"korthikanti2022": 0.10, "smith2022-mtnlg": 0.35, "bigscience2022-bloom": 0.25}
+SOURCES = sorted({r.source for r in published_runs()})
+
+
+def test_every_source_has_rows_and_a_bound() -> None:
+    assert len(SOURCES) >= 3 and set(SOURCES) == set(BOUND)
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_published_rows_through_the_cli(source: str) -> None:
+    for row in (r for r in published_runs() if r.source == source):
+        res = predict(row)
+        sim, cost = figures(row, res)
+        assert abs(error(row, sim)) <= BOUND[source], f"{row.row}: simulated {sim:.3g} vs published {row.published}"
+        assert sim == pytest.approx(cost, rel=0.05), f"{row.row}: simulator {sim:.3g} vs cost model {cost:.3g}"
+        assert res["mem_per_device_gb"] <= 0.9 * 80, f"{row.row} was run, so it must fit"
+
+
+def test_activation_bytes_follow_korthikanti_2022() -> None:
+    """Per block and microbatch, fp16: sbh(34 + 5as/h) alone, sbh(10 + 24/t + 5as/(ht)) with tp,
+    sbh(34/t + 5as/(ht)) with tp + sp, and 34 sbh / t with selective recomputation of the attention core."""
+    a, s, b, t = gpt3(128, 20480, 105), 2048, 1, 8
+    h, heads, rt = a.dim, a.n_heads, RUNTIMES["megatron-2022"]
+    sbh = s * b * h
+    scores = 5 * heads * s / h
+    assert layer_activation_bytes(a, b, s, 1, 1, False, rt, "fp16") == pytest.approx(sbh * (34 + scores))
+    assert layer_activation_bytes(a, b, s, t, 1, False, rt, "fp16") == pytest.approx(sbh * (10 + 24 / t + scores / t))
+    assert layer_activation_bytes(a, b, s, t, 1, True, rt, "fp16") == pytest.approx(sbh * (34 / t + scores / t))
+    assert layer_activation_bytes(a, b, s, t, 1, True, rt, "fp16", scores=False) == pytest.approx(sbh * 34 / t)
+
+
+def test_distributed_optimizer_state_per_rank() -> None:
+    """Megatron's distributed optimizer (ZeRO-1 over dp): fp16 weights and gradients whole, the fp32
+    master copy and Adam moments (12 bytes) split over the data-parallel ranks."""
+    w, g, o = model_state_bytes(1e9, 1, 8, RUNTIMES["megatron-2022"])
+    assert (w, g, o) == (2e9, 2e9, 12e9 / 8)
+
+
+def test_the_1t_layout_korthikanti_ran_is_admitted_with_its_memory_printed() -> None:
+    cmd = [
+        sys.executable, "-m", "isthmus", "simulate", "--model", "gpt3-1t", "--topology", "selene-a100", "--gpus",
+        "512", "--train.batch_size", "512", "--train.seq_len", "2048", "--micro-batch", "1", "--dtype", "fp16",
+        "--parallel.activation_checkpoint", "selective", "--runtime", "megatron-2022",
+        "--plan", "tp=8,pp=64,sequence_parallel=true,pp_schedule=1f1b",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("memory of the fullest device"))
+    total = float(line.split("total ")[1].split(" GB")[0])
+    assert 40 < total <= 72, line
+
+
+def test_nodes_grows_a_preset_and_refuses_in_one_line() -> None:
+    base = [sys.executable, "-m", "isthmus", "plan", "--model", "gpt3-145.6b", "--topology", "selene-a100"]
+    args = ["--train.batch_size", "6144", "--train.seq_len", "2048", "--micro-batch", "1", "--top", "1", "--json"]
+    grown = subprocess.run([*base, "--nodes", "1536", "--gpus", "12288", *args], capture_output=True, text=True)
+    assert grown.returncode == 0, grown.stderr
+    assert '"world": 12288' in grown.stdout.replace("\n", " ") or "12288" in grown.stdout
+    for bad in (["--nodes", "0"], ["--nodes", "8", "--gpus", "128"]):
+        out = subprocess.run([*base, *bad, *args], capture_output=True, text=True)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("isthmus: error:"), out
