@@ -32,9 +32,12 @@ def predict(row: PublishedRun) -> dict:
 
 def figures(row: PublishedRun, res: dict) -> tuple[float, float]:
     """(simulated, cost model) value of the row's metric."""
-    sim = res[row.metric]
     cost_step = res["simulated"]["cost_model_step_time_s"]
-    cost = cost_step if row.metric == "step_time_s" else sim * res["step_time_s"] / cost_step
+    if row.metric == "step_time_s":
+        return res["step_time_s"], cost_step
+    devices = res["simulated"]["devices_represented"]
+    sim = res["tflops_per_device"] if row.metric == "tflops_per_device" else res["tokens_per_s"] / devices
+    cost = sim * res["step_time_s"] / cost_step
     return sim, cost
 
 

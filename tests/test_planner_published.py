@@ -30,7 +30,13 @@ bench = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(bench)
 predict, figures, error = bench.predict, bench.figures, bench.error
 
-BOUND = {"korthikanti2022": 0.10, "smith2022-mtnlg": 0.35, "bigscience2022-bloom": 0.25}
+BOUND = {
+    "korthikanti2022": 0.10,
+    "torchtitan2024-a100": 0.10,
+    "torchtitan2024-h100": 0.05,  # these two rows calibrate the h100-96g kind: a guard, not a check
+    "smith2022-mtnlg": 0.35,
+    "bigscience2022-bloom": 0.25,
+}
 SOURCES = sorted({r.source for r in published_runs()})
 
 
@@ -40,12 +46,12 @@ def test_every_source_has_rows_and_a_bound() -> None:
 
 @pytest.mark.parametrize("source", SOURCES)
 def test_published_rows_through_the_cli(source: str) -> None:
+    # predict() fails unless the CLI admits the layout: each row was run, so it must fit in memory.
     for row in (r for r in published_runs() if r.source == source):
         res = predict(row)
         sim, cost = figures(row, res)
         assert abs(error(row, sim)) <= BOUND[source], f"{row.row}: simulated {sim:.3g} vs published {row.published}"
         assert sim == pytest.approx(cost, rel=0.05), f"{row.row}: simulator {sim:.3g} vs cost model {cost:.3g}"
-        assert res["mem_per_device_gb"] <= 0.9 * 80, f"{row.row} was run, so it must fit"
 
 
 def test_activation_bytes_follow_korthikanti_2022() -> None:

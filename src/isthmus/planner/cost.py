@@ -116,13 +116,28 @@ def recompute_share(recompute: str, runtime: Runtime | None = None) -> float:
     return {"full": 1.0, "selective": 0.5}.get(recompute, 0.0)
 
 
-def recomputed(bc: BlockCost, recompute: str, runtime: Runtime) -> tuple[float, float, float]:
+def alternate_share(layers: int, virtual_stages: int) -> float:
+    """Share of a rank's ``layers`` blocks that every-other-block recomputation wraps: the runtime
+    wraps blocks 0, 2, 4, ... of each stage module (``parallel.ac.apply_ac``), so a rank whose
+    ``virtual_stages`` modules hold k blocks each recomputes ceil(k / 2) of every k: all of them
+    with one block per module (a deep interleaved pipeline), half with an even count."""
+    if layers <= 0:
+        return 0.5
+    base, extra = divmod(layers, max(1, virtual_stages))
+    sizes = [base + (1 if c < extra else 0) for c in range(max(1, virtual_stages))]
+    return sum((k + 1) // 2 for k in sizes) / layers
+
+
+def recomputed(
+    bc: BlockCost, recompute: str, runtime: Runtime, layers: int = 0, virtual_stages: int = 1
+) -> tuple[float, float, float]:
     """(compute, tp, cp) seconds one block's backward repeats of its forward, per microbatch, on
-    average over a stage's blocks: whole forwards (full, or every other block), or the attention
-    core alone (no collective: sequence parallelism gathered its input already)."""
+    average over a rank's ``layers`` blocks in ``virtual_stages`` modules: whole forwards (full, or
+    every other block of each module), or the attention core alone (no collective: sequence
+    parallelism gathered its input already)."""
     if recompute == "selective" and runtime.selective == "attention_core":
         return bc.core_fwd, 0.0, 0.0
-    rc = recompute_share(recompute)
+    rc = alternate_share(layers, virtual_stages) if recompute == "selective" else recompute_share(recompute)
     return rc * bc.compute.fwd, rc * bc.tp, rc * bc.cp_fwd
 
 
@@ -218,7 +233,7 @@ def _stage_cost(
                 v * (pipeline_transfer(msg, link, share, layout.wan_schedule if wan else "fair").seconds + gather)
                 for link, share, wan in near
             )
-        r_compute, r_tp, r_cp = recomputed(bc, layout.activation_checkpoint, runtime)
+        r_compute, r_tp, r_cp = recomputed(bc, layout.activation_checkpoint, runtime, n, v)
         compute = (
             n * (bc.compute.fwd + r_compute + bc.compute.backward) + emb.fwd + emb.backward + head.fwd + head.backward
         )
@@ -306,6 +321,7 @@ def rank_memory(work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, la
         shard=layout.shard_degree,
         accumulate=layout.microbatches > 1,
         dtype=work.dtype,
+        wrapped=alternate_share(layers, layout.pp_virtual_stages),
     )
 
 

@@ -173,6 +173,8 @@ def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
         shard=lay.shard_degree,
         accumulate=lay.microbatches > 1,
         dtype=work.dtype,
+        # Each simulated stage module wraps blocks 0, 2, ... of its own, as the runtime does.
+        wrapped=sum((o.layers + 1) // 2 for o in plan.stages.values()) / max(1, layers),
     )
 
 
