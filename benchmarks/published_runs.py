@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             row.runtime,
             row.metric,
             f"{row.published:g}",
-            f"{sim:.3g}",
-            f"{cost:.3g}",
+            f"{sim:.4g}",
+            f"{cost:.4g}",
             f"{100 * err:+.1f}%",
             f"{res['mem_per_device_gb']:.1f}",
         ]

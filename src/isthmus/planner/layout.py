@@ -132,21 +132,4 @@ RUNTIMES: dict[str, Runtime] = {
         selective="attention_core",
         megatron_stages=False,  # DeepSpeed splits blocks by count, unevenly where pp does not divide them
     ),
-    # Llama 3 405B on H100 (Dubey et al. 2024, section 3.3): bf16 with fp32 master weights and
-    # Adam moments (ZeRO-1-style sharding is the layout's dp_shard), flash attention, no dropout,
-    # gradient reduce-scatter and parameter all-gather overlapped with compute, asynchronous
-    # pipeline sends, interleaved 1F1B with even stages.
-    "llama3": Runtime(
-        "llama3",
-        attention="flash",
-        dropout=False,
-        dp_overlap=True,
-        p2p_async=True,
-        scatter_gather=False,
-        weight_bytes=2,
-        grad_bytes=4,
-        optimizer_bytes=12,
-        selective="attention_core",
-        megatron_stages=False,
-    ),
 }
