@@ -538,7 +538,9 @@ def estimate(
         mem_per_device_gb=memory.total / 1e9,
         memory=memory,
         fits=memory.total <= usable,
-        bubble_fraction=idle / step,
+        # One bubble figure everywhere (table, JSON, explanation): the pipeline phase's idle time of
+        # the busiest rank less what it spends waiting on WAN links, which the breakdown counts as wan.
+        bubble_fraction=breakdown["bubble"] / step,
         wan_bytes_per_step=wan_bytes,
         breakdown=breakdown,
         stages=tuple(stages),
