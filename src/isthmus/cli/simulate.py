@@ -92,6 +92,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         out = result.as_json()
         out["what_if"] = runnable(topo, result.layout)  # as `isthmus plan --json` says it
         out["topology"] = topo.name
+        out["nodes"] = {dc.name: dc.nodes for dc in topo.datacenters}
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
         return 0
     sys.stdout.write(format_result(result, topo.name) + "\n")
