@@ -70,8 +70,8 @@ def layer_activation_bytes(
     mlp = (4 if args.mlp == "swiglu" else 2) * e * sb * f
     inside = e * sb * (q + 2 * kv + q) + mlp
     if runtime.attention == "materialized" and scores:
-        scores = micro_batch * args.n_heads * (seq_len / cp) * seq_len
-        inside += scores * (e + (e + 1) * mask)  # softmax output; dropout mask and output
+        square = micro_batch * args.n_heads * (seq_len / cp) * seq_len
+        inside += square * (e + (e + 1) * mask)  # softmax output; dropout mask and output
     return outside / (tp if sp else 1) + inside / tp
 
 
