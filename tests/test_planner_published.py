@@ -125,3 +125,27 @@ def test_deep_interleaved_pipeline_simulator_and_cost_model_agree(runtime: str) 
     res = simulate(work, load_topology("selene-a100").subset(280), lay, RUNTIMES[runtime])
     assert res.step_time_s == pytest.approx(res.planner.step_time_s, rel=0.05)
     assert res.bubble_fraction == pytest.approx(res.planner.bubble_fraction, abs=0.02)
+
+
+# Measured by benchmarks/zero_memory.py on `small` (docs/benchmarks.md, "ZeRO memory"): MiB of
+# parameters in the step, gradients and optimizer state per rank, for N gloo ranks.
+MEASURED_SMALL_MIB = {
+    (2, "ddp"): (11.76, 11.76, 23.52),
+    (2, "zero1"): (11.76, 11.76, 11.76),
+    (2, "zero2"): (17.64, 5.88, 11.76),
+    (4, "zero1"): (11.76, 11.76, 5.88),
+    (4, "zero2"): (14.70, 2.94, 5.88),
+    (4, "zero3"): (2.94, 2.94, 5.88),  # at rest; in the step it held 6.26 MiB of parameters
+}
+
+
+@pytest.mark.parametrize(("n", "layout"), list(MEASURED_SMALL_MIB))
+def test_model_state_matches_what_ranks_measured(n: int, layout: str) -> None:
+    from isthmus.models.flavors import FLAVORS
+    from isthmus.planner.memory import stage_params
+
+    args = FLAVORS["small"]
+    zero = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}[layout]
+    params = stage_params(args, args.n_layers, True, True, 1)
+    got = model_state_bytes(params, zero, n if zero else 1, RUNTIMES["isthmus"])
+    assert [round(x / 2**20, 2) for x in got] == pytest.approx(MEASURED_SMALL_MIB[(n, layout)], abs=0.01)
