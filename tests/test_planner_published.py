@@ -2,7 +2,7 @@
 
 One test per source: every row through ``isthmus simulate ... --json`` in this process, against what the
 source reported, and the simulator against the cost model on the same layout (5%). Korthikanti et al. 2022
-meet the 10% target; the two Megatron-DeepSpeed sources do not yet (the model predicts them 19-31% faster
+meet the 10% target; the two Megatron-DeepSpeed sources do not yet (the model predicts them 15-25% faster
 than they ran, docs/planner.md says why it is open), so their bound only guards against drifting further.
 Also the memory model against Korthikanti et al.'s activation formulas and the distributed optimizer.
 """
@@ -35,8 +35,8 @@ BOUND = {
     "korthikanti2022": 0.10,
     "torchtitan2024-a100": 0.10,
     "torchtitan2024-h100": 0.05,  # these two rows calibrate the h100-96g kind: a guard, not a check
-    "smith2022-mtnlg": 0.35,
-    "bigscience2022-bloom": 0.25,
+    "smith2022-mtnlg": 0.30,
+    "bigscience2022-bloom": 0.20,
 }
 SOURCES = sorted({r.source for r in published_runs()})
 
