@@ -96,7 +96,7 @@ def test_nodes_grows_a_preset_and_refuses_in_one_line() -> None:
     assert grown.returncode == 0, grown.stderr
     planned = json.loads(grown.stdout)
     assert planned["devices"] == 12288 and planned["nodes"] == {"selene": 1536}
-    for bad in (["--nodes", "0"], ["--nodes", "8", "--gpus", "128"]):
+    for bad in (["--nodes", "0"], ["--nodes", "8", "--gpus", "128"], ["--nodes", "200000"]):
         out = subprocess.run([*base, *bad, *args], capture_output=True, text=True)
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("isthmus: error:"), out
 
