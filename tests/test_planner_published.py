@@ -149,3 +149,15 @@ def test_model_state_matches_what_ranks_measured(n: int, layout: str) -> None:
     params = stage_params(args, args.n_layers, True, True, 1)
     got = model_state_bytes(params, zero, n if zero else 1, RUNTIMES["isthmus"])
     assert [round(x / 2**20, 2) for x in got] == pytest.approx(MEASURED_SMALL_MIB[(n, layout)], abs=0.01)
+
+
+def test_layouts_that_differ_have_different_labels() -> None:
+    """dp 128 sharded over cp alone (dp_replicate 128, cp 4, ZeRO-3) and over dp_shard 128 once both
+    printed as `dp128 z3`, two rows of one `isthmus plan` table with the same name."""
+    from isthmus.planner.layout import LayoutSpec
+
+    common = {"tp": 4, "sequence_parallel": True, "cp": 4, "pp": 2, "zero_stage": 3}
+    over_cp = LayoutSpec(dp_replicate=128, dp_shard=1, **common)  # type: ignore[arg-type]
+    over_dp = LayoutSpec(dp_replicate=1, dp_shard=128, **common)  # type: ignore[arg-type]
+    assert over_cp.label() != over_dp.label()
+    assert "dp128(r128 s1) z3" in over_cp.label() and "dp128 z3" in over_dp.label()
