@@ -27,7 +27,7 @@ from isthmus.planner.compute import (
 )
 from isthmus.planner.geo import dp_sync, pipeline_transfer, streaming_exposed
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
-from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory, stage_params
+from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, alternate_share, device_memory, stage_params
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
 from isthmus.planner.placement import Placement, SiteSpans, place
 from isthmus.planner.topology import DeviceKind, Link, Topology
@@ -114,18 +114,6 @@ def recompute_share(recompute: str, runtime: Runtime | None = None) -> float:
     if recompute == "selective" and runtime is not None and runtime.selective == "attention_core":
         return 0.0
     return {"full": 1.0, "selective": 0.5}.get(recompute, 0.0)
-
-
-def alternate_share(layers: int, virtual_stages: int) -> float:
-    """Share of a rank's ``layers`` blocks that every-other-block recomputation wraps: the runtime
-    wraps blocks 0, 2, 4, ... of each stage module (``parallel.ac.apply_ac``), so a rank whose
-    ``virtual_stages`` modules hold k blocks each recomputes ceil(k / 2) of every k: all of them
-    with one block per module (a deep interleaved pipeline), half with an even count."""
-    if layers <= 0:
-        return 0.5
-    base, extra = divmod(layers, max(1, virtual_stages))
-    sizes = [base + (1 if c < extra else 0) for c in range(max(1, virtual_stages))]
-    return sum((k + 1) // 2 for k in sizes) / layers
 
 
 def recomputed(

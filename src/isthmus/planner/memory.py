@@ -45,6 +45,18 @@ class MemoryBreakdown:
         return self.weights + self.grads + self.optimizer + self.activations + self.transient
 
 
+def alternate_share(layers: int, virtual_stages: int) -> float:
+    """Share of a rank's ``layers`` blocks that every-other-block recomputation wraps: the runtime
+    wraps blocks 0, 2, 4, ... of each stage module (``parallel.ac.apply_ac``), so a rank whose
+    ``virtual_stages`` modules hold k blocks each recomputes ceil(k / 2) of every k: all of them
+    with one block per module (a deep interleaved pipeline), half with an even count."""
+    if layers <= 0:
+        return 0.5
+    base, extra = divmod(layers, max(1, virtual_stages))
+    sizes = [base + (1 if c < extra else 0) for c in range(max(1, virtual_stages))]
+    return sum((k + 1) // 2 for k in sizes) / layers
+
+
 def layer_activation_bytes(
     args: ModelArgs,
     micro_batch: int,
@@ -146,7 +158,7 @@ def device_memory(
     wrapped: float = 0.5,
 ) -> MemoryBreakdown:
     """Peak memory of one device of one pipeline rank (``wrapped``: the share of its blocks that
-    every-other-block selective recomputation wraps, ``cost.alternate_share``)."""
+    every-other-block selective recomputation wraps, :func:`alternate_share`)."""
     params = stage_params(args, layers, first, last, pp) / tp
     w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp)
     full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype)
