@@ -53,10 +53,13 @@ class Runtime:
     grad_bytes: int
     optimizer_bytes: int
     """Bytes per parameter of weights, gradients and optimizer state (master copy + Adam moments)."""
-    selective: Literal["alternate_blocks", "attention_core"] = "alternate_blocks"
+    selective: Literal["alternate_blocks", "attention_core"] | None = "alternate_blocks"
     """What ``activation_checkpoint = selective`` recomputes: every other block whole (isthmus), or
     only each block's attention core, the softmax over the score matrix and what feeds it
-    (Korthikanti et al. 2022, Megatron-LM since 2022): all blocks keep their other activations."""
+    (Korthikanti et al. 2022, Megatron-LM since 2022): all blocks keep their other activations.
+    None: the software had no selective recomputation."""
+    sequence_parallel: bool = True
+    """The software has sequence parallelism (Megatron-LM from 2022; isthmus)."""
     megatron_stages: bool = False
     """Megatron-LM's pipeline rules: layers split evenly over stages (n_layers divisible by pp x v),
     interleaving only with pp > 2 and microbatches divisible by pp."""
@@ -96,12 +99,12 @@ RUNTIMES: dict[str, Runtime] = {
         weight_bytes=2,
         grad_bytes=2,
         optimizer_bytes=12,
-        selective="attention_core",
+        selective=None,  # both came with Korthikanti et al. 2022 (megatron-2022)
+        sequence_parallel=False,
         megatron_stages=True,
     ),
-    # Megatron-LM from 2022 (Korthikanti et al. 2022; MT-NLG 530B and BLOOM 176B ran its
-    # Megatron-DeepSpeed fork): as 2021, plus sequence parallelism and selective recomputation of
-    # the attention core. The data-parallel all-reduce still follows the flush.
+    # Megatron-LM from 2022 (Korthikanti et al. 2022): as 2021, plus sequence parallelism and
+    # selective recomputation of the attention core. The data-parallel all-reduce still follows the flush.
     "megatron-2022": Runtime(
         "megatron-2022",
         attention="materialized",
@@ -129,7 +132,8 @@ RUNTIMES: dict[str, Runtime] = {
         weight_bytes=2,
         grad_bytes=2,
         optimizer_bytes=12,
-        selective="attention_core",
+        selective=None,  # the runs predate selective recomputation and sequence parallelism
+        sequence_parallel=False,
         megatron_stages=False,  # DeepSpeed splits blocks by count, unevenly where pp does not divide them
     ),
 }

@@ -134,6 +134,10 @@ def search(
     args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, top: int = 10, dtype: str = "bf16"
 ) -> SearchResult:
     """The ``top`` best layouts that fit in memory; ConfigError when none does."""
+    if space.activation_checkpoint == "selective" and runtime.selective is None:
+        raise ConfigError(
+            "--parallel.activation_checkpoint", "selective", f"runtime {runtime.name} has no selective recomputation"
+        )
     if space.datacenters is not None and not 1 <= space.datacenters <= len(topo.datacenters):
         raise ConfigError(
             "--geo.datacenters", space.datacenters, f"topology {topo.name!r} has {len(topo.datacenters)} datacenter(s)"
@@ -169,12 +173,16 @@ def search(
                                 for rc in (
                                     [space.activation_checkpoint]
                                     if space.activation_checkpoint
+                                    else ["none", "full"]
+                                    if runtime.selective is None
                                     else ["none", "selective", "full"]
                                 ):
                                     for impl in _cp_impls(args, tp, cp):
                                         core = LayoutSpec(
                                             tp=tp,
-                                            sequence_parallel=tp > 1 and seq % (tp * cp) == 0,
+                                            sequence_parallel=runtime.sequence_parallel
+                                            and tp > 1
+                                            and seq % (tp * cp) == 0,
                                             cp=cp,
                                             cp_impl=impl,  # type: ignore[arg-type]
                                             pp=pp,
