@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from isthmus.cli import main
 from isthmus.config import DataConfig
@@ -43,6 +43,8 @@ def save_tokenizer(folder: Path) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(TEXTS * 10, trainer=trainer)
+    # As Llama's tokenizer.json: BOS added by the post-processor (isthmus adds it itself, once).
+    tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, 0)])
     folder.mkdir(parents=True, exist_ok=True)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": BOS, "eos_token": EOS}))
@@ -99,3 +101,74 @@ def test_slow_tokenizer_refused_in_one_line(tmp_path: Path, capsys: pytest.Captu
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "tokenizer.model is a slow tokenizer" in err[0]
+
+
+def train_args(root: Path, run: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--config",
+        "tiny",
+        "--train.steps",
+        "2",
+        "--train.seq_len",
+        str(SEQ_LEN),
+        "--train.val_every",
+        "0",
+        "--metrics.progress",
+        "false",
+        "--data.path",
+        str(root / "corpus"),
+        "--data.cache_dir",
+        str(root / "cache"),
+        "--train.run_dir",
+        str(run),
+        *extra,
+    ]
+
+
+def test_train_and_export_with_the_checkpoint_tokenizer(
+    corpus: tuple[Path, Tokenizer, list[str]], tmp_path: Path
+) -> None:
+    root, tok, _ = corpus
+    spec = f"hf:{root / 'tok'}"
+    assert main(train_args(root, tmp_path / "run", "--data.tokenizer", spec)) == 0
+    assert (
+        json.loads((tmp_path / "run" / "final" / "model_args.json").read_text())["vocab_size"] == tok.get_vocab_size()
+    )
+    assert main(["export", "--run", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ours = PretrainedTokenizer.from_spec(spec)
+    for text in TEXTS:
+        assert loaded(text).input_ids == ours.encode(text)
+        assert loaded.decode(ours.encode(text), skip_special_tokens=True) == text
+
+
+def test_byte_export_says_no_tokenizer(
+    corpus: tuple[Path, Tokenizer, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _, _ = corpus
+    assert main(train_args(root, tmp_path / "run")) == 0
+    capsys.readouterr()
+    assert main(["export", "--run", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert "no tokenizer files (the byte tokenizer has no tokenizer.json form)" in capsys.readouterr().out
+    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+
+
+def test_tokenizer_larger_than_the_checkpoint_refused(
+    corpus: tuple[Path, Tokenizer, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, tok, _ = corpus
+    small = transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=256
+    )
+    transformers.LlamaForCausalLM(small).save_pretrained(tmp_path / "small")
+    capsys.readouterr()
+    args = train_args(
+        root, tmp_path / "run", "--data.tokenizer", f"hf:{root / 'tok'}", "--model.init_from", str(tmp_path / "small")
+    )
+    assert main([a for a in args if a not in ("--config", "tiny")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"smaller than the tokenizer's ({tok.get_vocab_size()})" in err[0], err
+    assert not (tmp_path / "run").exists()

@@ -234,6 +234,10 @@ class PretrainedTokenizer:
     def to_str(self) -> str:
         return self._text
 
+    def token(self, i: int) -> str | None:
+        """The text of the token with id ``i`` (None outside the vocabulary)."""
+        return self._tok.id_to_token(i)
+
     def encode(self, text: str) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if self.bos_id is not None else []) + ids
