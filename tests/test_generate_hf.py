@@ -14,15 +14,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from isthmus.cli import main
 from isthmus.config import DataConfig
 from isthmus.data.corpus import prepare_data
 from isthmus.data.tokenizer import PretrainedTokenizer
+from isthmus.models.llama import KVCache, Transformer, build_model
+from isthmus.models.pretrained import init_source_args
+from isthmus.train.generate import generate_ids
+from isthmus.train.init_from import load_weights, open_weights
 
 transformers = pytest.importorskip("transformers")
 
@@ -172,3 +178,83 @@ def test_tokenizer_larger_than_the_checkpoint_refused(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"smaller than the tokenizer's ({tok.get_vocab_size()})" in err[0], err
     assert not (tmp_path / "run").exists()
+
+
+TRAINED = 32  # max_position_embeddings of the checkpoints below: generation runs to twice it
+KV_ATOL = 1e-5
+
+
+def save_llama(folder: Path, kv_heads: int, vocab: int = 300, seed: int = 0) -> Any:
+    """A random transformers Llama (logits of order 1), saved to ``folder``; returns it in eval mode."""
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        intermediate_size=128,
+        vocab_size=vocab,
+        max_position_embeddings=TRAINED,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        initializer_range=0.1,
+        bos_token_id=0,
+        eos_token_id=1,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+def isthmus_model(folder: Path) -> Transformer:
+    args = init_source_args(str(folder))
+    model = build_model(args, device="cpu")
+    load_weights([model], open_weights(str(folder), args))
+    return model.eval()
+
+
+@torch.no_grad()
+def test_kv_cache_logits_equal_full_recompute(tmp_path: Path) -> None:
+    save_llama(tmp_path / "m", kv_heads=2)
+    model = isthmus_model(tmp_path / "m")
+    x = torch.randint(0, 300, (2, 2 * TRAINED), generator=torch.Generator().manual_seed(3))
+    full = model(x)
+    cache = KVCache()
+    # A prompt of several tokens (the masked path), then one token at a time.
+    parts = [model(x[:, :10], cache=cache)] + [model(x[:, i : i + 1], cache=cache) for i in range(10, x.shape[1])]
+    assert cache.length == x.shape[1]
+    assert float((torch.cat(parts, dim=1) - full).abs().max()) <= KV_ATOL
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@torch.no_grad()
+def test_greedy_generation_equals_transformers(tmp_path: Path, kv_heads: int) -> None:
+    hf = save_llama(tmp_path / "m", kv_heads)
+    hf.generation_config.eos_token_id = None  # run the whole length: no early stop on either side
+    prompt = torch.randint(2, 300, (1, 8), generator=torch.Generator().manual_seed(kv_heads))
+    new = 2 * TRAINED - prompt.shape[1]
+    theirs = hf.generate(prompt, do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=0)[0]
+    ours = generate_ids(isthmus_model(tmp_path / "m"), prompt[0].tolist(), new)
+    assert len(ours) == 2 * TRAINED
+    assert ours == theirs.tolist()
+
+
+def test_generate_cli_reads_an_hf_folder(
+    corpus: tuple[Path, Tokenizer, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, tok, _ = corpus
+    hf = save_llama(tmp_path / "m", kv_heads=2, vocab=tok.get_vocab_size())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "m" / name).write_bytes((root / "tok" / name).read_bytes())
+    new = 2 * TRAINED
+    args = ["generate", "--model", str(tmp_path / "m"), "--prompt", "def ", "--temperature", "0"]
+    assert main([*args, "--max-new-tokens", str(new)]) == 0
+    ids = transformers.AutoTokenizer.from_pretrained(tmp_path / "m")("def ", return_tensors="pt").input_ids
+    with torch.no_grad():
+        # attention_mask given: left alone, transformers would mask the BOS (id 0, the pad id here).
+        mask = torch.ones_like(ids)
+        theirs = hf.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new, pad_token_id=0)[0]
+    assert capsys.readouterr().out == tok.decode(theirs.tolist(), skip_special_tokens=True) + "\n"
+    (tmp_path / "m" / "tokenizer.json").unlink()
+    assert main([*args, "--max-new-tokens", "1"]) == 2
+    assert "without tokenizer.json" in capsys.readouterr().err
