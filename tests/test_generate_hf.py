@@ -151,15 +151,22 @@ def test_train_and_export_with_the_checkpoint_tokenizer(
         assert loaded.decode(ours.encode(text), skip_special_tokens=True) == text
 
 
-def test_byte_export_says_no_tokenizer(
+def test_byte_export_writes_a_byte_tokenizer(
     corpus: tuple[Path, Tokenizer, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root, _, _ = corpus
     assert main(train_args(root, tmp_path / "run")) == 0
     capsys.readouterr()
     assert main(["export", "--run", str(tmp_path / "run"), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
-    assert "no tokenizer files (the byte tokenizer has no tokenizer.json form)" in capsys.readouterr().out
-    assert not (tmp_path / "hf" / "tokenizer.json").exists()
+    assert "byte-level BPE without merges" in capsys.readouterr().out
+    text = "héllo wörld\n\t日本"
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")(text).input_ids == list(text.encode())
+    # And isthmus generate reads the folder with it, as the run itself.
+    args = ["--prompt", "def ", "--max-new-tokens", "5", "--temperature", "0"]
+    assert main(["generate", "--model", str(tmp_path / "hf"), *args]) == 0
+    from_folder = capsys.readouterr().out
+    assert main(["generate", "--run", str(tmp_path / "run"), *args]) == 0
+    assert from_folder == capsys.readouterr().out
 
 
 def test_tokenizer_larger_than_the_checkpoint_refused(

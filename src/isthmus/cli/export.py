@@ -25,8 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=("isthmus", "hf"),
         default="isthmus",
         help="isthmus: one FILE.safetensors for isthmus generate / model.init_from (default); "
-        "hf: a Hugging Face Llama folder (config.json, model.safetensors, and tokenizer.json + tokenizer_config.json "
-        "for an hf:PATH or bpe tokenizer; none for byte) for transformers' from_pretrained",
+        "hf: a Hugging Face Llama folder (config.json, model.safetensors, tokenizer.json + tokenizer_config.json; "
+        "no tokenizer for raw ids) for transformers' from_pretrained",
     )
     export.add_argument(
         "--out", required=True, help="the file to write, FILE.safetensors (--format hf: a new or empty folder)"

@@ -84,6 +84,25 @@ class ByteTokenizer:
         _write_meta(directory, self.kind, self.vocab_size)
 
 
+def _byte_to_unicode() -> dict[int, str]:
+    """The printable character byte-level BPE (GPT-2, `tokenizers`' ByteLevel) stands for each byte by:
+    printable Latin-1 bytes themselves, the others 256 + n in order. `tokenizers` exposes only the
+    alphabet as a set, not this order, so it is written out here."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(BYTE_VOCAB) if b not in kept]
+    return {**{b: chr(b) for b in kept}, **{b: chr(BYTE_VOCAB + n) for n, b in enumerate(moved)}}
+
+
+def byte_tokenizer_json() -> str:
+    """The byte tokenizer as a ``tokenizer.json``: byte-level BPE without merges whose token for byte
+    b has id b, so transformers encodes text to its UTF-8 bytes as `ByteTokenizer` does."""
+    vocab = {char: b for b, char in _byte_to_unicode().items()}
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok.to_str()
+
+
 class RawTokenizer:
     """Ids of pre-tokenised data whose tokenizer is not known: text is ids written as decimal numbers.
 

@@ -8,7 +8,8 @@ folder and exported untrained is the same bytes.
 Tokenizer files, by the run's tokenizer (`tokenizer_files`): a checkpoint's (``hf:PATH``) goes back
 as the run kept it, ``tokenizer.json`` with ``tokenizer_config.json`` / ``special_tokens_map.json``
 when it had them, and BOS/EOS ids in config.json; a locally trained BPE as its ``tokenizer.json``;
-the byte and raw tokenizers write none (no ``tokenizer.json`` describes them), and the export says so.
+the byte tokenizer as a byte-level BPE without merges (id = byte value); raw ids (a .bin file of
+unknown origin) write none, and the export says so.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from isthmus.data.tokenizer import BPE_FILE, META_FILE, PretrainedTokenizer, load_tokenizer
+from isthmus.data.tokenizer import BPE_FILE, META_FILE, PretrainedTokenizer, byte_tokenizer_json, load_tokenizer
 from isthmus.errors import IsthmusError
 from isthmus.models.hf import hf_state_dict
 from isthmus.models.hf_config import HF_CONFIG_FILE, hf_config_from_args
@@ -49,9 +50,12 @@ def tokenizer_files(run: Path | None) -> tuple[dict[str, str], dict[str, int], s
     if run is None or not (run / META_FILE).is_file():
         return {}, {}, "no tokenizer files (the run has no tokenizer)"
     tokenizer = load_tokenizer(run)
-    if tokenizer.kind not in ("hf", "bpe"):
-        return {}, {}, f"no tokenizer files (the {tokenizer.kind} tokenizer has no tokenizer.json form)"
-    files = {BPE_FILE: (run / BPE_FILE).read_text(encoding="utf-8")}
+    if tokenizer.kind not in ("hf", "bpe", "byte"):
+        return {}, {}, f"no tokenizer files (the {tokenizer.kind} tokenizer's ids have no known text)"
+    if tokenizer.kind == "byte":
+        files = {BPE_FILE: byte_tokenizer_json()}
+    else:
+        files = {BPE_FILE: (run / BPE_FILE).read_text(encoding="utf-8")}
     specials: dict[str, int] = {}
     config: dict[str, Any] = {"tokenizer_class": FAST_CLASS}
     if isinstance(tokenizer, PretrainedTokenizer):
@@ -64,7 +68,12 @@ def tokenizer_files(run: Path | None) -> tuple[dict[str, str], dict[str, int], s
         # Without it transformers picks the class from config.json (a Llama tokenizer that builds its
         # own pipeline); the generic class uses tokenizer.json as it is.
         files[TOKENIZER_CONFIG] = json.dumps(config, indent=2) + "\n"
-    return files, specials, f"tokenizer files {', '.join(sorted(files))} ({tokenizer.kind} tokenizer)"
+    what = (
+        "byte tokenizer: a byte-level BPE without merges, id = byte"
+        if tokenizer.kind == "byte"
+        else f"{tokenizer.kind} tokenizer"
+    )
+    return files, specials, f"tokenizer files {', '.join(sorted(files))} ({what})"
 
 
 def write_hf_folder(source: ModelSource, out: Path, run: Path | None = None) -> dict[str, Any]:
