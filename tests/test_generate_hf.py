@@ -24,6 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from isthmus.cli import main
 from isthmus.config import DataConfig
 from isthmus.data.corpus import prepare_data
+from isthmus.data.loader import BatchSampler
 from isthmus.data.tokenizer import PretrainedTokenizer
 from isthmus.models.llama import KVCache, Transformer, build_model
 from isthmus.models.pretrained import init_source_args
@@ -85,6 +86,11 @@ def test_documents_are_bos_text_eos(corpus: tuple[Path, Tokenizer, list[str]]) -
     assert (data.tokenizer.bos_id, data.tokenizer.eos_id) == (0, 1)
     stream = np.concatenate([data.train, data.val]).tolist()
     assert stream == encoded(tok, docs)
+    # What the loader yields: windows of that stream (each starts where its index says).
+    inputs, targets = BatchSampler(data.train, SEQ_LEN, 0).next_batch(4)
+    for row, target in zip(inputs.tolist(), targets.tolist(), strict=True):
+        start = next(i for i in range(len(stream)) if stream[i : i + SEQ_LEN + 1] == [*row, target[-1]])
+        assert stream[start + 1 : start + SEQ_LEN + 1] == target
     # The file itself names the tokenizer just as well as its folder.
     assert PretrainedTokenizer.from_spec(f"hf:{root / 'tok' / 'tokenizer.json'}").vocab_size == tok.get_vocab_size()
 
@@ -98,6 +104,18 @@ def test_tokenize_command_bin_reads_back(corpus: tuple[Path, Tokenizer, list[str
     data = prepare_data(DataConfig(path=str(out), tokenizer=spec), SEQ_LEN)
     assert isinstance(data.tokenizer, PretrainedTokenizer)
     assert np.concatenate([data.train, data.val]).tolist() == encoded(tok, docs)
+
+
+def test_bin_ids_outside_the_tokenizer_refused_before_work(
+    corpus: tuple[Path, Tokenizer, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _, _ = corpus
+    np.arange(5000, 5100, dtype=np.uint16).tofile(tmp_path / "ids.bin")
+    args = ["train", "--data.path", str(tmp_path / "ids.bin"), "--data.tokenizer", f"hf:{root / 'tok'}"]
+    assert main([*args, "--train.run_dir", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "largest id 5,099 is outside data.tokenizer's vocabulary" in err[0], err
+    assert not (tmp_path / "run").exists()
 
 
 def test_slow_tokenizer_refused_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
