@@ -28,6 +28,7 @@ from isthmus.data.loader import BatchSampler
 from isthmus.data.tokenizer import PretrainedTokenizer
 from isthmus.models.llama import KVCache, Transformer, build_model
 from isthmus.models.pretrained import init_source_args
+from isthmus.train.export import load_exported
 from isthmus.train.generate import generate_ids
 from isthmus.train.init_from import load_weights, open_weights
 
@@ -167,6 +168,12 @@ def test_train_and_export_with_the_checkpoint_tokenizer(
     for text in TEXTS:
         assert loaded(text).input_ids == ours.encode(text)
         assert loaded.decode(ours.encode(text), skip_special_tokens=True) == text
+    # isthmus's own export carries the tokenizer (and its BOS/EOS) too.
+    assert main(["export", "--run", str(tmp_path / "run"), "--out", str(tmp_path / "m.safetensors")]) == 0
+    exported = load_exported(tmp_path / "m.safetensors").tokenizer
+    assert isinstance(exported, PretrainedTokenizer) and exported.encode_document(TEXTS[0]) == ours.encode_document(
+        TEXTS[0]
+    )
 
 
 def test_byte_export_writes_a_byte_tokenizer(
