@@ -177,7 +177,10 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV | None = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, cache)
+        normed = self.attention_norm(x)
+        # The cache is passed only when there is one: tensor parallel's input plans (PrepareModuleInput)
+        # count the positional inputs of training's call, (x, cos, sin).
+        h = x + (self.attention(normed, cos, sin) if cache is None else self.attention(normed, cos, sin, cache))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
