@@ -3,11 +3,23 @@
 Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like under torchrun,
 a gloo default group, and one intra-op thread (the machine has 2 cores; more would oversubscribe).
 The function's return value (anything picklable) comes back as a list indexed by rank; an
-exception on any rank fails the call with that rank's traceback.
+exception on any rank fails the call with that rank's traceback, at once.
+
+Shared spawn. Starting ranks costs more than most cases run (each imports torch and isthmus and
+joins gloo: ~3 s for 2 ranks, ~15 s for 8 on two cores, several times that under load), so the
+ranks of a world size are started once per test session and kept (a :class:`RankPool`), and each
+call hands them a job. Between jobs a rank puts back what a job may leave behind: the environment,
+the working directory and its thread count. The process groups a job made stay: DTensor caches
+sharding decisions by mesh *equality*, so a later job's equal mesh can be answered with an earlier
+mesh whose groups must still work (destroying them fails that job with "could not resolve the
+process group"); a few idle gloo groups per case cost a few sockets. A job that fails or runs out of time takes its pool down; the next
+call starts a new one. ``fresh=True`` runs a job on ranks of its own, for a job that leaves the
+default group unusable (a collective that timed out) or must start from a new process.
 """
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import os
 import pickle
 import socket
@@ -27,7 +39,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+def _join_world(rank: int, world: int, port: int) -> None:
     import torch
     import torch.distributed as dist
 
@@ -40,9 +52,16 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+    """A rank of its own for one job (``fresh=True``)."""
+    import torch.distributed as dist
+
     out = Path(out_dir) / f"rank{rank}.pkl"
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        _join_world(rank, world, port)
         result: Any = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         result = ("error", traceback.format_exc())
@@ -54,8 +73,138 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300) -> list[Any]:
+def _tidy_after_job(environ: dict[str, str], cwd: str) -> None:
+    """Put back what a job may change in its process, so the next job starts as a new process would."""
+    import torch
+
+    if os.getcwd() != cwd:
+        os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(1)
+
+
+def _serve(rank: int, world: int, port: int, conn: multiprocessing.connection.Connection) -> None:
+    """A pooled rank: join the world once, then run the jobs the parent sends until it sends None."""
+    import torch.distributed as dist
+
+    _join_world(rank, world, port)
+    environ, cwd = dict(os.environ), os.getcwd()
+    while (job := pickle.loads(conn.recv_bytes())) is not None:
+        fn, args = job
+        try:
+            result: Any = ("ok", fn(*args))
+            payload = pickle.dumps(result)
+        except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
+            result = ("error", traceback.format_exc())
+            payload = pickle.dumps(result)
+        if result[0] == "ok":
+            _tidy_after_job(environ, cwd)
+            dist.barrier()  # every rank's job done before the next begins
+        conn.send_bytes(payload)
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world`` ranks started once, running one job at a time (see the module's doc)."""
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.conns: list[multiprocessing.connection.Connection] = []
+        self.procs: list[Any] = []
+        port = free_port()
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, world, port, child), daemon=True)
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout: float) -> list[Any]:
+        """Results by rank; any rank's error, a rank that dies, or the timeout ends the pool and fails the call."""
+        job = pickle.dumps((fn, args))
+        for conn in self.conns:
+            conn.send_bytes(job)
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < self.world:
+            pending = [r for r in range(self.world) if r not in results]
+            watched = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
+            if not multiprocessing.connection.wait(watched, timeout=max(deadline - time.monotonic(), 0)):
+                self.kill()
+                raise AssertionError(f"{self.world} ranks did not finish within {timeout:.0f} s")
+            for rank in pending:
+                conn = self.conns[rank]
+                if conn.poll():
+                    status, value = pickle.loads(conn.recv_bytes())
+                    if status == "error":
+                        self.kill()
+                        raise AssertionError(f"rank {rank} failed:\n{value}")
+                    results[rank] = value
+                elif not self.procs[rank].is_alive():
+                    code = self.procs[rank].exitcode
+                    self.kill()
+                    raise AssertionError(f"rank {rank} exited (code {code}) without a result")
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        """Ask idle ranks to leave the world cleanly; kill what does not."""
+        for conn, proc in zip(self.conns, self.procs):
+            if proc.is_alive():
+                try:
+                    conn.send_bytes(pickle.dumps(None))
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 10
+        for proc in self.procs:
+            proc.join(timeout=max(deadline - time.monotonic(), 0))
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
+class _Pools:
+    """The live pools by world size, one per test session (closed by conftest at the session's end)."""
+
+    def __init__(self) -> None:
+        self.by_world: dict[int, RankPool] = {}
+
+    def get(self, world: int) -> RankPool:
+        pool = self.by_world.get(world)
+        if pool is None or not pool.alive():
+            pool = self.by_world[world] = RankPool(world)
+        return pool
+
+    def close(self) -> None:
+        for pool in self.by_world.values():
+            pool.close()
+        self.by_world.clear()
+
+
+POOLS = _Pools()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300, fresh: bool = False) -> list[Any]:
     """Run ``fn(*args)`` on ``world`` gloo ranks; returns each rank's result."""
+    if not fresh:
+        pool = POOLS.get(world)
+        try:
+            return pool.run(fn, args, timeout)
+        finally:
+            if not pool.alive():
+                POOLS.by_world.pop(world, None)
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=False, start_method="spawn"

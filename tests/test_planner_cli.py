@@ -117,3 +117,20 @@ def test_bad_flags_are_one_line_errors(argv: list[str], needle: str) -> None:
     with pytest.raises(IsthmusError) as info:
         plan(argv)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path) -> None:
+    """`isthmus plan ... | true`: the reader is gone before the plan (a second of search) is written; no
+    BrokenPipeError traceback, the SIGPIPE exit code (141)."""
+    import subprocess
+    import sys
+
+    cmd = (
+        f"{sys.executable} -m isthmus plan --model gpt3-145.6b --topology selene-a100 --train.batch_size 1536"
+        " --train.seq_len 2048 --top 3 | true"
+    )
+    proc = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", cmd], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert proc.stderr == "", proc.stderr
+    assert proc.returncode == 141, proc.returncode

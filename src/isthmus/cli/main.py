@@ -7,6 +7,8 @@ Every failure a user can cause or meet becomes one line on stderr and the exit c
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -57,6 +59,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         sys.stderr.write("isthmus: interrupted\n")
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader of stdout left (`isthmus plan | head`): nothing to say to anyone. stdout goes to
+        # /dev/null so Python's flush at exit does not raise again; the exit code is the shell's for
+        # a process that SIGPIPE ended.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from isthmus.planner.explain import explain, format_table, result_json
 from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.placement import runnable
 from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace, search
-from isthmus.planner.topology import load_topology
+from isthmus.planner.topology import Topology, load_topology
 
 SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
     ("n_layers", int),
@@ -38,6 +38,7 @@ _POSITIVE = {
     "micro_batch": "--micro-batch",
     "top": "--top",
     "gpus": "--gpus",
+    "nodes": "--nodes",
     "tp": "--parallel.tp",
     "pp": "--parallel.pp",
     "cp": "--parallel.cp",
@@ -91,6 +92,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--topology", default="local", metavar="FILE|PRESET", help="topology TOML file or preset (default: local)"
+    )
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="give every datacenter of the topology N nodes (grow a preset past its file's size)",
     )
     p.add_argument("--gpus", type=int, default=None, metavar="N", help="use only the first N devices of the topology")
     p.add_argument(
@@ -209,9 +217,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--runtime",
-        choices=("isthmus", "megatron-2021"),
+        choices=tuple(RUNTIMES),
         default="isthmus",
-        help="software assumptions: isthmus (default) or Megatron-LM as in its 2021 paper",
+        help='software assumptions (docs/planner.md, "Runtimes"): isthmus (default), megatron-2021, megatron-2022, llama3',
     )
     p.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default: 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -245,6 +253,19 @@ def _comma_choices(raw: str | None, choices: tuple[str, ...], flag: str, allow_e
         if x not in choices:
             raise ConfigError(flag, x, f"choose from: {', '.join(choices)}")
     return picked
+
+
+def cli_topology(ns: argparse.Namespace) -> Topology:
+    """The topology the flags describe: the file or preset, grown or shrunk to ``--nodes`` nodes per
+    datacenter, cut to its first ``--gpus`` devices, its WAN links at ``--wan-bandwidth``."""
+    topo = load_topology(ns.topology)
+    if ns.nodes is not None:
+        topo = topo.with_nodes(ns.nodes)
+    if ns.gpus is not None:
+        topo = topo.subset(ns.gpus)
+    if ns.wan_bandwidth is not None:
+        topo = topo.with_wan(bandwidth_gb_s=ns.wan_bandwidth)
+    return topo
 
 
 def search_space(ns: argparse.Namespace) -> SearchSpace:
@@ -282,11 +303,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     overrides = {key: getattr(ns, f"model_{key}") for key, _ in SHAPE_FLAGS}
     model = ModelConfig(flavor=ns.model, mlp=ns.model_mlp, tie_embeddings=ns.model_tie_embeddings, **overrides)
     args = resolve_model_args(model)
-    topo = load_topology(ns.topology)
-    if ns.gpus is not None:
-        topo = topo.subset(ns.gpus)
-    if ns.wan_bandwidth is not None:
-        topo = topo.with_wan(bandwidth_gb_s=ns.wan_bandwidth)
+    topo = cli_topology(ns)
     space = search_space(ns)
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
     result = search(args, topo, space, RUNTIMES[ns.runtime], top=ns.top, dtype=dtype)

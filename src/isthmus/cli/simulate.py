@@ -24,7 +24,6 @@ from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.autoplan import choose_layout, parse_plan
 from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.placement import runnable
-from isthmus.planner.topology import load_topology
 from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.run import SimResult
 
@@ -73,11 +72,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         **{key: getattr(ns, f"model_{key}") for key, _ in plan_cli.SHAPE_FLAGS},
     )
     args = resolve_model_args(model)
-    topo = load_topology(ns.topology)
-    if ns.gpus is not None:
-        topo = topo.subset(ns.gpus)
-    if ns.wan_bandwidth is not None:
-        topo = topo.with_wan(bandwidth_gb_s=ns.wan_bandwidth)
+    topo = plan_cli.cli_topology(ns)
     space = plan_cli.search_space(ns)
     runtime = RUNTIMES[ns.runtime]
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
@@ -97,6 +92,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         out = result.as_json()
         out["what_if"] = runnable(topo, result.layout)  # as `isthmus plan --json` says it
         out["topology"] = topo.name
+        out["nodes"] = {dc.name: dc.nodes for dc in topo.datacenters}
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
         return 0
     sys.stdout.write(format_result(result, topo.name) + "\n")
@@ -131,5 +127,19 @@ def format_result(r: SimResult, topo_name: str) -> str:
     ]
     lines += [f"{a:{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
     parts = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.breakdown.items() if v > 0)
-    lines += ["", f"step by cause: {parts}"]
+    mem = r.memory
+    held = (
+        ("weights", mem.weights),
+        ("grads", mem.grads),
+        ("optimizer", mem.optimizer),
+        ("activations", mem.activations),
+        ("transient", mem.transient),
+    )
+    lines += [
+        "",
+        f"step by cause: {parts}",
+        "memory of the fullest device: "
+        + "  ".join(f"{k} {v / 1e9:.2f} GB" for k, v in held)
+        + f"  (total {mem.total / 1e9:.2f} GB)",
+    ]
     return "\n".join(lines)

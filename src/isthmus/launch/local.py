@@ -307,12 +307,16 @@ def launch(cfg: JobConfig, config_name: str = "default") -> TrainResult:
         world = int(os.environ["WORLD_SIZE"])
         check_external_launch(cfg, world)
         cfg.parallel.nproc = world
-        claim = _claim_under_launcher(cfg, config_name)
         try:
-            return run_rank(cfg)
+            claim = _claim_under_launcher(cfg, config_name)
+            try:
+                return run_rank(cfg)
+            finally:
+                if claim is not None:
+                    claim.release()
         finally:
-            if claim is not None:
-                claim.release()
+            if dist.is_initialized():  # this process's own group (joined to claim, reused by the trainer)
+                dist.destroy_process_group()
     claim = claim_run_dir(cfg, config_name)
     try:
         if cfg.parallel.nproc == 1 and cfg.parallel.max_restarts == 0:
@@ -333,7 +337,7 @@ def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | Non
         return None
 
     device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
-    world = init_distributed(cfg.parallel.backend, device)
+    world, _ = init_distributed(cfg.parallel.backend, device)
     claim, answer = None, [cfg.train.run_dir, None]  # [directory, refusal]
     if int(os.environ["RANK"]) == 0:
         try:

@@ -16,7 +16,7 @@ from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.planner.layout import RUNTIMES
-from isthmus.planner.memory import MemoryBreakdown, device_memory
+from isthmus.planner.memory import MemoryBreakdown, alternate_share, device_memory
 from isthmus.planner.pipeline import in_flight
 from isthmus.train.checkpoint_manifest import checkpoint_key
 
@@ -184,6 +184,8 @@ def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
             shard=shard,
             accumulate=t.grad_accum > 1,
             dtype=t.dtype,
+            # what parallel.ac wraps: blocks 0, 2, ... of each stage module
+            wrapped=alternate_share(layers, p.pp_virtual_stages if dims.pp > 1 else 1),
         )
         if worst is None or m.total > worst.total:
             worst = m

@@ -295,7 +295,9 @@ class LayoutSpec:
                 + (" ts" if self.wan_schedule == "time_shared" else "")
             )
         dp = f"dp{self.dp}"
-        if self.replicas > 1 and self.dp_shard > 1:
+        # The split shows whenever replicas and sharding meet, sharding over cp alone (dp_shard 1)
+        # included: otherwise dp128 z3 would name both dp_shard 128 and dp_replicate 128 with cp 4.
+        if self.replicas > 1 and (self.dp_shard > 1 or self.shard_degree > 1):
             dp += f"(r{self.replicas} s{self.dp_shard})"
         if self.shard_degree > 1:
             dp += f" z{self.zero_stage}"

@@ -153,11 +153,15 @@ def choose_layout(
         near = [e for e in pool if e.effective_tokens_per_s >= (1 - band) * best.effective_tokens_per_s]
         best = min(near, key=lambda e: (mechanisms(e.layout), -e.effective_tokens_per_s))
     if "sequence_parallel" in fixed and fixed["sequence_parallel"] != best.layout.sequence_parallel:
+        if fixed["sequence_parallel"] and not runtime.sequence_parallel:
+            raise ConfigError("--plan sequence_parallel", True, f"runtime {runtime.name} has no sequence parallelism")
         if fixed["sequence_parallel"] and best.layout.tp == 1:
             raise ConfigError("--plan sequence_parallel", True, "needs tp > 1")
         best = estimate(best.work, topo, replace(best.layout, sequence_parallel=fixed["sequence_parallel"]), runtime)
     lay = best.layout
-    why = check_pipeline(lay.pp_schedule, lay.pp, lay.microbatches, lay.pp_virtual_stages, args.n_layers, runtime.name)
+    why = check_pipeline(
+        lay.pp_schedule, lay.pp, lay.microbatches, lay.pp_virtual_stages, args.n_layers, runtime.megatron_stages
+    )
     assert why is None, why
     return best
 

@@ -192,6 +192,24 @@ def layer_times(
 
 
 @lru_cache(maxsize=4096)
+def attention_core_fwd(
+    kind: DeviceKind,
+    dtype: str,
+    args: ModelArgs,
+    micro_batch: int,
+    seq_len: int,
+    tp: int,
+    cp: int,
+    sp: bool,
+    runtime: Runtime,
+) -> float:
+    """Seconds of one block's attention core forward (scores, softmax, dropout, values; or the fused
+    kernel): what selective recomputation of the attention core runs again before the backward."""
+    ops = layer_ops(kind, dtype, args, micro_batch, seq_len, tp, cp, sp, runtime)
+    return sum(op.seconds for op in ops if op.phase == "fwd" and op.name.startswith("attn."))
+
+
+@lru_cache(maxsize=4096)
 def ends_times(
     kind: DeviceKind,
     dtype: str,

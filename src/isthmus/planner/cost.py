@@ -13,12 +13,21 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Protocol
 
+from isthmus.models.args import ModelArgs
 from isthmus.models.flops import flops_per_token
 from isthmus.planner import comm
-from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_times, optimizer_time, shard_overhead
+from isthmus.planner.compute import (
+    ELEM_BYTES,
+    PhaseTimes,
+    attention_core_fwd,
+    ends_times,
+    layer_times,
+    optimizer_time,
+    shard_overhead,
+)
 from isthmus.planner.geo import dp_sync, pipeline_transfer, streaming_exposed
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
-from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory, stage_params
+from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, alternate_share, device_memory, stage_params
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
 from isthmus.planner.placement import Placement, SiteSpans, place
 from isthmus.planner.topology import DeviceKind, Link, Topology
@@ -36,6 +45,8 @@ class BlockCost:
     """Tensor-parallel collectives of one forward (the backward has as many)."""
     cp_fwd: float
     cp_bwd: float
+    core_fwd: float = 0.0
+    """The attention core's forward alone (what attention-core selective recomputation repeats)."""
 
     @property
     def fwd(self) -> float:
@@ -76,7 +87,8 @@ def block_cost(
         else:
             q = b * s / cp * a.n_heads * a.head_dim / tp * e
             cp_f = cp_b = comm.all_to_all(q + kv, site.cp) + comm.all_to_all(q, site.cp)
-    return BlockCost(t, tp_time, cp_f, cp_b)
+    core = attention_core_fwd(kind, work.dtype, a, b, s, tp, cp, sp, runtime)
+    return BlockCost(t, tp_time, cp_f, cp_b, core)
 
 
 @dataclass(frozen=True)
@@ -96,9 +108,34 @@ class StageCost:
         return self.fwd + self.bwd
 
 
-def recompute_share(recompute: str) -> float:
-    """Blocks whose forward runs twice: all (full), every other one (isthmus 'selective'), none."""
+def recompute_share(recompute: str, runtime: Runtime | None = None) -> float:
+    """Blocks whose forward runs twice: all (full), every other one (isthmus 'selective'), none;
+    0 for a runtime whose 'selective' repeats only the attention core (see :func:`recomputed`)."""
+    if recompute == "selective" and runtime is not None and runtime.selective == "attention_core":
+        return 0.0
     return {"full": 1.0, "selective": 0.5}.get(recompute, 0.0)
+
+
+def recomputed(
+    bc: BlockCost, recompute: str, runtime: Runtime, layers: int = 0, virtual_stages: int = 1
+) -> tuple[float, float, float]:
+    """(compute, tp, cp) seconds one block's backward repeats of its forward, per microbatch, on
+    average over a rank's ``layers`` blocks in ``virtual_stages`` modules: whole forwards (full, or
+    every other block of each module), or the attention core alone (no collective: sequence
+    parallelism gathered its input already)."""
+    if recompute == "selective" and runtime.selective == "attention_core":
+        return bc.core_fwd, 0.0, 0.0
+    rc = alternate_share(layers, virtual_stages) if recompute == "selective" else recompute_share(recompute)
+    return rc * bc.compute.fwd, rc * bc.tp, rc * bc.cp_fwd
+
+
+def recompute_flops_per_token(args: ModelArgs, seq_len: int, recompute: str, runtime: Runtime) -> float:
+    """FLOPs per token the backward repeats (hardware FLOPs minus model FLOPs)."""
+    if recompute == "selective" and runtime.selective == "attention_core":
+        # QK^T and scores x V over the whole square, as Megatron counts them (Korthikanti et al. Eq. 8).
+        return 4.0 * seq_len * args.n_heads * args.head_dim * args.n_layers
+    model = flops_per_token(args, seq_len, False)
+    return recompute_share(recompute) * (flops_per_token(args, seq_len, True) - model)
 
 
 def _ends(kind: DeviceKind, work: Workload, layout: LayoutSpec, r: int) -> tuple[PhaseTimes, PhaseTimes]:
@@ -111,12 +148,7 @@ def _ends(kind: DeviceKind, work: Workload, layout: LayoutSpec, r: int) -> tuple
 
 def stage_costs(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement) -> list[StageCost]:
     """Per pipeline rank: layers (Megatron: even split; isthmus: balanced by speed) and microbatch cost."""
-    p, v, rc, e = (
-        layout.pp,
-        layout.pp_virtual_stages,
-        recompute_share(layout.activation_checkpoint),
-        ELEM_BYTES[work.dtype],
-    )
+    p, v, e = layout.pp, layout.pp_virtual_stages, ELEM_BYTES[work.dtype]
     per_site = [
         (
             site,
@@ -135,11 +167,16 @@ def stage_costs(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placem
         for site in pl.sites
     ]
     blocks = [[per_site[i] for i in pl.stage_sites[r]] for r in range(p)]
-    if runtime.name == "megatron-2021" or p == 1:
+    if runtime.megatron_stages or p == 1:
         layers = even_partition(work.args.n_layers, p)
     else:
         per_sites = {
-            sites: max(per_site[i][1].fwd * (1 + rc) + per_site[i][1].bwd for i in sites)
+            sites: max(
+                per_site[i][1].fwd
+                + per_site[i][1].bwd
+                + sum(recomputed(per_site[i][1], layout.activation_checkpoint, runtime))
+                for i in sites
+            )
             for sites in set(pl.stage_sites)
         }
         per_layer = [per_sites[sites] for sites in pl.stage_sites]
@@ -173,7 +210,7 @@ def _stage_cost(
     act: float,
     msg: float,
 ) -> StageCost:
-    rc, v = recompute_share(layout.activation_checkpoint), layout.pp_virtual_stages
+    v = layout.pp_virtual_stages
     worst: StageCost | None = None
     for site, bc in row:
         emb, head = _ends(site.dc.kind, work, layout, r)
@@ -184,19 +221,20 @@ def _stage_cost(
                 v * (pipeline_transfer(msg, link, share, layout.wan_schedule if wan else "fair").seconds + gather)
                 for link, share, wan in near
             )
+        r_compute, r_tp, r_cp = recomputed(bc, layout.activation_checkpoint, runtime, n, v)
         compute = (
-            n * (bc.compute.fwd * (1 + rc) + bc.compute.backward) + emb.fwd + emb.backward + head.fwd + head.backward
+            n * (bc.compute.fwd + r_compute + bc.compute.backward) + emb.fwd + emb.backward + head.fwd + head.backward
         )
         parts = (
             ("compute", compute),
-            ("tp comm", n * (2 + rc) * bc.tp),
-            ("cp comm", n * (bc.cp_fwd * (1 + rc) + bc.cp_bwd)),
+            ("tp comm", n * (2 * bc.tp + r_tp)),
+            ("cp comm", n * (bc.cp_fwd + r_cp + bc.cp_bwd)),
             ("pp p2p", p2p),
         )
         cost = StageCost(
             layers=n,
             fwd=n * bc.fwd + emb.fwd + head.fwd + p2p / 2,
-            bwd=n * (bc.bwd + rc * bc.fwd) + emb.backward + head.backward + p2p / 2,
+            bwd=n * (bc.bwd + r_compute + r_tp + r_cp) + emb.backward + head.backward + p2p / 2,
             wgrad=n * bc.compute.wgrad + head.wgrad,
             parts=parts,
         )
@@ -271,6 +309,7 @@ def rank_memory(work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, la
         shard=layout.shard_degree,
         accumulate=layout.microbatches > 1,
         dtype=work.dtype,
+        wrapped=alternate_share(layers, layout.pp_virtual_stages),
     )
 
 
@@ -471,9 +510,7 @@ def estimate(
     )
     tokens_per_s = work.tokens_per_step / step
     model_flops = flops_per_token(a, work.seq_len, False)
-    hw_flops = model_flops + recompute_share(layout.activation_checkpoint) * (
-        flops_per_token(a, work.seq_len, True) - model_flops
-    )
+    hw_flops = model_flops + recompute_flops_per_token(a, work.seq_len, layout.activation_checkpoint, runtime)
     kinds = [s.dc.kind for s in pl.sites]
     peak = sum(k.peak(work.dtype) for k in kinds) / len(kinds) * layout.world
     usable = min(k.memory_bytes for k in kinds) * USABLE_FRACTION
@@ -489,7 +526,9 @@ def estimate(
         mem_per_device_gb=memory.total / 1e9,
         memory=memory,
         fits=memory.total <= usable,
-        bubble_fraction=idle / step,
+        # One bubble figure everywhere (table, JSON, explanation): the pipeline phase's idle time of
+        # the busiest rank less what it spends waiting on WAN links, which the breakdown counts as wan.
+        bubble_fraction=breakdown["bubble"] / step,
         wan_bytes_per_step=wan_bytes,
         breakdown=breakdown,
         stages=tuple(stages),

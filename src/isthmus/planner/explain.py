@@ -240,6 +240,8 @@ def result_json(result: SearchResult, topo: Topology, top: int) -> dict[str, obj
     return {
         "topology": topo.name,
         "devices": topo.n_devices,
+        # Nodes per datacenter as planned (after --nodes and --gpus), by the flag's own name.
+        "nodes": {dc.name: dc.nodes for dc in topo.datacenters},
         "model_params": count_params(result.best.work.args),
         "considered": result.considered,
         "pruned_memory": result.pruned_memory,

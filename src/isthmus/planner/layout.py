@@ -53,6 +53,16 @@ class Runtime:
     grad_bytes: int
     optimizer_bytes: int
     """Bytes per parameter of weights, gradients and optimizer state (master copy + Adam moments)."""
+    selective: Literal["alternate_blocks", "attention_core"] | None = "alternate_blocks"
+    """What ``activation_checkpoint = selective`` recomputes: every other block whole (isthmus), or
+    only each block's attention core, the softmax over the score matrix and what feeds it
+    (Korthikanti et al. 2022, Megatron-LM since 2022): all blocks keep their other activations.
+    None: the software had no selective recomputation."""
+    sequence_parallel: bool = True
+    """The software has sequence parallelism (Megatron-LM from 2022; isthmus)."""
+    megatron_stages: bool = False
+    """Megatron-LM's pipeline rules: layers split evenly over stages (n_layers divisible by pp x v),
+    interleaving only with pp > 2 and microbatches divisible by pp."""
     compress_ratio: float = 0.25
     """Bytes sent over the WAN by the 'compressed' strategy, relative to the gradient's own bytes."""
     quality: tuple[tuple[str, float], ...] = (("compressed", 0.98), ("diloco", 0.9), ("streaming_diloco", 0.9))
@@ -89,5 +99,41 @@ RUNTIMES: dict[str, Runtime] = {
         weight_bytes=2,
         grad_bytes=2,
         optimizer_bytes=12,
+        selective=None,  # both came with Korthikanti et al. 2022 (megatron-2022)
+        sequence_parallel=False,
+        megatron_stages=True,
+    ),
+    # Megatron-LM from 2022 (Korthikanti et al. 2022): as 2021, plus sequence parallelism and
+    # selective recomputation of the attention core. The data-parallel all-reduce still follows the flush.
+    "megatron-2022": Runtime(
+        "megatron-2022",
+        attention="materialized",
+        dropout=True,
+        dp_overlap=False,
+        p2p_async=False,
+        scatter_gather=True,
+        weight_bytes=2,
+        grad_bytes=2,
+        optimizer_bytes=12,
+        selective="attention_core",
+        megatron_stages=True,
+    ),
+    # Megatron-DeepSpeed as MT-NLG 530B (Smith et al. 2022) and BLOOM 176B (BigScience 2022) ran it:
+    # Megatron's tensor parallelism inside DeepSpeed's pipeline engine, which runs 1F1B without
+    # interleaving and sends whole activations (no scatter/gather), blocking; data-parallel
+    # all-reduce (or ZeRO-1 reduce-scatter) after the flush; 2 + 2 + 12 bytes per parameter.
+    "megatron-deepspeed": Runtime(
+        "megatron-deepspeed",
+        attention="materialized",
+        dropout=True,
+        dp_overlap=False,
+        p2p_async=False,
+        scatter_gather=False,
+        weight_bytes=2,
+        grad_bytes=2,
+        optimizer_bytes=12,
+        selective=None,  # the runs predate selective recomputation and sequence parallelism
+        sequence_parallel=False,
+        megatron_stages=False,  # DeepSpeed splits blocks by count, unevenly where pp does not divide them
     ),
 }

@@ -73,16 +73,16 @@ def in_flight(schedule: str, pp: int, virtual_stages: int, microbatches: int, ra
 
 
 def check_pipeline(
-    schedule: str, pp: int, microbatches: int, virtual_stages: int, n_layers: int, runtime: str
+    schedule: str, pp: int, microbatches: int, virtual_stages: int, n_layers: int, megatron_stages: bool
 ) -> str | None:
     """Why (schedule, pp, microbatches, v) cannot run, or None: the runtime's own rules
-    (:mod:`isthmus.layout.rules`), plus Megatron-LM's for ``runtime == 'megatron-2021'``."""
+    (:mod:`isthmus.layout.rules`), plus Megatron-LM's where the runtime has ``megatron_stages``."""
     why = rules.pipeline_schedule(schedule, pp, microbatches, virtual_stages)
     if why is None and pp > 1:
         why = rules.pipeline_stages(pp, virtual_stages, n_layers)
     if why is not None or pp == 1:
         return why
-    if runtime == "megatron-2021":
+    if megatron_stages:
         if n_layers % (pp * virtual_stages):
             return "Megatron needs n_layers divisible by pp * virtual stages"
         if schedule == "interleaved_1f1b" and (microbatches % pp or pp == 2):

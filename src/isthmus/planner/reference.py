@@ -5,11 +5,17 @@ Selene (A100 80GB), sequence length 2048, vocabulary 51,200, full activation rec
 per-GPU TFLOP/s counted by the paper's Eq. 3 (recomputation included). The paper used the
 interleaved schedule with the scatter/gather optimisation; Megatron's interleaved schedule needs
 pp > 2 and microbatches divisible by pp, so the pp = 2 row runs 1F1B. Microbatch size is 1.
+
+Other published runs (Korthikanti et al. 2022, MT-NLG, BLOOM) are rows of ``published_runs.csv``,
+each with its source, what it reported, and the ``isthmus simulate`` command that reproduces it.
 """
 
 from __future__ import annotations
 
+import csv
+import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from isthmus.layout.spec import PpSchedule
 from isthmus.models.flavors import gpt3
@@ -78,3 +84,45 @@ def megatron_row_estimate(row: MegatronRow, topo: Topology | None = None) -> Est
     topo = (topo or load_topology("selene-a100")).subset(row.gpus)
     work = Workload(gpt3(row.heads, row.hidden, row.layers), row.global_batch, SEQ_LEN, "fp16")
     return estimate(work, topo, megatron_layout(row), RUNTIMES["megatron-2021"])
+
+
+@dataclass(frozen=True)
+class PublishedRun:
+    """One row of ``published_runs.csv``: a published run, what it reported, and the
+    ``isthmus simulate`` arguments that reproduce it (``--plan`` values use ``;`` for ``,``)."""
+
+    source: str
+    table: str
+    year: int
+    hardware: str
+    software: str
+    runtime: str
+    row: str
+    metric: str
+    """'step_time_s', 'tflops_per_device' or 'tokens_per_s_per_device'."""
+    published: float
+    assumed: str
+    args: str
+
+    def argv(self) -> list[str]:
+        """The ``isthmus`` command line of this row (with ``--json``)."""
+        words = [w.replace(";", ",") for w in shlex.split(self.args)]
+        return ["simulate", *words, "--runtime", self.runtime, "--json"]
+
+
+def published_runs() -> tuple[PublishedRun, ...]:
+    """Every row of ``published_runs.csv`` (beside this module), in file order."""
+    text = Path(__file__).with_name("published_runs.csv").read_text()
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    rows = []
+    for raw in csv.DictReader(lines):
+        rows.append(
+            PublishedRun(
+                **{k: raw[k] for k in ("source", "table", "hardware", "software", "runtime", "row", "metric")},
+                year=int(raw["year"]),
+                published=float(raw["published"]),
+                assumed=raw["assumed"],
+                args=raw["args"],
+            )
+        )
+    return tuple(rows)

@@ -116,7 +116,9 @@ def _schedules(space: SearchSpace, pp: int, m: int, layers: int, runtime: Runtim
             continue
         vs = [1] if sched in ("1f1b", "gpipe") else ([2] if sched == "zero_bubble" else [2, 3, 4, 8])
         for v in vs:
-            if space.pp_virtual_stages not in (None, v) or check_pipeline(sched, pp, m, v, layers, runtime.name):
+            if space.pp_virtual_stages not in (None, v) or check_pipeline(
+                sched, pp, m, v, layers, runtime.megatron_stages
+            ):
                 continue
             if sched == "gpipe" and space.pp_schedule is None and any(s == "1f1b" for s, _ in out):
                 continue  # same time as 1F1B, more memory
@@ -132,6 +134,10 @@ def search(
     args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, top: int = 10, dtype: str = "bf16"
 ) -> SearchResult:
     """The ``top`` best layouts that fit in memory; ConfigError when none does."""
+    if space.activation_checkpoint == "selective" and runtime.selective is None:
+        raise ConfigError(
+            "--parallel.activation_checkpoint", "selective", f"runtime {runtime.name} has no selective recomputation"
+        )
     if space.datacenters is not None and not 1 <= space.datacenters <= len(topo.datacenters):
         raise ConfigError(
             "--geo.datacenters", space.datacenters, f"topology {topo.name!r} has {len(topo.datacenters)} datacenter(s)"
@@ -167,12 +173,16 @@ def search(
                                 for rc in (
                                     [space.activation_checkpoint]
                                     if space.activation_checkpoint
+                                    else ["none", "full"]
+                                    if runtime.selective is None
                                     else ["none", "selective", "full"]
                                 ):
                                     for impl in _cp_impls(args, tp, cp):
                                         core = LayoutSpec(
                                             tp=tp,
-                                            sequence_parallel=tp > 1 and seq % (tp * cp) == 0,
+                                            sequence_parallel=runtime.sequence_parallel
+                                            and tp > 1
+                                            and seq % (tp * cp) == 0,
                                             cp=cp,
                                             cp_impl=impl,  # type: ignore[arg-type]
                                             pp=pp,
@@ -305,7 +315,7 @@ def _prepare(
     # A lower bound of the pipeline phase without placing anything: every block's compute and
     # tensor-parallel all-reduces on the fastest datacenter, and the bubble that even stages leave
     # ((m + (p-1)/v) of a mean stage; zero-bubble schedules may fill it).
-    rc = recompute_share(core.activation_checkpoint)
+    rc = recompute_share(core.activation_checkpoint, runtime)  # 0 for attention-core recomputation: still a bound
     act = core.micro_batch * work.seq_len / core.cp * work.args.dim * ELEM_BYTES[work.dtype]
     block = min(
         t.fwd * (1 + rc) + t.backward + (2 + rc) * 2 * comm.all_reduce(act, comm.local_span(core.tp, d.intra_node))

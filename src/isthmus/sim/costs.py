@@ -117,9 +117,12 @@ def stage_ops(
     emb, head = (emb if first else zero), (head if last else zero)
     ar = bc.tp / 2
     # Recomputation as the runtime applies it: every block (full) or every other block of a stage
-    # module, counting from its first (selective).
+    # module, counting from its first (selective), or every block's attention core alone
+    # (selective where the runtime recomputes the attention core).
+    core_only = layout.activation_checkpoint == "selective" and runtime.selective == "attention_core"
     recomputed = [
-        layout.activation_checkpoint == "full" or (layout.activation_checkpoint == "selective" and i % 2 == 0)
+        layout.activation_checkpoint == "full"
+        or (layout.activation_checkpoint == "selective" and not core_only and i % 2 == 0)
         for i in range(layers)
     ]
     a = work.args
@@ -187,6 +190,8 @@ def stage_ops(
         for i in reversed(range(layers)):
             if with_input and recomputed[i]:
                 parts += block_fwd("recompute")
+            elif with_input and core_only:
+                parts.append((bc.core_fwd, "attn core", "recompute"))
             parts += block_bwd(with_input, with_weight)
             if with_weight:
                 parts.append(("bucket", per_layer))

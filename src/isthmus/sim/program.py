@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isthmus.planner.compute import ends_times, optimizer_time, shard_overhead
-from isthmus.planner.cost import block_cost, recompute_share, stage_costs
+from isthmus.planner.cost import block_cost, recomputed, stage_costs
 from isthmus.planner.geo import dp_sync, pipeline_transfer
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.pipeline import partition_layers
@@ -136,7 +136,6 @@ class Simulation:
         lay, work = self.layout, self.work
         if self.n_stages == lay.pp:
             return list(self.stage_layers)
-        rc = recompute_share(lay.activation_checkpoint)
         per_rank = []
         for r in range(lay.pp):
             site = self.placement.sites[self.placement.stage_sites[r][0]]
@@ -151,7 +150,7 @@ class Simulation:
                 lay.micro_batch,
                 self.runtime,
             )
-            per_rank.append(bc.fwd * (1 + rc) + bc.bwd)
+            per_rank.append(bc.fwd + bc.bwd + sum(recomputed(bc, lay.activation_checkpoint, self.runtime)))
         site = self.placement.sites[0]
         emb, head = ends_times(
             site.dc.kind, work.dtype, work.args, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sequence_parallel

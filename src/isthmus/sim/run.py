@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from statistics import mean
 
 from isthmus.models.flops import flops_per_token
-from isthmus.planner.cost import Estimate, bottleneck_of, estimate, figures_json, recompute_share
+from isthmus.planner.cost import Estimate, bottleneck_of, estimate, figures_json, recompute_flops_per_token
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory
 from isthmus.planner.topology import Topology
@@ -121,9 +121,7 @@ def simulate(
     tokens_per_s = work.tokens_per_step / step
     a = work.args
     model_flops = flops_per_token(a, work.seq_len, False)
-    hw_flops = model_flops + recompute_share(layout.activation_checkpoint) * (
-        flops_per_token(a, work.seq_len, True) - model_flops
-    )
+    hw_flops = model_flops + recompute_flops_per_token(a, work.seq_len, layout.activation_checkpoint, runtime)
     peak = sum(k.peak(work.dtype) for k in kinds) / len(kinds) * layout.world
     return SimResult(
         layout=layout,
@@ -175,6 +173,8 @@ def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
         shard=lay.shard_degree,
         accumulate=lay.microbatches > 1,
         dtype=work.dtype,
+        # Each simulated stage module wraps blocks 0, 2, ... of its own, as the runtime does.
+        wrapped=sum((o.layers + 1) // 2 for o in plan.stages.values()) / max(1, layers),
     )
 
 

@@ -75,14 +75,19 @@ class Progress:
         self.changed.set()
 
 
-def init_distributed(backend: str, device: torch.device) -> int:
-    """Join the process group the launcher prepared (RANK/WORLD_SIZE in the environment); returns world size."""
+def init_distributed(backend: str, device: torch.device) -> tuple[int, bool]:
+    """Join the process group the launcher prepared (RANK/WORLD_SIZE in the environment).
+
+    Returns the world size and whether this call made the default group (then the run destroys it
+    at its end; a group the caller made is the caller's to keep or destroy).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend)
-    return world
+        return world, True
+    return world, False
 
 
 class Trainer:
@@ -96,7 +101,7 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.device = resolve_device(t.device, int(os.environ.get("LOCAL_RANK", "0")))
-        self.world = init_distributed(p.backend, self.device)
+        self.world, self.owns_group = init_distributed(p.backend, self.device)
         self.rank = dist.get_rank() if self.world > 1 else 0
         # The whole run, or (geo.fault_tolerant) one datacenter's job of it: the layout checked
         # below is still the whole run's.
@@ -497,5 +502,5 @@ def train(cfg: JobConfig, progress: Progress | None = None) -> TrainResult:
     try:
         return trainer.fit()
     finally:
-        if trainer.world > 1 and dist.is_initialized():
+        if trainer.owns_group and dist.is_initialized():
             dist.destroy_process_group()
