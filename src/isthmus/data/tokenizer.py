@@ -214,6 +214,14 @@ def hf_tokenizer_file(spec: str) -> Path:
     raise DataError(f"data.tokenizer {spec!r}: {path} holds no {BPE_FILE}")
 
 
+def parse_tokenizer_json(text: str) -> HFTokenizer:
+    """A ``tokenizers`` tokenizer from its JSON document (no code runs), or one DataError line."""
+    try:
+        return HFTokenizer.from_str(text)
+    except Exception as e:  # the library raises a bare Exception for malformed JSON
+        raise DataError(f"not a valid tokenizers file ({(str(e).splitlines() or [repr(e)])[0]})") from None
+
+
 class PretrainedTokenizer:
     """A checkpoint's ``tokenizer.json`` (`tokenizers`: JSON, no code runs) with its BOS and EOS tokens.
 
@@ -225,10 +233,8 @@ class PretrainedTokenizer:
     kind = "hf"
 
     def __init__(self, text: str, bos_id: int | None, eos_id: int | None, side_files: dict[str, str]) -> None:
-        try:
-            self._tok = HFTokenizer.from_str(text)
-        except Exception as e:  # the library raises a bare Exception for malformed JSON
-            raise DataError(f"not a valid tokenizers file ({(str(e).splitlines() or [repr(e)])[0]})") from None
+        """``text`` is the tokenizer.json document (parsed by `parse_tokenizer_json`)."""
+        self._tok = parse_tokenizer_json(text)
         self._text = text
         self.bos_id, self.eos_id = bos_id, eos_id
         self.side_files = side_files
@@ -242,13 +248,16 @@ class PretrainedTokenizer:
         folder = file.parent
         try:
             text = file.read_text(encoding="utf-8")
-            tok = HFTokenizer.from_str(text)
-        except Exception as e:  # OSError, or the library's bare Exception for malformed JSON
-            raise DataError(f"{file}: not a valid tokenizers file ({(str(e).splitlines() or [repr(e)])[0]})") from None
-        sides = {
+            tokenizer = cls(text, None, None, {})
+        except (OSError, DataError) as e:
+            reason = e.strerror if isinstance(e, OSError) else str(e)
+            raise DataError(f"{file}: {reason}") from None
+        tokenizer.side_files = {
             name: (folder / name).read_text(encoding="utf-8") for name in HF_SIDE_FILES if (folder / name).is_file()
         }
-        return cls(text, _special_id(tok, folder, "bos"), _special_id(tok, folder, "eos"), sides)
+        tokenizer.bos_id = _special_id(tokenizer._tok, folder, "bos")
+        tokenizer.eos_id = _special_id(tokenizer._tok, folder, "eos")
+        return tokenizer
 
     def to_str(self) -> str:
         return self._text
