@@ -184,6 +184,16 @@ class MetricsConfig:
     """Also write TensorBoard events to <run_dir>/tb (needs the tensorboard extra)."""
     progress: bool = True
     """Show a progress bar on an interactive console."""
+    timeline: str = ""
+    """Write every rank's busy/idle timeline (training ops, P2P waits, bubble prefill chunks) to this Chrome / Perfetto trace file (open in ui.perfetto.dev), and log each rank's busy fraction per step; "" = off."""
+
+
+@dataclass
+class BubblesConfig:
+    prefill: str = ""
+    """Prefill requests to run in the pipeline's bubbles: a JSONL file ({"id": ..., "prompt": "text"} or "tokens": [ids] per line) or synthetic:N:LEN (N prompts of LEN random tokens, seeded by train.seed); outputs go to <run_dir>/prefill.jsonl; "" = off."""
+    model: str = ""
+    """The model that serves the prefill requests (a frozen copy on every pipeline rank): "" = the run's own model at the weights it starts from (model.init_from, else train.seed's initialisation), or a flavor name (initialised from train.seed, the tokenizer's vocabulary)."""
 
 
 WireDtype = Literal["fp32", "bf16", "int8", "int4"]
@@ -240,6 +250,7 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     geo: GeoConfig = field(default_factory=GeoConfig)
+    bubbles: BubblesConfig = field(default_factory=BubblesConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
@@ -261,6 +272,7 @@ RESUME_MAY_CHANGE = (
     "geo.",
     "checkpoint.",
     "metrics.",
+    "bubbles.",
     "train.steps",
     "train.run_dir",
     "train.overwrite",
@@ -593,6 +605,7 @@ def validate(cfg: JobConfig) -> None:
         )
     _require(cfg.metrics.log_every >= 1, "metrics.log_every", cfg.metrics.log_every, "must be at least 1")
     validate_geo(cfg.geo)
+    validate_bubbles(cfg.bubbles, p.pp)
     g = cfg.geo
     if g.dc_axis == "pp":
         _require(
@@ -607,6 +620,26 @@ def validate(cfg: JobConfig) -> None:
             g.sync,
             "must be none with geo.dc_axis = pp: data parallelism stays inside each datacenter",
         )
+
+
+def synthetic_spec(spec: str) -> tuple[int, int] | None:
+    """(N, LEN) of ``synthetic:N:LEN``; None for anything else (a file path)."""
+    if not spec.startswith("synthetic:"):
+        return None
+    parts = spec.split(":")
+    rule = "synthetic:N:LEN needs two whole numbers of at least 1 (N prompts of LEN tokens)"
+    if len(parts) != 3 or not all(x.isdigit() and int(x) >= 1 for x in parts[1:]):
+        raise ConfigError("bubbles.prefill", spec, rule)
+    return int(parts[1]), int(parts[2])
+
+
+def validate_bubbles(cfg: BubblesConfig, pp: int) -> None:
+    """Raise ConfigError for a bubbles setting that cannot work (checked before any process starts)."""
+    if not cfg.prefill:
+        return
+    if synthetic_spec(cfg.prefill) is None and not Path(cfg.prefill).is_file():
+        raise ConfigError("bubbles.prefill", cfg.prefill, "no such file (a JSONL of requests, or synthetic:N:LEN)")
+    _require(pp > 1, "bubbles.prefill", cfg.prefill, "needs parallel.pp > 1: the bubbles filled are a pipeline's waits")
 
 
 def validate_geo(cfg: GeoConfig) -> None:

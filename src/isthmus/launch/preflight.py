@@ -6,14 +6,16 @@ import math
 import os
 from pathlib import Path
 
-from isthmus.config import JobConfig
+from isthmus.config import JobConfig, synthetic_spec
 from isthmus.data.corpus import default_cache_dir, is_bin, load_bin
+from isthmus.data.requests import read_request_file
 from isthmus.data.tokenizer import BPE_FILE, HF_PREFIX, PretrainedTokenizer, hf_tokenizer_file
 from isthmus.errors import ConfigError, DataError
 from isthmus.launch.environ import launcher_world
 from isthmus.layout.dims import ParallelDims, check_layout
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
+from isthmus.models.flavors import list_flavors
 from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.memory import MemoryBreakdown, alternate_share, device_memory
@@ -65,12 +67,25 @@ def preflight(cfg: JobConfig) -> ModelArgs:
             True,
             "cannot be combined with parallel.pp > 1 (embedding and head live on different stages)",
         )
+    _check_bubbles(cfg, vocab)
     if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
         _check_fits_in_memory(cfg, args, dims, bin_ids)
 
     # The key signs checkpoints and the final model: an unreadable or short one stops here, before any process starts.
     checkpoint_key(cfg.checkpoint.key_file)
     return args
+
+
+def _check_bubbles(cfg: JobConfig, vocab: int | None) -> None:
+    """bubbles.model names a flavor, and a bubbles.prefill file reads as requests (ids below the
+    tokenizer's vocabulary, which the serving model shares)."""
+    b = cfg.bubbles
+    if not b.prefill:
+        return
+    if b.model and b.model not in list_flavors():
+        raise ConfigError("bubbles.model", b.model, f"must be empty or a flavor: {', '.join(list_flavors())}")
+    if synthetic_spec(b.prefill) is None:
+        read_request_file(Path(b.prefill), vocab or 256)
 
 
 def _cuda_visible() -> bool:

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None = None) -> float:
+def clip_grad_norm(
+    params: list[nn.Parameter],
+    max_norm: float,
+    pp_group: dist.ProcessGroup | None = None,
+    wait: Callable[[dist.Work, str], None] | None = None,
+) -> float:
     """Clip to ``max_norm`` by the global gradient norm; returns that norm.
+
+    ``wait(work, name)``, when given, waits for the all-reduce over ``pp_group`` (bubble filling
+    runs prefill meanwhile: a stage that finished its backward waits here for the others).
 
     DTensor gradients (FSDP, TP) give a DTensor norm whose ``full_tensor`` reduces over their mesh;
     pipeline stages hold disjoint parameters, so their squared norms are summed over ``pp_group``
@@ -29,7 +39,12 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float, pp_group: dist.P
         sq = sq + part.detach().double().cpu() ** 2
     total = sq.sqrt().float()
     if pp_group is not None:
-        dist.all_reduce(sq, group=pp_group)
+        work = dist.all_reduce(sq, group=pp_group, async_op=True)
+        assert work is not None
+        if wait is not None:
+            wait(work, "all-reduce grad norm")
+        else:
+            work.wait()
         total = sq.sqrt().float()
     norm = total.item()
     coef = max_norm / (norm + 1e-6)

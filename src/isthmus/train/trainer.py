@@ -32,6 +32,7 @@ from isthmus.models.llama import build_model
 from isthmus.models.resolve import resolve_model_args
 from isthmus.parallel.dims import ParallelDims, check_layout
 from isthmus.parallel.parallelize import ParallelModel, apply_layout
+from isthmus.train.bubbles import BubbleRun, build_bubble_run
 from isthmus.train.checkpoint import Checkpointer, ResumePoint, TrainState
 from isthmus.train.checkpoint_manifest import checkpoint_key, resume_note
 from isthmus.train.device import correct_peak, devices_worth, peak_flops, resolve_device
@@ -137,6 +138,10 @@ class Trainer:
         if pretrained is not None:
             load_weights(self.pm.modules, pretrained)
         self.geo_run.wire_pipeline(self.pm.schedule, self.dims.pp, self.mesh)
+        # After wire_pipeline: its hooks on the stages' P2P ops are wrapped, not replaced.
+        self.bubbles: BubbleRun | None = build_bubble_run(
+            cfg, self.pm.schedule, a, self.data.tokenizer, self.device, self.rank, self.world, self.run_dir
+        )
         zero1_group = self._mesh_group("dp_cp") if self.pm.dp_kind == "zero1" else None
         self.optimizer = build_optimizer(self.pm.modules, t, zero1_group)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
@@ -280,7 +285,13 @@ class Trainer:
             module.set_requires_gradient_sync(enabled)
         return nullcontext()
 
-    def _mean_over_ranks(self, local: torch.Tensor | None) -> float:
+    def _span(self, what: str) -> AbstractContextManager[Any]:
+        """A training op on the timeline (metrics.timeline); pipeline stages record their own chunks."""
+        if self.bubbles is None or (what == "forward+backward" and self.pm.schedule is not None):
+            return nullcontext()
+        return self.bubbles.timeline.span(what, "optimizer" if what == "optimizer" else "forward")
+
+    def _mean_over_ranks(self, local: torch.Tensor | None, fill: bool = False) -> float:
         """Average a per-rank loss over the ranks that computed one (last pipeline stage; every dp/cp rank)."""
         if self.world == 1:
             assert local is not None
@@ -288,13 +299,20 @@ class Trainer:
         value = torch.zeros(2, dtype=torch.float64)
         if local is not None:
             value[0], value[1] = float(local), 1.0
-        dist.all_reduce(value)
+        work = dist.all_reduce(value, async_op=True)
+        assert work is not None
+        if self.bubbles is not None and fill:
+            self.bubbles.wait(work, "all-reduce loss")  # stages without the loss wait here for the last one
+        else:
+            work.wait()
         return float(value[0] / value[1])
 
     # --- one optimizer step -------------------------------------------------------------
     def train_step(self) -> tuple[float, float]:
         """Forward/backward over grad_accum micro-batches, clip, step. Returns (mean loss, gradient norm)."""
         t = self.cfg.train
+        if self.bubbles is not None:
+            self.bubbles.begin_step(self.step + 1)
         inputs, targets = self._local_batch(*self.sampler.next_batch(t.batch_size, self.dp_rank, self.dims.dp))
         losses: list[torch.Tensor] = []
         chunks = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
@@ -303,7 +321,8 @@ class Trainer:
                 # Equal-sized micro-batches, each loss scaled by 1/accum: the accumulated gradient is
                 # the gradient of the mean loss over the whole batch, exactly as without accumulation.
                 scale = 1.0 if self.pm.schedule is not None else 1.0 / t.grad_accum
-                loss = forward_backward(self.pm, x, y, scale)
+                with self._span("forward+backward"):
+                    loss = forward_backward(self.pm, x, y, scale)
             if loss is not None:
                 losses.append(loss)
         if self.pm.schedule is not None and t.grad_accum > 1:
@@ -312,15 +331,17 @@ class Trainer:
         if self.geo is not None:
             self.geo.reduce_gradients(self.pm.parameters())
         pp_group = self._mesh_group("pp") if self.dims.pp_enabled else None
-        grad_norm = clip_grad_norm(self.pm.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf, pp_group)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        wait = self.bubbles.wait if self.bubbles is not None else None
+        grad_norm = clip_grad_norm(self.pm.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf, pp_group, wait)
+        with self._span("optimizer"):
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         if self.geo is not None:
             self.geo.after_optimizer_step(self.step, self.pm.parameters())
         self.step += 1
         local = torch.stack(losses).mean() if losses else None
-        return self._mean_over_ranks(local), grad_norm
+        return self._mean_over_ranks(local, fill=True), grad_norm
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -380,6 +401,8 @@ class Trainer:
                 result.grad_norms.append(grad_norm)
                 # Bytes this step sent per link tier, and the datacenters in its outer round.
                 extra: dict[str, Any] = {"grad_norm": grad_norm, **self.geo_run.step_metrics()}
+                if self.bubbles is not None:
+                    extra.update(self.bubbles.end_step(self.step))
                 if metrics is not None:
                     metrics.log_step(self.step, loss, lr, step_times[-1], extra)
                 if (t.val_every and self.step % t.val_every == 0) or self.step == t.steps:
@@ -397,6 +420,8 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         self.checkpointer.wait()
+        if self.bubbles is not None:
+            self.bubbles.finish()
         result.bytes_by_tier = self.geo_run.finish(self.pm.parameters())
         result.elapsed_s = time.perf_counter() - start
         # The first step warms up the allocator and kernels (and pipeline shape inference): leave it out.

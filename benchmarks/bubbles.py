@@ -1,0 +1,180 @@
+"""Bubble filling across an emulated WAN: busy fraction and step time without and with prefill.
+
+    python benchmarks/bubbles.py                          # 20 Mbit/s, 80 ms RTT, 2 pairs
+    python benchmarks/bubbles.py --mbit 100 --rtt-ms 20 --pairs 3
+
+Every run is a real `isthmus emulate --wan-mbit R --wan-rtt-ms T -- train` (root; network
+namespaces, tc tbf, the user-space delay line) on 2 datacenters x 1 CPU rank (a copy of
+`emulated-2dc` with one device per datacenter): pp 2 with the stage boundary on the WAN
+(`geo.dc_axis = pp`), 1F1B with 4 microbatches, the `tiny` config widened to dim 256 (its stages
+wait on the WAN most of each step), global batch 8 x 128. "with" adds `--bubbles.prefill
+synthetic:N:LEN` served by the run's own model shape at its initial weights. The runs without and
+with filling alternate (off, on, off, on, ...), same seed and data; per run, the step time is the
+median of `step_time_s` over steps 3.. (step 1 builds the schedule, step 2 is the first the filler
+may fill: it needs two measured gaps per slot) and a rank's busy fraction the median of its `busy`
+over the same steps; the table gives the medians over runs. The losses of every run must be equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOPOLOGY = """name = "emulated-2dc-1x1"
+description = "2 emulated datacenters x 1 CPU rank"
+[devices.cpu-one]
+base = "cpu"
+description = "one rank per core"
+memory_gb = 6
+memory_bandwidth_gb_s = 13
+peak_tflops = { fp32 = 0.075, bf16 = 0.5 }
+kernel_launch_us = 20
+[[datacenters]]
+name = "dc0"
+device = "cpu-one"
+nodes = 1
+devices_per_node = 1
+intra_node = { bandwidth_gb_s = 0.6, latency_us = 200 }
+fabric = { bandwidth_gb_s = 0.6, latency_us = 200 }
+[[datacenters]]
+name = "dc1"
+device = "cpu-one"
+nodes = 1
+devices_per_node = 1
+intra_node = { bandwidth_gb_s = 0.6, latency_us = 200 }
+fabric = { bandwidth_gb_s = 0.6, latency_us = 200 }
+[[wan]]
+between = ["dc0", "dc1"]
+bandwidth_gb_s = 0.0025
+latency_us = 0
+"""
+TRAIN = [
+    "--config",
+    "tiny",
+    "--model.dim",
+    "256",
+    "--model.ffn_dim",
+    "512",
+    "--parallel.pp",
+    "2",
+    "--parallel.microbatches",
+    "4",
+    "--geo.datacenters",
+    "2",
+    "--geo.dc_axis",
+    "pp",
+    "--train.batch_size",
+    "8",
+    "--train.seq_len",
+    "128",
+    "--train.threads",
+    "1",
+    "--train.val_every",
+    "0",
+    "--data.max_bytes",
+    "200000",
+    "--metrics.progress",
+    "false",
+]
+
+
+def run(topology: Path, mbit: float, rtt_ms: float, steps: int, prefill: str, out: Path) -> dict[str, object]:
+    """One emulated run: median step time, each rank's median busy fraction, prefill tokens/s, losses."""
+    metrics = out / "metrics.jsonl"
+    cmd = [
+        sys.executable,
+        "-m",
+        "isthmus",
+        "emulate",
+        "--topology",
+        str(topology),
+        "--wan-mbit",
+        f"{mbit:g}",
+        "--wan-rtt-ms",
+        f"{rtt_ms:g}",
+        "--timeout",
+        "300",
+        "--log-dir",
+        str(out / "logs"),
+        "--",
+        "train",
+        *TRAIN,
+        "--train.steps",
+        str(steps),
+        "--train.run_dir",
+        str(out / "run"),
+        "--metrics.jsonl",
+        str(metrics),
+        "--metrics.timeline",
+        str(out / "timeline.json"),
+        *(["--bubbles.prefill", prefill] if prefill else []),
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"run failed ({prefill or 'no filling'}):\n{proc.stdout[-3000:]}")
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    timed = records[2:]
+    step = statistics.median(r["step_time_s"] for r in timed)
+    busy = [statistics.median(r["busy"][k] for r in timed) for k in range(len(timed[0]["busy"]))]
+    tokens = sum(r.get("prefill_tokens", 0) for r in timed) / sum(r["step_time_s"] for r in timed)
+    return {
+        "step_s": step,
+        "busy": busy,
+        "prefill_tok_s": tokens,
+        "losses": [r["loss"] for r in records],
+        "wall_s": time.perf_counter() - start,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mbit", type=float, default=20.0, help="WAN rate, Mbit/s")
+    ap.add_argument("--rtt-ms", type=float, default=80.0, help="WAN round trip, ms")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--pairs", type=int, default=2, help="runs without and with filling, alternated")
+    ap.add_argument("--prefill", default="synthetic:1500:32", help="bubbles.prefill of the runs with filling")
+    ns = ap.parse_args(argv)
+    load_before = os.getloadavg()
+    got: dict[str, list[dict[str, object]]] = {"without": [], "with": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        topology = Path(tmp) / "emulated-2dc-1x1.toml"
+        topology.write_text(TOPOLOGY)
+        for i in range(ns.pairs):
+            for name, prefill in (("without", ""), ("with", ns.prefill)):
+                r = run(topology, ns.mbit, ns.rtt_ms, ns.steps, prefill, Path(tmp) / f"{name}-{i}")
+                got[name].append(r)
+                print(f"  {name} #{i}: {json.dumps({k: v for k, v in r.items() if k != 'losses'})}", file=sys.stderr)
+    load_after = os.getloadavg()
+    same = all(r["losses"] == got["without"][0]["losses"] for rs in got.values() for r in rs)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(float(r[key]) for r in got[name])  # type: ignore[arg-type]
+
+    def busy(name: str) -> list[float]:
+        n = len(got[name][0]["busy"])  # type: ignore[arg-type]
+        return [statistics.median(r["busy"][k] for r in got[name]) for k in range(n)]  # type: ignore[index]
+
+    off, on = med("without", "step_s"), med("with", "step_s")
+    print(
+        f"WAN {ns.mbit:g} Mbit/s, RTT {ns.rtt_ms:g} ms; {ns.pairs} pair(s); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after"
+    )
+    print("| filling | step s | busy per rank | prefill tokens/s |")
+    print("|---|---|---|---|")
+    print(f"| without | {off:.3f} | {', '.join(f'{b:.0%}' for b in busy('without'))} | 0 |")
+    print(
+        f"| with ({ns.prefill}) | {on:.3f} | {', '.join(f'{b:.0%}' for b in busy('with'))} | {med('with', 'prefill_tok_s'):.0f} |"
+    )
+    print(f"step time with / without: {on / off:.3f}; losses equal: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

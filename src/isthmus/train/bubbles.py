@@ -1,0 +1,194 @@
+"""Prefill as a service in a training run's pipeline bubbles (``[bubbles]``), and the per-rank
+busy/idle timeline (``metrics.timeline``).
+
+:class:`BubbleRun` is what the trainer holds: it reads the requests, builds the serving model,
+hooks the pipeline stages (``parallel.bubbles``), marks steps and the optimizer on the timeline,
+reports each rank's busy fraction per step, and at the end writes ``<run_dir>/prefill.jsonl`` and
+the trace. The serving model is a separate, frozen module (the issue's "separate model that fits
+the spare memory"): the run's own shape at the weights it starts from, or a named flavor; it is
+not the weights being trained, which are split over the pipeline ranks and change every step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from isthmus.config import JobConfig, synthetic_spec
+from isthmus.data.requests import read_request_file
+from isthmus.data.tokenizer import Tokenizer
+from isthmus.log import get_logger
+from isthmus.models.args import ModelArgs
+from isthmus.models.flavors import get_flavor
+from isthmus.models.llama import build_model, init_weights
+from isthmus.parallel.bubbles import BubbleFiller, Request, Timeline, fill_stage, time_stage
+from isthmus.parallel.pipeline import local_stages
+
+
+def synthetic_requests(n: int, length: int, vocab: int, seed: int) -> list[Request]:
+    """``n`` prompts of ``length`` token ids drawn from their own generator (training's RNG untouched)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [Request(f"s{i}", torch.randint(vocab, (length,), generator=gen).tolist()) for i in range(n)]
+
+
+def load_requests(cfg: JobConfig, tokenizer: Tokenizer, vocab: int) -> list[Request]:
+    spec = synthetic_spec(cfg.bubbles.prefill)
+    if spec is not None:
+        return synthetic_requests(*spec, vocab, cfg.train.seed)
+    raw = read_request_file(Path(cfg.bubbles.prefill), vocab)
+    return [Request(r.id, r.tokens if r.tokens is not None else tokenizer.encode(r.prompt or "")) for r in raw]
+
+
+def serving_model(cfg: JobConfig, run_args: ModelArgs, vocab: int, device: torch.device) -> nn.Module:
+    """The frozen model that serves the requests (see the module docstring)."""
+    if cfg.bubbles.model:
+        args = get_flavor(cfg.bubbles.model).with_overrides(vocab_size=vocab)
+    else:
+        args = run_args
+    model = build_model(args, device="meta").to_empty(device=device)
+    if cfg.bubbles.model or not cfg.model.init_from:
+        init_weights(model, cfg.train.seed, args)
+    else:
+        from isthmus.train.init_from import load_weights, open_weights
+
+        with torch.no_grad():
+            load_weights([model], open_weights(cfg.model.init_from, args))
+    model.eval().requires_grad_(False)
+    return model
+
+
+class BubbleRun:
+    """The trainer's handle on bubble filling and the timeline (one per rank)."""
+
+    def __init__(
+        self,
+        cfg: JobConfig,
+        schedule: Any,
+        run_args: ModelArgs,
+        tokenizer: Tokenizer,
+        device: torch.device,
+        rank: int,
+        world: int,
+        run_dir: Path,
+    ) -> None:
+        self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, run_dir
+        self.timeline = Timeline()
+        self.filler: BubbleFiller | None = None
+        self._step_start = 0.0
+        self.serving = bool(cfg.bubbles.prefill) and schedule is not None
+        if schedule is None:
+            return
+        model: nn.Module | None = None
+        mine: list[Request] = []
+        if self.serving:
+            vocab = tokenizer.vocab_size
+            requests = load_requests(cfg, tokenizer, vocab)
+            mine = requests[rank::world]  # every rank serves its own share, in order
+            model = serving_model(cfg, run_args, vocab, device)
+            get_logger().info(
+                "bubbles: %d of %d prefill request(s) on rank %d, served by %s",
+                len(mine),
+                len(requests),
+                rank,
+                cfg.bubbles.model or "the run's initial weights",
+            )
+        # Without requests the filler only records the waits, so that a timeline without filling
+        # shows them too (and runs with and without filling go through the same hook).
+        self.filler = BubbleFiller(model, mine, device, self.timeline)
+        self.filler.calibrate()
+        for st in local_stages(schedule):
+            time_stage(st, self.timeline)
+            # Last: it wraps what the other hooks (WAN byte counting, striping) left on the factories.
+            fill_stage(st, self.filler)
+
+    def begin_step(self, step: int) -> None:
+        self._step_start = time.perf_counter()
+        if self.filler is not None:
+            self.filler.begin_step(step)
+
+    def wait(self, work: Any, name: str) -> None:
+        """Wait for a collective of the step (gradient norm, loss), filling the wait when filling."""
+        if self.filler is not None:
+            self.filler.wait(work, name)
+        else:
+            with self.timeline.span(name, "wait"):
+                work.wait()
+
+    def end_step(self, step: int) -> dict[str, Any]:
+        """This step's busy fraction of every rank, and the prefill tokens served in its bubbles
+        (summed over ranks). A collective: every rank calls it once per step."""
+        end = time.perf_counter()
+        self.timeline.add(f"step {step}", "step", self._step_start, end)
+        tokens = self.filler.tokens_this_step if self.filler is not None else 0
+        mine = torch.tensor([self.timeline.busy_fraction(self._step_start, end), float(tokens)], dtype=torch.float64)
+        if self.world > 1:
+            every = [torch.zeros_like(mine) for _ in range(self.world)]
+            dist.all_gather(every, mine)
+        else:
+            every = [mine]
+        out: dict[str, Any] = {"busy": [round(float(t[0]), 4) for t in every]}
+        if self.serving:
+            out["prefill_tokens"] = int(sum(float(t[1]) for t in every))
+        return out
+
+    def finish(self) -> None:
+        """Serve what no bubble had room for, then rank 0 writes prefill.jsonl and the trace from
+        every rank's part. A collective."""
+        if self.filler is not None:
+            left = self.filler.flush()
+            if left:
+                get_logger().info(
+                    "bubbles: %d request(s) on rank %d had no bubble; served after training", left, self.rank
+                )
+        parts: list[Any] = [None] * self.world
+        mine = {
+            "results": [dict(r, rank=self.rank) for r in self.filler.results] if self.filler is not None else [],
+            "events": self.timeline.chrome_events(self.rank + 1, f"rank {self.rank}"),
+        }
+        if self.world > 1:
+            # Pickled, but only our own lists and dicts of numbers and strings, between the ranks of
+            # one run: nothing a user supplies is unpickled.
+            dist.all_gather_object(parts, mine)
+        else:
+            parts = [mine]
+        if self.rank != 0:
+            return
+        if self.serving:
+            results = sorted((r for p in parts for r in p["results"]), key=lambda r: _order(r["id"]))
+            with (self.run_dir / "prefill.jsonl").open("w") as f:
+                for r in results:
+                    f.write(json.dumps(r) + "\n")
+        if self.cfg.metrics.timeline:
+            events = [e for p in parts for e in p["events"]]
+            Path(self.cfg.metrics.timeline).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+
+
+def _order(request_id: str) -> tuple[int, str]:
+    # s2 before s10 for synthetic ids; others by name.
+    digits = request_id[1:] if request_id[:1] == "s" else ""
+    return (int(digits), "") if digits.isdigit() else (1 << 62, request_id)
+
+
+def build_bubble_run(
+    cfg: JobConfig,
+    schedule: Any,
+    run_args: ModelArgs,
+    tokenizer: Tokenizer,
+    device: torch.device,
+    rank: int,
+    world: int,
+    run_dir: Path,
+) -> BubbleRun | None:
+    """The run's BubbleRun, or None when neither bubbles.prefill nor metrics.timeline is set."""
+    if not cfg.bubbles.prefill and not cfg.metrics.timeline:
+        return None
+    # The serving model's initialisation and the synthetic prompts draw from their own generators;
+    # fork_rng keeps the global RNG as training left it all the same.
+    with torch.random.fork_rng(devices=[]):
+        return BubbleRun(cfg, schedule, run_args, tokenizer, device, rank, world, run_dir)
