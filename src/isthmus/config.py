@@ -61,8 +61,11 @@ class DataConfig:
     """How to read data.path: auto (.bin files are pre-tokenised), text, or bin."""
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
     """Token dtype of a pre-tokenised .bin file."""
-    tokenizer: Literal["byte", "bpe"] = "byte"
-    """Tokenizer for text data: byte-level, or BPE trained locally and cached."""
+    tokenizer: str = "byte"
+    """Tokenizer: byte (UTF-8 bytes), bpe (trained locally and cached), or hf:PATH, a checkpoint's
+    tokenizer.json (PATH: its folder or the file); each document is then BOS + text + EOS (those the
+    checkpoint's tokenizer_config.json / special_tokens_map.json / config.json name). Named even with
+    model.init_from: the default stays byte."""
     bpe_vocab_size: int = 4096
     """Vocabulary size when training a BPE tokenizer."""
     max_bytes: int = 4_000_000
@@ -557,6 +560,14 @@ def validate(cfg: JobConfig) -> None:
     )
     if d.path:
         _require(Path(d.path).exists(), "data.path", d.path, "no such file or folder")
+    _require(
+        d.tokenizer in ("byte", "bpe") or (d.tokenizer.startswith("hf:") and len(d.tokenizer) > 3),
+        "data.tokenizer",
+        d.tokenizer,
+        "must be one of byte, bpe, hf:PATH (a folder holding tokenizer.json, or the file)",
+    )
+    if d.tokenizer.startswith("hf:"):
+        _require(Path(d.tokenizer[3:]).expanduser().exists(), "data.tokenizer", d.tokenizer, "no such folder or file")
     for key in ("n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
         v = getattr(m, key)
         _require(v is None or v >= 1, f"model.{key}", v, "must be at least 1")

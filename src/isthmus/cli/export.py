@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         choices=("isthmus", "hf"),
         default="isthmus",
         help="isthmus: one FILE.safetensors for isthmus generate / model.init_from (default); "
-        "hf: a Hugging Face Llama folder (config.json, model.safetensors) for transformers' from_pretrained",
+        "hf: a Hugging Face Llama folder (config.json, model.safetensors, tokenizer.json + tokenizer_config.json; "
+        "no tokenizer for raw ids) for transformers' from_pretrained",
     )
     export.add_argument(
         "--out", required=True, help="the file to write, FILE.safetensors (--format hf: a new or empty folder)"
@@ -61,4 +62,6 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
         f"exported the {origin} of {ns.run}: {done['tensors']} tensors, {done['parameters']:,} parameters, "
         f"{done['bytes'] / 1e6:.1f} MB -> {done['out']}\n"
     )
+    if "tokenizer" in done:
+        sys.stdout.write(f"  with {done['tokenizer']}\n")
     return 0

@@ -10,12 +10,22 @@ from isthmus.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    gen = sub.add_parser("generate", help="sample text from a trained run or an exported model", allow_abbrev=False)
+    gen = sub.add_parser(
+        "generate",
+        help="sample text from a trained run, an exported model or a Hugging Face folder",
+        description="Continue a prompt with a KV cache: positions run on past the trained length "
+        "(up to 2**24, exact in fp32 RoPE), never restart.",
+        allow_abbrev=False,
+    )
     model = gen.add_mutually_exclusive_group()
     model.add_argument(
         "--run", help=f"run directory (train.run_dir of the run): its final model (default: {LATEST_RUN})"
     )
-    model.add_argument("--model", help="a .safetensors file written by isthmus export")
+    model.add_argument(
+        "--model",
+        help="a .safetensors file written by isthmus export, or a Hugging Face Llama folder "
+        "(config.json, safetensors, tokenizer.json; isthmus export --format hf writes one)",
+    )
     gen.add_argument("--prompt", default="def ", help="text to continue")
     gen.add_argument("--max-new-tokens", type=int, default=200)
     gen.add_argument("--temperature", type=float, default=0.8)

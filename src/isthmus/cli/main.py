@@ -12,14 +12,14 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from isthmus.cli import emulate, export, generate, plan, profile, simulate, train
+from isthmus.cli import emulate, export, generate, plan, profile, simulate, tokenize, train
 from isthmus.cli.common import subcommand_parser
 from isthmus.errors import EXIT_INTERRUPTED, EXIT_USAGE, Interrupted, IsthmusError
 from isthmus.log import setup_logging
 
-COMMANDS = (train, generate, export, plan, simulate, profile, emulate)
+COMMANDS = (train, generate, export, tokenize, plan, simulate, profile, emulate)
 """In the order `isthmus --help` lists them."""
-TAKES_REST = {"train", "emulate"}
+TAKES_REST = {"train", "emulate", "tokenize"}
 """Sub-commands whose arguments go on past what their parser knows (config overrides, a train command)."""
 
 

@@ -22,7 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from isthmus.config import DataConfig
-from isthmus.data.tokenizer import BPETokenizer, ByteTokenizer, RawTokenizer, Tokenizer, train_bpe
+from isthmus.data.tokenizer import (
+    HF_PREFIX,
+    BPETokenizer,
+    ByteTokenizer,
+    PretrainedTokenizer,
+    RawTokenizer,
+    Tokenizer,
+    train_bpe,
+)
 from isthmus.errors import DataError
 from isthmus.log import get_logger
 
@@ -136,9 +144,12 @@ def corpus_key(files: Sequence[Path], max_bytes: int) -> str:
 
 
 def build_tokenizer(cfg: DataConfig, files: Sequence[Path]) -> Tokenizer:
-    """The byte tokenizer, or a BPE trained on these files (cached by corpus and vocab size)."""
+    """The byte tokenizer, a checkpoint's (``hf:PATH``), or a BPE trained on these files (cached by
+    corpus and vocab size)."""
     if cfg.tokenizer == "byte":
         return ByteTokenizer()
+    if cfg.tokenizer.startswith(HF_PREFIX):
+        return PretrainedTokenizer.from_spec(cfg.tokenizer)
     key = hashlib.sha256(f"{corpus_key(files, cfg.max_bytes)} vocab={cfg.bpe_vocab_size}".encode()).hexdigest()[:20]
     return train_bpe(iter_documents(files, cfg.max_bytes), cfg.bpe_vocab_size, default_cache_dir(cfg), key)
 
@@ -149,9 +160,10 @@ def token_dtype(vocab_size: int) -> type[np.unsignedinteger]:
 
 
 def _tokenizer_id(tokenizer: Tokenizer) -> str:
-    if isinstance(tokenizer, BPETokenizer):
+    if isinstance(tokenizer, BPETokenizer | PretrainedTokenizer):
         # Two BPEs of the same size can differ; hash the merges so caches never mix them up.
-        return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()[:20]
+        specials = f" bos={getattr(tokenizer, 'bos_id', None)} eos={getattr(tokenizer, 'eos_id', None)}"
+        return hashlib.sha256((tokenizer.to_str() + specials).encode()).hexdigest()[:20]
     return f"{tokenizer.kind}-{tokenizer.vocab_size}"
 
 
@@ -167,6 +179,19 @@ def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
         raise
 
 
+def token_chunks(cfg: DataConfig, tokenizer: Tokenizer, files: Sequence[Path]) -> Iterator[np.ndarray]:
+    """The corpus's tokens in pieces: one per document for a checkpoint's tokenizer (BOS + text + EOS,
+    as it was pretrained), else the documents joined by DOC_SEPARATOR and encoded as one text."""
+    dtype = token_dtype(tokenizer.vocab_size)
+    if isinstance(tokenizer, PretrainedTokenizer):
+        for doc in iter_documents(files, cfg.max_bytes):
+            yield tokenizer.encode_array(doc).astype(dtype, copy=False)
+        return
+    text = DOC_SEPARATOR.join(iter_documents(files, cfg.max_bytes))
+    if text:
+        yield tokenizer.encode_array(text).astype(dtype, copy=False)
+
+
 def load_token_array(cfg: DataConfig, tokenizer: Tokenizer, files: Sequence[Path] | None = None) -> np.ndarray:
     """The whole text corpus as one 1-D token array, from the cache when it is there."""
     files = text_files(cfg.path) if files is None else files
@@ -180,11 +205,11 @@ def load_token_array(cfg: DataConfig, tokenizer: Tokenizer, files: Sequence[Path
             return np.load(path, mmap_mode="r")
         except (OSError, ValueError, EOFError) as e:
             log.warning("cached tokens %s are unreadable (%s); tokenising again", path, e)
-    text = DOC_SEPARATOR.join(iter_documents(files, cfg.max_bytes))
-    if not text:
+    log.info("tokenising %d files with the %s tokenizer", len(files), tokenizer.kind)
+    chunks = list(token_chunks(cfg, tokenizer, files))
+    if not chunks:
         raise DataError(f"{_describe(cfg.path)}: the corpus is empty")
-    log.info("tokenising %d files (%d characters) with the %s tokenizer", len(files), len(text), tokenizer.kind)
-    tokens = tokenizer.encode_array(text).astype(token_dtype(tokenizer.vocab_size), copy=False)
+    tokens = np.concatenate(chunks)
     _save_npy_atomic(path, tokens)
     return tokens
 
@@ -232,11 +257,50 @@ def split_tokens(tokens: np.ndarray, cfg: DataConfig, seq_len: int) -> tuple[np.
     return train, val
 
 
+def write_token_bin(cfg: DataConfig, out: Path) -> tuple[int, str]:
+    """Tokenise data.path with data.tokenizer into the pre-tokenised file ``out`` that ``data.path``
+    reads back (ids in the smallest dtype that holds the vocabulary, written document by document, so
+    a corpus larger than memory works); returns (tokens, dtype name)."""
+    files = text_files(cfg.path)
+    tokenizer = build_tokenizer(cfg, files)
+    dtype = np.dtype(token_dtype(tokenizer.vocab_size))
+    count = 0
+    tmp = out.with_name(out.name + ".tmp")
+    try:
+        with tmp.open("wb") as f:
+            for chunk in token_chunks(cfg, tokenizer, files):
+                f.write(chunk.astype(dtype, copy=False).tobytes())
+                count += len(chunk)
+        if count == 0:
+            raise DataError(f"{_describe(cfg.path)}: the corpus is empty")
+        tmp.replace(out)
+    except OSError as e:
+        raise DataError(f"--out {out}: cannot be written ({e.strerror or e})") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+    return count, dtype.name
+
+
+def bin_with_tokenizer(cfg: DataConfig, tokens: np.ndarray) -> Tokenizer:
+    """A .bin file's tokenizer: the checkpoint's that data.tokenizer names (every id must be in its
+    vocabulary), else bytes or raw ids (`bin_tokenizer`)."""
+    if not cfg.tokenizer.startswith(HF_PREFIX):
+        return bin_tokenizer(tokens)
+    tokenizer = PretrainedTokenizer.from_spec(cfg.tokenizer)
+    max_id = int(tokens.max())
+    if max_id >= tokenizer.vocab_size:
+        raise DataError(
+            f"{_describe(cfg.path)}: id {max_id} is outside data.tokenizer {cfg.tokenizer!r}'s vocabulary "
+            f"({tokenizer.vocab_size}); check data.bin_dtype ({cfg.bin_dtype})"
+        )
+    return tokenizer
+
+
 def prepare_data(cfg: DataConfig, seq_len: int) -> PreparedData:
     """Read, tokenise (cached) and split data.path: the one data entry point of the trainer."""
     if is_bin(cfg):
         tokens = load_bin(cfg)
-        tokenizer = bin_tokenizer(tokens)
+        tokenizer = bin_with_tokenizer(cfg, tokens)
     else:
         files = text_files(cfg.path)
         tokenizer = build_tokenizer(cfg, files)

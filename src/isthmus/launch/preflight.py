@@ -9,9 +9,11 @@ from pathlib import Path
 from isthmus.config import JobConfig, synthetic_spec
 from isthmus.data.corpus import default_cache_dir, is_bin, load_bin
 from isthmus.data.requests import read_request_file
+from isthmus.data.tokenizer import BPE_FILE, HF_PREFIX, PretrainedTokenizer, hf_tokenizer_file
 from isthmus.errors import ConfigError, DataError
 from isthmus.launch.environ import launcher_world
 from isthmus.layout.dims import ParallelDims, check_layout
+from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.flavors import list_flavors
 from isthmus.models.resolve import expected_vocab, resolve_model_args
@@ -27,6 +29,15 @@ def preflight(cfg: JobConfig) -> ModelArgs:
     bin_ids = _bin_max_id(cfg)
     # As the trainer's tokenizer for such a file (`data.corpus.bin_tokenizer`): bytes, or ids up to the largest.
     vocab = expected_vocab(cfg.data) if bin_ids is None else max(256, bin_ids[1] + 1)
+    if cfg.data.tokenizer.startswith(HF_PREFIX):
+        # A checkpoint's tokenizer: its vocabulary must fit the model's, checked here before any work.
+        vocab = PretrainedTokenizer.from_spec(cfg.data.tokenizer).vocab_size
+        if bin_ids is not None and bin_ids[1] >= vocab:
+            raise DataError(
+                f"data.path {bin_ids[0]!r}: largest id {bin_ids[1]:,} is outside data.tokenizer's vocabulary "
+                f"({vocab:,}); check data.bin_dtype ({cfg.data.bin_dtype})"
+            )
+    _warn_other_tokenizer(cfg)
     if bin_ids is not None and cfg.model.vocab_size is not None and bin_ids[1] >= cfg.model.vocab_size:
         raise DataError(
             f"data.path {bin_ids[0]!r}: largest id {bin_ids[1]:,} is not below model.vocab_size = {cfg.model.vocab_size:,}; "
@@ -82,6 +93,25 @@ def _cuda_visible() -> bool:
 
 
 # --- paths ---------------------------------------------------------------------------------------
+def _warn_other_tokenizer(cfg: JobConfig) -> None:
+    """One warning when model.init_from's folder has a tokenizer.json the run does not use: the
+    tokenizer is named by data.tokenizer alone (one name per setting), so a fine-tune on byte ids
+    is allowed, but rarely meant."""
+    init = Path(cfg.model.init_from) if cfg.model.init_from else None
+    if init is None or not (init / BPE_FILE).is_file():
+        return
+    tok = cfg.data.tokenizer
+    if tok.startswith(HF_PREFIX) and hf_tokenizer_file(tok).resolve() == (init / BPE_FILE).resolve():
+        return
+    get_logger().warning(
+        "model.init_from %s has its own %s, but data.tokenizer = %r; pass --data.tokenizer hf:%s to use it",
+        init,
+        BPE_FILE,
+        tok,
+        init,
+    )
+
+
 def _check_paths(cfg: JobConfig) -> None:
     """Every folder the run writes to can take new files; checked on the nearest folder that exists."""
 

@@ -6,7 +6,13 @@ Linear submodules ``wq wk wv wo`` and ``w1 w2 w3`` (no biases), blocks in an
 names), and ``tok_embeddings`` / ``norm`` / ``output`` that a splitter may set to
 ``None``. No buffers at all: RoPE angles are computed from the positions in every
 forward, so the model builds on the meta device and any position offset (context
-parallel shards, pipeline micro-batches) works without state.
+parallel shards, pipeline micro-batches, generation past the trained length) works
+without state.
+
+Generation passes a `KVCache`: each attention keeps the keys and values of the
+positions seen so far and the new tokens take the next positions, so a sequence is
+never truncated and its positions never restart. Training passes none and runs the
+same code as before the cache existed.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -59,6 +66,42 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return out.flatten(-2).type_as(x)
 
 
+@dataclass
+class LayerKV:
+    """One attention layer's keys and values so far, [B, S, n_kv_heads, Dh] each (after RoPE)."""
+
+    k: Tensor | None = None
+    v: Tensor | None = None
+
+    def extend(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append the new positions' keys and values; returns all of them."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+        return self.k, self.v
+
+
+@dataclass
+class KVCache:
+    """Keys and values of every layer for incremental decoding (one process, unsharded model)."""
+
+    layers: dict[str, LayerKV] = field(default_factory=dict)
+    length: int = 0
+    """Positions cached so far: the next token's position."""
+
+    def layer(self, name: str) -> LayerKV:
+        return self.layers.setdefault(name, LayerKV())
+
+
+def cached_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """Attention of the newest q positions over all k/v positions ([B, H, S, Dh]): query i sees keys
+    up to its own position. SDPA's is_causal aligns the mask to the top left, wrong when k is longer."""
+    q_len, k_len = q.shape[2], k.shape[2]
+    if q_len == 1:
+        return F.scaled_dot_product_attention(q, k, v)
+    mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale ``weight``."""
 
@@ -85,7 +128,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.sdpa: AttentionFn = causal_sdpa
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV | None = None) -> Tensor:
         q, k, v = self.wq(x), self.wk(x), self.wv(x)
         # Head counts come from the projected shapes, not from args: under tensor
         # parallel each rank holds a column shard of wq/wk/wv, hence fewer heads.
@@ -93,6 +136,12 @@ class Attention(nn.Module):
         q = apply_rope(q.view(bsz, seqlen, -1, self.head_dim), cos, sin)
         k = apply_rope(k.view(bsz, seqlen, -1, self.head_dim), cos, sin)
         v = v.view(bsz, seqlen, -1, self.head_dim)
+        if cache is not None:
+            k, v = cache.extend(k, v)
+            n_rep = q.shape[2] // k.shape[2]
+            k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
+            out = cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+            return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
         n_rep = q.shape[2] // k.shape[2]
         # Repeat k/v explicitly so any replacement kernel (ring, Ulysses) sees
         # equal head counts and need not know about GQA.
@@ -127,8 +176,11 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV | None = None) -> Tensor:
+        normed = self.attention_norm(x)
+        # The cache is passed only when there is one: tensor parallel's input plans (PrepareModuleInput)
+        # count the positional inputs of training's call, (x, cos, sin).
+        h = x + (self.attention(normed, cos, sin) if cache is None else self.attention(normed, cos, sin, cache))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -166,14 +218,22 @@ class Transformer(nn.Module):
             return tokens.shape[1]
         return tokens.shape[1] * self.hidden_seq_shards
 
-    def forward(self, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
-        """Logits [B, S, V] from tokens [B, S] (or hidden states [B, S, D] for a later stage)."""
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, cache: KVCache | None = None) -> Tensor:
+        """Logits [B, S, V] from tokens [B, S] (or hidden states [B, S, D] for a later stage).
+
+        Given ``cache`` (generation: a whole unsharded model), the tokens continue the cached ones:
+        their positions start at ``cache.length``, and their keys and values join the cache."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if cache is not None:
+            assert positions is None, "a cached forward takes its positions from the cache"
+            positions = torch.arange(cache.length, cache.length + tokens.shape[1], device=h.device)
         if positions is None:
             positions = torch.arange(self.input_seq_len(tokens), device=h.device)
         cos, sin = rope_cos_sin(positions, self.args.head_dim, self.args.rope_theta)
-        for layer in self.layers.values():
-            h = layer(h, cos, sin)
+        for name, layer in self.layers.items():
+            h = layer(h, cos, sin) if cache is None else layer(h, cos, sin, cache.layer(name))
+        if cache is not None:
+            cache.length += tokens.shape[1]
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 

@@ -56,7 +56,10 @@ def resolve_model_args(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> 
 
 
 def expected_vocab(data: DataConfig) -> int | None:
-    """The tokenizer vocabulary known before reading the data (None for a pre-tokenised file, whose ids decide it)."""
+    """The tokenizer vocabulary known before reading the data (None for a pre-tokenised file, whose ids decide it,
+    and for a checkpoint's tokenizer, which preflight reads)."""
     if data.format == "bin" or (data.format == "auto" and data.path.endswith(".bin")):
+        return None
+    if data.tokenizer.startswith("hf:"):
         return None
     return 256 if data.tokenizer == "byte" else data.bpe_vocab_size

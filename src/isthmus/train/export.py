@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from isthmus.data.tokenizer import BPE_FILE, META_FILE, Tokenizer, load_tokenizer
+from isthmus.data.tokenizer import BPE_FILE, META_FILE, PretrainedTokenizer, Tokenizer, load_tokenizer
 from isthmus.errors import CheckpointError, IsthmusError, UnsafeCheckpoint
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
@@ -153,11 +153,14 @@ def _tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _tokenizer_record(run: Path) -> dict[str, Any]:
-    """The run's tokenizer as JSON values: its metadata, plus the BPE document for BPE."""
+    """The run's tokenizer as JSON values: its metadata, plus the tokenizer.json document for BPE and a
+    checkpoint's tokenizer (with its BOS/EOS ids)."""
     tokenizer = load_tokenizer(run)  # checks it is usable before anything is written
     record: dict[str, Any] = {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size}
-    if tokenizer.kind == "bpe":
+    if tokenizer.kind in ("bpe", "hf"):
         record["bpe"] = (run / BPE_FILE).read_text()
+    if isinstance(tokenizer, PretrainedTokenizer):
+        record.update(bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id)
     return record
 
 

@@ -3,8 +3,13 @@
 The folder holds ``config.json`` (``LlamaForCausalLM``), ``generation_config.json`` (the sampling
 defaults of `isthmus generate`) and ``model.safetensors`` under HF names, with wq/wk rows in HF's
 rotary layout (`isthmus.models.hf`). Tensors keep their dtype, so a model imported from an HF
-folder and exported untrained is the same bytes. The tokenizer is not written yet: isthmus's byte
-tokenizer has no ``tokenizer.json`` counterpart in this version.
+folder and exported untrained is the same bytes.
+
+Tokenizer files, by the run's tokenizer (`tokenizer_files`): a checkpoint's (``hf:PATH``) goes back
+as the run kept it, ``tokenizer.json`` with ``tokenizer_config.json`` / ``special_tokens_map.json``
+when it had them, and BOS/EOS ids in config.json; a locally trained BPE as its ``tokenizer.json``;
+the byte tokenizer as a byte-level BPE without merges (id = byte value); raw ids (a .bin file of
+unknown origin) write none, and the export says so.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from isthmus.data.tokenizer import BPE_FILE, META_FILE, PretrainedTokenizer, byte_tokenizer_json, load_tokenizer
 from isthmus.errors import IsthmusError
 from isthmus.models.hf import hf_state_dict
 from isthmus.models.hf_config import HF_CONFIG_FILE, hf_config_from_args
@@ -33,8 +39,46 @@ def _seq_len(config: dict[str, Any]) -> int:
     return int(seq_len) if isinstance(seq_len, int) else DEFAULT_SEQ_LEN
 
 
-def write_hf_folder(source: ModelSource, out: Path) -> dict[str, Any]:
-    """Write ``source`` as an HF Llama folder ``out`` (built aside, then renamed); returns a summary."""
+TOKENIZER_CONFIG = "tokenizer_config.json"
+# transformers' generic class for a bare tokenizer.json (TokenizersBackend in transformers 5).
+FAST_CLASS = "PreTrainedTokenizerFast"
+
+
+def tokenizer_files(run: Path | None) -> tuple[dict[str, str], dict[str, int], str]:
+    """The tokenizer files an export of ``run`` holds (name -> text), its BOS/EOS ids, and a note
+    saying what was written."""
+    if run is None or not (run / META_FILE).is_file():
+        return {}, {}, "no tokenizer files (the run has no tokenizer)"
+    tokenizer = load_tokenizer(run)
+    if tokenizer.kind not in ("hf", "bpe", "byte"):
+        return {}, {}, f"no tokenizer files (the {tokenizer.kind} tokenizer's ids have no known text)"
+    if tokenizer.kind == "byte":
+        files = {BPE_FILE: byte_tokenizer_json()}
+    else:
+        files = {BPE_FILE: (run / BPE_FILE).read_text(encoding="utf-8")}
+    specials: dict[str, int] = {}
+    config: dict[str, Any] = {"tokenizer_class": FAST_CLASS}
+    if isinstance(tokenizer, PretrainedTokenizer):
+        files.update(tokenizer.side_files)
+        for role, i in (("bos", tokenizer.bos_id), ("eos", tokenizer.eos_id)):
+            if i is not None:
+                specials[f"{role}_token_id"] = i
+                config[f"{role}_token"] = tokenizer.token(i)
+    if TOKENIZER_CONFIG not in files:
+        # Without it transformers picks the class from config.json (a Llama tokenizer that builds its
+        # own pipeline); the generic class uses tokenizer.json as it is.
+        files[TOKENIZER_CONFIG] = json.dumps(config, indent=2) + "\n"
+    what = (
+        "byte tokenizer: a byte-level BPE without merges, id = byte"
+        if tokenizer.kind == "byte"
+        else f"{tokenizer.kind} tokenizer"
+    )
+    return files, specials, f"tokenizer files {', '.join(sorted(files))} ({what})"
+
+
+def write_hf_folder(source: ModelSource, out: Path, run: Path | None = None) -> dict[str, Any]:
+    """Write ``source`` as an HF Llama folder ``out`` (built aside, then renamed), with the tokenizer
+    files of the run ``run`` (see `tokenizer_files`); returns a summary."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise IsthmusError(f"--out {out}: exists and is not an empty folder")
     if not out.parent.is_dir():
@@ -44,7 +88,10 @@ def write_hf_folder(source: ModelSource, out: Path) -> dict[str, Any]:
     dtype = _DTYPE_NAMES.get(source.state["tok_embeddings.weight"].dtype, "float32")
     config = hf_config_from_args(source.args, _seq_len(source.config), dtype)
     tensors = hf_state_dict(source.state, source.args)
+    tok_files, specials, tok_note = tokenizer_files(run)
+    config.update(specials)
     generation = {"do_sample": True, "temperature": 0.8, "top_k": 40, "max_length": config["max_position_embeddings"]}
+    generation.update(specials)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -52,13 +99,15 @@ def write_hf_folder(source: ModelSource, out: Path) -> dict[str, Any]:
         (tmp / HF_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         (tmp / GENERATION_FILE).write_text(json.dumps(generation, indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        for name, text in tok_files.items():
+            (tmp / name).write_text(text, encoding="utf-8")
         if out.exists():
             out.rmdir()  # empty, checked above
         tmp.replace(out)
     except Exception as e:  # OSError, or safetensors' own error for a failed write
         shutil.rmtree(tmp, ignore_errors=True)
         raise write_failed(out, e) from None
-    return export_summary(out, source, tensors, out / WEIGHTS_FILE)
+    return {**export_summary(out, source, tensors, out / WEIGHTS_FILE), "tokenizer": tok_note}
 
 
 def export_run_hf(
@@ -67,4 +116,4 @@ def export_run_hf(
     """`isthmus export --format hf`: the weights of ``run`` (see `find_source`) as an HF folder ``out``.
 
     Given ``key``, a checkpoint exported must be signed with it (the folder itself is not signed)."""
-    return write_hf_folder(find_source(Path(run), checkpoint, key), Path(out))
+    return write_hf_folder(find_source(Path(run), checkpoint, key), Path(out), Path(run))
