@@ -114,6 +114,11 @@ def test_filling_changes_no_training_value_and_serves_every_request(tmp_path: Pa
         (("--parallel.pp", "1", "--bubbles.prefill", "synthetic:2:4"), "needs parallel.pp > 1"),
         (("--bubbles.prefill", "synthetic:2:4", "--bubbles.model", "huge"), "bubbles.model = 'huge': must be empty or"),
         (("--bubbles.prefill", "{bad}"), '.jsonl:2: "tokens" must be a non-empty list of token ids in [0, 256)'),
+        (
+            ("--bubbles.prefill", "synthetic:2:4", "--geo.datacenters", "2", "--geo.dc_axis", "pp")
+            + ("--geo.wan_schedule", "time_shared"),
+            "cannot be combined with geo.wan_schedule = time_shared",
+        ),
     ],
 )
 def test_bad_bubbles_settings_are_one_line(

@@ -84,6 +84,11 @@ def _check_bubbles(cfg: JobConfig, vocab: int | None) -> None:
         return
     if b.model and b.model not in list_flavors():
         raise ConfigError("bubbles.model", b.model, f"must be empty or a flavor: {', '.join(list_flavors())}")
+    if cfg.geo.wan_schedule == "time_shared":
+        # The filler waits on a receive from a helper thread, and a time-shared receive passes the
+        # link's token inside that wait: the token's collectives would run off the main thread, in an
+        # order no rank agrees on. Not built; refused rather than left to hang.
+        raise ConfigError("bubbles.prefill", b.prefill, "cannot be combined with geo.wan_schedule = time_shared (yet)")
     if synthetic_spec(b.prefill) is None:
         read_request_file(Path(b.prefill), vocab or 256)
 
