@@ -162,3 +162,27 @@ def test_layouts_that_differ_have_different_labels() -> None:
     over_dp = LayoutSpec(dp_replicate=1, dp_shard=128, **common)  # type: ignore[arg-type]
     assert over_cp.label() != over_dp.label()
     assert "dp128(r128 s1) z3" in over_cp.label() and "dp128 z3" in over_dp.label()
+
+
+def test_deepspeed_receives_hold_the_receiver_as_long_as_the_sends() -> None:
+    """DeepSpeed's pipeline engine sends and receives one tensor per blocking call, both ends held for
+    the transfer: an interior stage's p2p time per microbatch is twice that of sends alone, in the
+    cost model and the simulator alike; its activations go partitioned over tp (scatter/gather)."""
+    import dataclasses
+
+    from isthmus.models.flavors import FLAVORS
+    from isthmus.planner.layout import LayoutSpec, Workload
+    from isthmus.planner.topology import load_topology
+    from isthmus.sim import simulate
+
+    ds = RUNTIMES["megatron-deepspeed"]
+    assert ds.scatter_gather and ds.p2p_rendezvous and not ds.p2p_async
+    sends_only = dataclasses.replace(ds, p2p_rendezvous=False)
+    work = Workload(FLAVORS["gpt3-18.4b"], 64, 2048, "fp16")
+    lay = LayoutSpec(tp=8, pp=8, sequence_parallel=False, micro_batch=1, microbatches=64, activation_checkpoint="full")
+    topo = load_topology("selene-a100").subset(64)
+    both, sends = simulate(work, topo, lay, ds), simulate(work, topo, lay, sends_only)
+    for res in (both, sends):
+        assert res.step_time_s == pytest.approx(res.planner.step_time_s, rel=0.05)
+    assert both.planner.breakdown["pp p2p"] == pytest.approx(2 * sends.planner.breakdown["pp p2p"], rel=1e-6)
+    assert both.step_time_s > sends.step_time_s

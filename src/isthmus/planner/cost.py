@@ -227,6 +227,8 @@ def _stage_cost(
                 )
                 for link, share, wan in near
             )
+            if runtime.p2p_rendezvous:  # the receives hold this rank as long as the sends do
+                p2p *= 2
         r_compute, r_tp, r_cp = recomputed(bc, layout.activation_checkpoint, runtime, n, v)
         compute = (
             n * (bc.compute.fwd + r_compute + bc.compute.backward) + emb.fwd + emb.backward + head.fwd + head.backward

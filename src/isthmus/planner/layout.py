@@ -58,6 +58,10 @@ class Runtime:
     only each block's attention core, the softmax over the score matrix and what feeds it
     (Korthikanti et al. 2022, Megatron-LM since 2022): all blocks keep their other activations.
     None: the software had no selective recomputation."""
+    p2p_rendezvous: bool = False
+    """Blocking p2p one tensor per call, each call holding both ends for the whole transfer: an
+    interior stage spends four transfers per microbatch (receive and send the activation, receive and
+    send its gradient) instead of one exchange per neighbour (DeepSpeed's pipeline engine)."""
     sequence_parallel: bool = True
     """The software has sequence parallelism (Megatron-LM from 2022; isthmus)."""
     megatron_stages: bool = False
@@ -119,16 +123,21 @@ RUNTIMES: dict[str, Runtime] = {
         megatron_stages=True,
     ),
     # Megatron-DeepSpeed as MT-NLG 530B (Smith et al. 2022) and BLOOM 176B (BigScience 2022) ran it:
-    # Megatron's tensor parallelism inside DeepSpeed's pipeline engine, which runs 1F1B without
-    # interleaving and sends whole activations (no scatter/gather), blocking; data-parallel
-    # all-reduce (or ZeRO-1 reduce-scatter) after the flush; 2 + 2 + 12 bytes per parameter.
+    # Megatron's tensor parallelism inside DeepSpeed's pipeline engine (deepspeed/runtime/pipe/), which
+    # runs 1F1B without interleaving (TrainSchedule); partitions each stage's output over the
+    # model-parallel ranks and all-gathers it on receipt (engine.py: is_pipe_partitioned =
+    # is_model_parallel), i.e. Megatron's scatter/gather; sends and receives one tensor per blocking
+    # p2p.send / p2p.recv (broadcast on a 2-rank group before torch 1.8), in TrainSchedule's order;
+    # data-parallel all-reduce (or ZeRO-1 reduce-scatter) after the flush (ReduceTiedGrads,
+    # ReduceGrads, OptimizerStep close the schedule); 2 + 2 + 12 bytes per parameter.
     "megatron-deepspeed": Runtime(
         "megatron-deepspeed",
         attention="materialized",
         dropout=True,
         dp_overlap=False,
         p2p_async=False,
-        scatter_gather=False,
+        scatter_gather=True,
+        p2p_rendezvous=True,
         weight_bytes=2,
         grad_bytes=2,
         optimizer_bytes=12,

@@ -292,9 +292,7 @@ class Simulation:
                 if kind == "F":
                     if s > 0:
                         yield ("wait", self.act.setdefault((it, s, mb), Token()))
-                        if gather_tp and self.stage_rank[s - 1] != r:
-                            st.p2p_block += gather_tp
-                            yield ("compute", gather_tp, f"tp gather mb{mb}", "p2p", None)
+                        yield from self._receive(r, self.stage_rank[s - 1], mb, gather_tp, st)
                     op = ops.fwd
                     need = []
                     if dp.mb_gather:
@@ -317,9 +315,7 @@ class Simulation:
                 if kind in ("B", "I"):
                     if s < self.n_stages - 1:
                         yield ("wait", self.grad.setdefault((it, s, mb), Token()))
-                        if gather_tp and self.stage_rank[s + 1] != r:
-                            st.p2p_block += gather_tp
-                            yield ("compute", gather_tp, f"tp gather mb{mb}", "p2p", None)
+                        yield from self._receive(r, self.stage_rank[s + 1], mb, gather_tp, st)
                     op = ops.full_bwd if kind == "B" else ops.input_bwd
                 else:
                     op = ops.weight_bwd
@@ -393,6 +389,19 @@ class Simulation:
             t = self.engine.now
             yield ("wait", xf.token)
             st.p2p_block += self.engine.now - t
+
+    def _receive(self, r: int, peer: int, mb: int, gather_tp: float, st: RankStats) -> Iterator[tuple[Any, ...]]:
+        """After a message from ``peer`` arrived: a rendezvous receive holds this rank for the transfer
+        too (DeepSpeed's blocking p2p.recv), then scatter/gather's all-gather over tp."""
+        if peer == r:
+            return
+        hold = 0.0
+        if self.runtime.p2p_rendezvous and not self.runtime.p2p_async:
+            phase = self._routes[(peer, r)]
+            hold = phase.latency + phase.seconds
+        if hold + gather_tp > 0:
+            st.p2p_block += hold + gather_tp
+            yield ("compute", hold + gather_tp, f"recv mb{mb}", "p2p", None)
 
     def _rank_done(self, it: int) -> None:
         self._left -= 1
