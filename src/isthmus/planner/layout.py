@@ -145,4 +145,21 @@ RUNTIMES: dict[str, Runtime] = {
         sequence_parallel=False,
         megatron_stages=False,  # DeepSpeed splits blocks by count, unevenly where pp does not divide them
     ),
+    # Meta's Llama 3 405B pretraining stack as Dubey et al. 2024 (section 3.3.2) describe it: 4D
+    # parallelism with FSDP that shards optimizer state and gradients but keeps the bf16 weights
+    # gathered from forward to backward (no reshard after forward); gradients accumulated in fp32
+    # over microbatches; asynchronous pipeline p2p; an interleaved schedule; no activation
+    # checkpointing at 8K sequences (so no selective variant is claimed); fused attention.
+    "llama3": Runtime(
+        "llama3",
+        attention="flash",
+        dropout=False,
+        dp_overlap=True,
+        p2p_async=True,
+        scatter_gather=False,
+        weight_bytes=2,
+        grad_bytes=4,
+        optimizer_bytes=12,
+        selective=None,
+    ),
 }

@@ -37,7 +37,7 @@ from isthmus.planner.cost import (
     stage_costs,
 )
 from isthmus.planner.layout import Runtime, Workload
-from isthmus.planner.memory import USABLE_FRACTION, model_state_bytes, stage_params
+from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, model_state_bytes, stage_params
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
 from isthmus.planner.placement import Placement, choose_dcs, place
 from isthmus.planner.topology import Datacenter, Topology
@@ -92,6 +92,15 @@ class SearchResult:
     pruned_memory: int = 0
     alternatives: dict[str, Estimate] = field(default_factory=dict)
     """Best layout per family ('dc_axis=pp', 'datacenters=2', 'sync=diloco', 'tp=4', ...) for explanations."""
+    least_over: MemoryBreakdown | None = None
+    """Of the layouts refused as over memory, the fullest device of the one that came closest (its
+    first pipeline rank's floor where the refusal came before any timing): why nothing fits."""
+
+    def over_memory(self, mem: MemoryBreakdown) -> None:
+        """Count a layout refused as over memory, keeping the smallest such device."""
+        self.pruned_memory += 1
+        if self.least_over is None or mem.total < self.least_over.total:
+            self.least_over = mem
 
     @property
     def best(self) -> Estimate:
@@ -217,7 +226,13 @@ def search(
         n = count_params(args)
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
         why = (
-            f"fits in device memory ({result.considered} considered, {result.pruned_memory} over memory)"
+            f"fits in device memory ({result.considered} considered, {result.pruned_memory} over memory"
+            + (
+                f"; closest, first rank: {memory_parts(result.least_over, usable_bytes(topo))}"
+                if result.least_over
+                else ""
+            )
+            + ")"
             if result.considered
             else "is valid for this model's shape and the search's fixed values"
         )
@@ -311,9 +326,10 @@ def _prepare(
     first_act = first_mem.activations + first_mem.transient
     shards = _fix(divisors(dp // cut), space.dp_shard)
     widest = max(shards, default=1) * core.cp
-    if not shards or sum(model_state_bytes(first_params, 3, widest, runtime, False, 1)) + first_act > usable:
+    state = model_state_bytes(first_params, 3, widest, runtime, False, 1)
+    if not shards or sum(state) + first_act > usable:
         result.considered += 1
-        result.pruned_memory += 1
+        result.over_memory(MemoryBreakdown(*state, first_mem.activations, first_mem.transient))
         return None
     # A lower bound of the pipeline phase without placing anything: every block's compute and
     # tensor-parallel all-reduces on the fastest datacenter, and the bubble that even stages leave
@@ -404,11 +420,9 @@ def _variants(
         for zero in _zero_choices(core, shard, space):
             probe = LayoutSpec(**fields, dp_replicate=per_dc // shard, dp_shard=shard, zero_stage=zero)
             result.considered += 1
-            floor = sum(
-                model_state_bytes(cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p)
-            )
-            if floor + cand.first_act > cand.usable:
-                result.pruned_memory += 1
+            state = model_state_bytes(cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p)
+            if sum(state) + cand.first_act > cand.usable:
+                result.over_memory(MemoryBreakdown(*state, cand.first_act, 0.0))
                 continue
             pl = pl or place(topo, probe)
             # Time slots matter only where several transfers share a WAN link; they change no memory.
@@ -437,7 +451,7 @@ def _variants(
                 same = runtime.p2p_async or wan_schedule == core.wan_schedule
                 est = estimate(work, topo, lay, runtime, pl, cand.stages if same else None)
                 if not est.fits:
-                    result.pruned_memory += 1
+                    result.over_memory(est.memory)
                     continue
                 if wan_schedule == schedules[0]:
                     fair_step = est.step_time_s
@@ -493,3 +507,15 @@ def _remember(result: SearchResult, est: Estimate) -> None:
         old = result.alternatives.get(key)
         if old is None or est.effective_tokens_per_s > old.effective_tokens_per_s:
             result.alternatives[key] = est
+
+
+def usable_bytes(topo: Topology) -> float:
+    """What the plan may fill of the smallest device of ``topo``."""
+    return min(dc.kind.memory_bytes for dc in topo.datacenters) * USABLE_FRACTION
+
+
+def memory_parts(mem: MemoryBreakdown, usable: float) -> str:
+    """One line: a device's memory by part against what may be filled."""
+    parts = ("weights", "grads", "optimizer", "activations", "transient")
+    body = " + ".join(f"{name} {getattr(mem, name) / 1e9:.1f}" for name in parts)
+    return f"{body} = {mem.total / 1e9:.1f} GB of {usable / 1e9:.1f} GB usable"
