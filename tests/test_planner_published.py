@@ -2,7 +2,7 @@
 
 One test per source: every row through ``isthmus simulate ... --json`` in this process, against what the
 source reported, and the simulator against the cost model on the same layout (5%). Korthikanti et al. 2022
-meet the 10% target; the two Megatron-DeepSpeed sources do not yet (the model predicts them 16-25% faster
+meet the 10% target; the two Megatron-DeepSpeed sources do not yet (the model predicts them 13-27% faster
 than they ran, docs/planner.md says why it is open), so their bound only guards against drifting further.
 Also the memory model against Korthikanti et al.'s activation formulas and the distributed optimizer.
 """
