@@ -43,6 +43,7 @@ from isthmus.planner.cost import estimate
 from isthmus.planner.layout import RUNTIMES, Workload
 from isthmus.planner.topology import load_topology
 from isthmus.sim import simulate
+from isthmus.train.short_run import capped
 
 FLAVOR, BATCH, SEQ, MICROBATCHES = "small", 16, 128, 4
 PIPELINE = ["--parallel.pp", "2", "--parallel.dp_replicate", "2", "--geo.dc_axis", "pp"]
@@ -104,6 +105,9 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
     variants = ns.variants.split(",")
     rows = []
     settings = [(float(m), float(r)) for m in ns.mbit.split(",") for r in ns.rtt_ms.split(",")]
+    # ISTHMUS_MAX_STEPS (a smoke run, as the docs' test runs it): at most N settings, variants and rounds.
+    settings, variants = settings[: capped(len(settings))], variants[: capped(len(variants))]
+    ns.rounds, ns.steps = capped(ns.rounds), capped(ns.steps)
     with tempfile.TemporaryDirectory() as tmp:
         for i, (mbit, rtt) in enumerate(settings):
             times: dict[str, list[float]] = {v: [] for v in variants}
