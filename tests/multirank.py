@@ -9,16 +9,18 @@ Shared spawn. Starting ranks costs more than most cases run (each imports torch 
 joins gloo: ~3 s for 2 ranks, ~15 s for 8 on two cores, several times that under load), so the
 ranks of a world size are started once per test session and kept (a :class:`RankPool`), and each
 call hands them a job. Between jobs a rank puts back what a job may leave behind: the environment,
-the working directory, its thread count, and every process group but the default one (destroyed:
-each idle gloo group keeps threads and sockets, and a few hundred of them cost an idle rank a tenth
-of a core), with DTensor's caches that could still name them. A job that fails or runs out of time takes its pool down; the next
+the working directory and its thread count. The process groups a job made stay: DTensor and
+DeviceMesh keep specs and meshes that compare by value (a later job's equal mesh can be answered
+with an earlier one), so destroying them fails a later job with "could not resolve the process
+group". Idle groups are not free (their gloo threads cost an idle rank up to a tenth of a core once
+a few hundred have piled up), so pools live for one test module, not the session (conftest closes
+them). A job that fails or runs out of time takes its pool down; the next
 call starts a new one. ``fresh=True`` runs a job on ranks of its own, for a job that leaves the
 default group unusable (a collective that timed out) or must start from a new process.
 """
 
 from __future__ import annotations
 
-import gc
 import multiprocessing.connection
 import os
 import pickle
@@ -76,26 +78,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 def _tidy_after_job(environ: dict[str, str], cwd: str) -> None:
     """Put back what a job may change in its process, so the next job starts as a new process would."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
 
     if os.getcwd() != cwd:
         os.chdir(cwd)
     os.environ.clear()
     os.environ.update(environ)
     torch.set_num_threads(1)
-    # DTensor caches sharding decisions and redistribution plans by spec, and a spec compares its
-    # mesh by value: a later job's equal mesh would be answered with this job's mesh, whose groups
-    # are destroyed below. Emptied first, as a new process has them.
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    _redistribute._gen_transform_infos.cache_clear()
-    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
-    default = c10d._get_default_group()
-    for group in list(c10d._world.pg_map):
-        if group is not default:
-            dist.destroy_process_group(group)
-    gc.collect()  # the job's meshes and modules hold the groups; their threads end with the last reference
 
 
 def _serve(rank: int, world: int, port: int, conn: multiprocessing.connection.Connection) -> None:
@@ -190,7 +178,7 @@ class RankPool:
 
 
 class _Pools:
-    """The live pools by world size, one per test session (closed by conftest at the session's end)."""
+    """The live pools by world size, for one test module (conftest closes them at its end)."""
 
     def __init__(self) -> None:
         self.by_world: dict[int, RankPool] = {}
