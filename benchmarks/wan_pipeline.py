@@ -43,7 +43,7 @@ from isthmus.planner.cost import estimate
 from isthmus.planner.layout import RUNTIMES, Workload
 from isthmus.planner.topology import load_topology
 from isthmus.sim import simulate
-from isthmus.train.short_run import capped
+from isthmus.train.short_run import capped, max_steps_override
 
 FLAVOR, BATCH, SEQ, MICROBATCHES = "small", 16, 128, 4
 PIPELINE = ["--parallel.pp", "2", "--parallel.dp_replicate", "2", "--geo.dc_axis", "pp"]
@@ -105,8 +105,11 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
     variants = ns.variants.split(",")
     rows = []
     settings = [(float(m), float(r)) for m in ns.mbit.split(",") for r in ns.rtt_ms.split(",")]
-    # ISTHMUS_MAX_STEPS (a smoke run, as the docs' test runs it): at most N settings, variants and rounds.
-    settings, variants = settings[: capped(len(settings))], variants[: capped(len(variants))]
+    # ISTHMUS_MAX_STEPS (a smoke run, as the docs' test runs it): the first setting only (each is a set
+    # of emulated trainings of a minute each), at most N variants, rounds and steps.
+    if max_steps_override() is not None:
+        settings = settings[:1]
+    variants = variants[: capped(len(variants))]
     ns.rounds, ns.steps = capped(ns.rounds), capped(ns.steps)
     with tempfile.TemporaryDirectory() as tmp:
         for i, (mbit, rtt) in enumerate(settings):
