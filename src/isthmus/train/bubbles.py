@@ -23,6 +23,7 @@ from torch import nn
 from isthmus.config import JobConfig, synthetic_spec
 from isthmus.data.requests import read_request_file
 from isthmus.data.tokenizer import Tokenizer
+from isthmus.errors import full_disk_as
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.flavors import get_flavor
@@ -161,12 +162,15 @@ class BubbleRun:
             return
         if self.serving:
             results = sorted((r for p in parts for r in p["results"]), key=lambda r: _order(r["id"]))
-            with (self.run_dir / "prefill.jsonl").open("w") as f:
+            out = self.run_dir / "prefill.jsonl"
+            with full_disk_as("prefill results", out, "train.run_dir"), out.open("w") as f:
                 for r in results:
                     f.write(json.dumps(r) + "\n")
         if self.cfg.metrics.timeline:
             events = [e for p in parts for e in p["events"]]
-            Path(self.cfg.metrics.timeline).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+            trace = Path(self.cfg.metrics.timeline)
+            with full_disk_as("timeline", trace, "metrics.timeline"):
+                trace.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
 def _order(request_id: str) -> tuple[int, str]:
