@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.layout.spec import DILOCO_SYNCS, GEO_SYNCS
+from isthmus.train.short_run import capped, max_steps_override
 
 TOPOLOGY = "emulated-2dc"
 FLAVOR = "small"
@@ -107,6 +108,12 @@ def world_size() -> int:
     return sum(dc.devices for dc in load_topology(TOPOLOGY).datacenters)
 
 
+def n_datacenters() -> int:
+    from isthmus.planner.topology import load_topology
+
+    return len(load_topology(TOPOLOGY).datacenters)
+
+
 def run_emulated(
     strategy: Strategy,
     *,
@@ -120,8 +127,10 @@ def run_emulated(
     out: Path,
     timeout_s: float,
     reuse: bool = False,
+    local: bool = False,
 ) -> list[dict[str, Any]]:
-    """One `isthmus emulate -- train` run; its metrics records (step and validation).
+    """One `isthmus emulate -- train` run (``local``: the same `isthmus train` on this machine's
+    loopback, datacenters by ``geo.datacenters`` only); its metrics records (step and validation).
 
     ``reuse``: when ``out`` holds a finished run of the very same command, read it instead.
     """
@@ -159,7 +168,17 @@ def run_emulated(
     ]
     for k, v in strategy.settings(inner_steps).items():
         train += [f"--geo.{k}", v]
-    cmd = [
+    if local:
+        # No WAN to shape: the losses and the bytes counted are the emulated run's (the trainer
+        # computes nothing from the link's speed); only the step times differ.
+        cmd = [sys.executable, "-m", "isthmus", *train, "--geo.datacenters", str(n_datacenters())]
+    else:
+        cmd = _emulate_command(train, wan_mbit, timeout_s, out)
+    return _run_once(strategy, cmd, out, "local" if local else f"{wan_mbit:>5g} Mbit/s", steps, reuse)
+
+
+def _emulate_command(train: list[str], wan_mbit: float, timeout_s: float, out: Path) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "isthmus",
@@ -175,10 +194,17 @@ def run_emulated(
         "--",
         *train,
     ]
+
+
+def _run_once(
+    strategy: Strategy, cmd: list[str], out: Path, where: str, steps: int, reuse: bool
+) -> list[dict[str, Any]]:
+    """Run ``cmd`` (or read back its finished run under ``out``); its metrics records."""
+    metrics = out / "metrics.jsonl"
     line = " ".join(cmd[2:]) + "\n"
     if reuse and (out / "done").exists() and (out / "command.txt").read_text() == line:
         print(
-            f"  {strategy.spec:<28} {wan_mbit:>5g} Mbit/s  {steps:>3} steps  (reused {out})",
+            f"  {strategy.spec:<28} {where}  {steps:>3} steps  (reused {out})",
             file=sys.stderr,
             flush=True,
         )
@@ -196,11 +222,11 @@ def run_emulated(
     )
     (out / "emulate.log").write_text(proc.stdout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{strategy.spec} at {wan_mbit:g} Mbit/s failed (exit {proc.returncode}); see {out}/logs")
+        raise RuntimeError(f"{strategy.spec} ({where}) failed (exit {proc.returncode}); see {out}")
     records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
     (out / "done").write_text("")
     print(
-        f"  {strategy.spec:<28} {wan_mbit:>5g} Mbit/s  {steps:>3} steps  {wall:6.1f} s wall  "
+        f"  {strategy.spec:<28} {where}  {steps:>3} steps  {wall:6.1f} s wall  "
         f"load {load0:.1f} -> {os.getloadavg()[0]:.1f}",
         file=sys.stderr,
         flush=True,
@@ -288,6 +314,7 @@ def main_benchmark(ns: argparse.Namespace) -> tuple[list[Summary], dict[str, lis
     per_step_s = 10.0 * 160 / ns.wan_mbit + 5
 
     def run(st: Strategy, steps: int, kind: str) -> tuple[Summary, list[dict[str, Any]]]:
+        kind = f"local_{kind}" if ns.local else kind
         recs = run_emulated(
             st,
             steps=steps,
@@ -300,6 +327,7 @@ def main_benchmark(ns: argparse.Namespace) -> tuple[list[Summary], dict[str, lis
             out=run_dir(ns, kind, ns.wan_mbit, st),
             timeout_s=steps * per_step_s + 300,
             reuse=ns.reuse,
+            local=ns.local,
         )
         return summarise(st.label(ns.inner_steps), st, recs, ns.inner_steps), recs
 
@@ -330,6 +358,7 @@ def main_benchmark(ns: argparse.Namespace) -> tuple[list[Summary], dict[str, lis
                 "target": target,
                 "inner_steps": ns.inner_steps,
                 "seed": ns.seed,
+                "local": ns.local,
                 "results": [s.__dict__ for s in results],
             },
             indent=1,
@@ -353,7 +382,38 @@ def _mb(n: float | None) -> str:
     return "-" if n is None else f"{n / 1e6:,.1f}"
 
 
+def print_quality(results: list[Summary], ns: argparse.Namespace) -> None:
+    """--local: loss at equal tokens and WAN bytes against flat's (no WAN, so no times)."""
+    flat = results[0]
+    print(
+        f"\n### {FLAVOR}, 2 DC x 2 ranks (local, the emulated run's losses and bytes), {ns.steps} steps x "
+        f"{BATCH}x{SEQ} tokens; target = flat's val loss at step {ns.steps}: {flat.final_val:.4f}\n"
+    )
+    print("| strategy | val loss @ N | vs flat | WAN MB, N steps | WAN bytes, flat / this | steps to flat's loss |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for s in results:
+        ratio = flat.wan_bytes / s.wan_bytes if s.wan_bytes else math.inf
+        where = f" ({s.reach_run}-step run)" if s.reach_run > ns.steps else ""
+        cells = [
+            s.label,
+            f"{s.final_val:.4f}",
+            f"{100 * (s.final_val / flat.final_val - 1):+.2f}%",
+            _mb(s.wan_bytes),
+            f"{ratio:,.0f}x",
+            f"{s.reach_step:.1f}{where}" if s.reach_step is not None else "not reached",
+        ]
+        print("| " + " | ".join(cells) + " |")
+    print("\nval loss curves (step: loss):")
+    for s in results:
+        print(f"- {s.label}: " + ", ".join(f"{st}: {v:.4f}" for st, _, v in s.val))
+        if s.val_longer:
+            print(f"  - {s.reach_run}-step run: " + ", ".join(f"{st}: {v:.4f}" for st, _, v in s.val_longer))
+
+
 def print_main(results: list[Summary], ns: argparse.Namespace) -> None:
+    if ns.local:
+        print_quality(results, ns)
+        return
     flat = results[0]
     tokens = ns.steps * BATCH * SEQ
     print(
@@ -440,7 +500,8 @@ def sweep(ns: argparse.Namespace, main: list[Summary] | None, main_recs: dict[st
             period = st.period(ns.inner_steps)
             steps = 1 + (period if period > 1 else ns.sweep_steps - 1)
             per_step_s = 10.0 * 160 / mbit + 5
-            if mbit == ns.wan_mbit and st.spec in main_recs:  # the main benchmark ran this one: reuse its steps
+            # The main benchmark ran this one on the emulator at this rate: reuse its steps (not a local run's).
+            if mbit == ns.wan_mbit and st.spec in main_recs and not ns.local:
                 recs, source = main_recs[st.spec], "main"
             else:
                 recs, source = (
@@ -534,6 +595,20 @@ def print_sweep(rows: dict[float, list[dict[str, Any]]], main: list[Summary] | N
 # -- entry ----------------------------------------------------------------------------------------
 
 
+def apply_short_run(ns: argparse.Namespace) -> None:
+    """ISTHMUS_MAX_STEPS=N (a smoke run, as the docs' test runs it): at most N steps per run, N
+    strategies, one sweep rate, validation at the last step; the figures then mean nothing."""
+    if max_steps_override() is None:
+        return
+    if ns.steps:
+        ns.steps = capped(ns.steps)
+        ns.val_every = min(ns.val_every, ns.steps)
+    ns.reach_steps = capped(ns.reach_steps) if ns.reach_steps > (ns.steps or 0) else 0
+    ns.strategies = ns.strategies[: max(2, capped(len(ns.strategies)))]
+    ns.sweep_mbit = ns.sweep_mbit[:1]
+    ns.sweep_steps = capped(ns.sweep_steps)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
@@ -571,13 +646,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--out", default="runs/geo_sync_bench")
     ap.add_argument("--reuse", action="store_true", help="read runs already finished under --out with the same command")
+    ap.add_argument(
+        "--local",
+        action="store_true",
+        help="main benchmark: train every strategy as a local 4-rank run in 2 datacenters (no emulator, no root): "
+        "the same losses and WAN bytes (the trainer computes nothing from the link's speed), no WAN times; "
+        "--sweep still measures step times on the emulator",
+    )
     ns = ap.parse_args(argv)
     if ns.reach_steps is None:
         ns.reach_steps = 2 * (ns.steps or 0)
     if ns.steps is None and not ns.sweep:
         ap.error("give --steps N (main benchmark) and/or --sweep")
-    if os.geteuid() != 0:
-        ap.error("isthmus emulate needs root (network namespaces, tc)")
+    if (ns.sweep or not ns.local) and os.geteuid() != 0:
+        ap.error("isthmus emulate needs root (network namespaces, tc); --local without --sweep does not")
+    apply_short_run(ns)
     Path(ns.out).mkdir(parents=True, exist_ok=True)
     main_results, main_recs = main_benchmark(ns) if ns.steps else (None, {})
     if ns.sweep:

@@ -239,6 +239,45 @@ def _diloco_run() -> dict[str, Any]:
     out["diloco"] = {"trace": trace, "wan": wan, "agree": agree}
     out["streaming"] = _streaming(groups, rank)
     out["streaming_mixed"] = _streaming(groups, rank, mix_alpha=0.5, checkpoint_at=None)
+    out["streaming_eager"] = _streaming(groups, rank, eager=True)
+    out["eager"] = _eager(groups)
+    return out
+
+
+def _eager(groups: Any, steps: int = 12) -> dict[str, Any]:
+    """Eager streaming DiLoCo, H = 4, 2 fragments, fp32, outer lr 1 and no momentum (so the outer
+    step is snapshot - g exactly): each fragment's values right before and right after every step's
+    sync hook, and the snapshots after finish()."""
+    cfg = GeoConfig(
+        sync="streaming_diloco",
+        inner_steps=4,
+        fragments=2,
+        eager=True,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        outer_dtype="fp32",
+    )
+    model, params = _tiny()
+    opt = torch.optim.AdamW(params, lr=3e-3, foreach=False)
+    sync = build_geo_sync(cfg.sync, groups, params, cfg)
+    frag_of = [[i for b in frag for i in b.index] for frag in sync.fragments]
+
+    def fragments() -> list[torch.Tensor]:
+        return [flat_params([params[i] for i in idx]) for idx in frag_of]
+
+    out: dict[str, Any] = {"init": fragments(), "before": [], "after": [], "launches": [], "wan": []}
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        _lm_step(model, step, dist.get_rank())
+        sync.reduce_gradients(params)
+        opt.step()
+        out["before"].append(fragments())
+        out["launches"].append(sync.syncs_at(step))
+        sync.after_optimizer_step(step, params)
+        out["after"].append(fragments())
+        out["wan"].append(sync.bytes_sent["wan"])
+    sync.finish(params)
+    out["snapshot"] = [torch.cat(frag) for frag in sync.snapshot]
     return out
 
 
@@ -259,10 +298,12 @@ def _lm_step(model: nn.Module, step: int, rank: int) -> None:
 
 
 def _streaming(
-    groups: Any, rank: int, mix_alpha: float = 0.0, checkpoint_at: int | None = 9, steps: int = 16
+    groups: Any, rank: int, mix_alpha: float = 0.0, checkpoint_at: int | None = 9, steps: int = 16, eager: bool = False
 ) -> dict[str, Any]:
     """Streaming DiLoCo on the tiny model: H = 8, 4 fragments, tau = 1, int4 outer gradients."""
-    cfg = GeoConfig(sync="streaming_diloco", inner_steps=8, fragments=4, overlap_steps=1, mix_alpha=mix_alpha)
+    cfg = GeoConfig(
+        sync="streaming_diloco", inner_steps=8, fragments=4, overlap_steps=1, mix_alpha=mix_alpha, eager=eager
+    )
 
     def build() -> tuple[nn.Module, list[nn.Parameter], torch.optim.Optimizer, Any]:
         model, params = _tiny()
@@ -396,3 +437,57 @@ def test_streaming_with_mixing_shares_the_global_snapshot(diloco_run: Any) -> No
 def test_streaming_state_dict_round_trip_resumes_exactly(diloco_run: Any) -> None:
     for r in diloco_run:
         assert torch.equal(r["streaming"]["resumed_final"], r["streaming"]["final"])
+
+
+def test_streaming_eager_state_dict_round_trip_resumes_exactly(diloco_run: Any) -> None:
+    """A checkpoint of an eager run holds a transfer in flight and this datacenter's share of it."""
+    for r in diloco_run:
+        assert torch.equal(r["streaming_eager"]["resumed_final"], r["streaming_eager"]["final"])
+
+
+def _sync_steps(r: dict[str, Any], f: int) -> list[int]:
+    return [i for i, launches in enumerate(r["launches"]) if f in launches]
+
+
+def test_eager_first_sync_steps_halfway_with_only_its_own_outer_gradient(diloco_run: Any) -> None:
+    """First sync, 2 datacenters, lr 1: snapshot - own / 2, the others' share not there yet."""
+    for r in (diloco_run[0]["eager"], diloco_run[2]["eager"]):
+        for f in range(2):
+            i = _sync_steps(r, f)[0]
+            expected = r["init"][f] + (r["before"][i][f] - r["init"][f]) / 2
+            assert torch.allclose(r["after"][i][f], expected, atol=1e-6), f
+            assert not torch.equal(r["after"][i][f], r["before"][i][f])
+
+
+def test_eager_later_syncs_take_the_others_outer_gradient_of_the_previous_sync(diloco_run: Any) -> None:
+    """Sync k: snapshot_k = snapshot_(k-1) - own_k / 2 - other_(k-1) / 2 (lr 1, no momentum)."""
+    runs = {0: diloco_run[0]["eager"], 1: diloco_run[2]["eager"]}
+    for f in range(2):
+        steps = _sync_steps(runs[0], f)
+        assert len(steps) == 3 and steps == _sync_steps(runs[1], f)
+
+        def own(d: int, k: int) -> torch.Tensor:
+            r = runs[d]
+            snap = r["init"][f] if k == 0 else r["after"][steps[k - 1]][f]
+            return snap - r["before"][steps[k]][f]
+
+        for d in (0, 1):
+            for k in (1, 2):
+                expected = runs[d]["after"][steps[k - 1]][f] - own(d, k) / 2 - own(1 - d, k - 1) / 2
+                assert torch.allclose(runs[d]["after"][steps[k]][f], expected, atol=1e-5), (d, f, k)
+
+
+def test_eager_datacenters_end_with_the_same_snapshot(diloco_run: Any) -> None:
+    """finish() applies the others' last outer gradients: with lr 1 and no momentum every
+    datacenter has then subtracted the same outer gradients, once each, in another order."""
+    a, b = diloco_run[0]["eager"], diloco_run[2]["eager"]
+    assert all(torch.allclose(x, y, atol=1e-5) for x, y in zip(a["snapshot"], b["snapshot"]))
+    assert not all(torch.equal(x, y) for x, y in zip(a["after"][-1], b["after"][-1]))
+
+
+def test_eager_sends_what_the_delayed_sync_sends(diloco_run: Any) -> None:
+    """The same transfers, launched at the same steps: only when their results are used differs."""
+    r = diloco_run[0]["eager"]
+    wan = [0] + r["wan"]
+    for i, launches in enumerate(r["launches"]):
+        assert (wan[i + 1] > wan[i]) == bool(launches), i

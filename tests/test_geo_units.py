@@ -85,6 +85,7 @@ def test_fragments_are_contiguous_balanced_and_non_empty() -> None:
         ("mix_alpha", 1.0, "streaming_diloco"),
         ("fragments", 99, "streaming_diloco"),
         ("overlap_steps", 50, "streaming_diloco"),
+        ("eager", True, "compressed"),
     ],
 )
 def test_validate_names_the_key(key: str, value: object, sync: str) -> None:
@@ -92,6 +93,12 @@ def test_validate_names_the_key(key: str, value: object, sync: str) -> None:
     with pytest.raises(ConfigError, match=f"geo.{key} = "):
         validate(cfg)
     validate(GeoConfig(sync=sync))
+
+
+def test_eager_refuses_fault_tolerant() -> None:
+    with pytest.raises(ConfigError, match="geo.eager = True"):
+        validate(GeoConfig(sync="diloco", eager=True, fault_tolerant=True))
+    validate(GeoConfig(sync="streaming_diloco", eager=True))
 
 
 def test_ring_tiers_of_a_two_by_two_layout() -> None:

@@ -233,6 +233,8 @@ class GeoConfig:
     """dc_axis = pp: how the pipelines crossing one WAN link share it: fair (all at once, what the runtime's sends do) or time_shared (in turn, in replica order, staggered by one transfer)."""
     mix_alpha: float = 0.5
     """streaming_diloco: fragment <- alpha * local + (1 - alpha) * global when applied (0 = replace by global)."""
+    eager: bool = False
+    """diloco / streaming_diloco: eager outer updates (Kale et al. 2025): a fragment's outer step is taken as it syncs, from this datacenter's fresh outer gradient and the other datacenters' of the previous sync, whose transfer had the H steps since to cross the WAN (overlap_steps and mix_alpha unused)."""
     outer_dtype: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
     """diloco / streaming_diloco: outer-gradient dtype on the WAN; auto = fp32 for diloco, int4 for streaming."""
     wan_streams: int = 1
@@ -660,6 +662,10 @@ def validate_geo(cfg: GeoConfig) -> None:
         raise ConfigError("geo.outer_momentum", cfg.outer_momentum, "must be in [0, 1)")
     if not 0 <= cfg.mix_alpha < 1:
         raise ConfigError("geo.mix_alpha", cfg.mix_alpha, "must be in [0, 1) (1 would never take the global value)")
+    if cfg.eager and cfg.sync not in ("diloco", "streaming_diloco"):
+        raise ConfigError("geo.eager", cfg.eager, f"needs geo.sync diloco or streaming_diloco, not {cfg.sync}")
+    if cfg.eager and cfg.fault_tolerant:
+        raise ConfigError("geo.eager", cfg.eager, "does not combine with geo.fault_tolerant (its rounds are blocking)")
     if cfg.sync == "streaming_diloco":
         if not 1 <= cfg.fragments <= cfg.inner_steps:
             raise ConfigError(

@@ -21,6 +21,15 @@ tau steps of local progress on that fragment are dropped; alpha > 0 keeps part o
 the datacenters slightly apart (the global snapshot, which all outer steps use, stays identical).
 Plain DiLoCo is the case fragments = 1, tau = 0 (no mixing).
 
+Eager outer updates (``geo.eager``, Kale et al. 2025, "Eager updates for overlapped communication
+and computation in DiLoCo"): a fragment's outer step is taken the moment it syncs, without waiting
+for the WAN. The other datacenters' outer gradients of this sync are not there yet, so the step uses
+this datacenter's fresh outer gradient in their place for now, and theirs from the previous sync of
+the fragment, which had H steps to arrive: ``g = mean_prev + (own_now - own_prev) / n_dc``. Every
+datacenter's outer gradient so enters every outer state exactly once, its own at once and the
+others' one sync later. The transfer then overlaps H inner steps (tau = H, not 1): a link H times
+slower keeps up. The datacenters' snapshots differ by their own latest terms (the paper's choice).
+
 Outer state is sharded inside a datacenter: the replicas there are identical, so intra rank i
 keeps the snapshot, momentum and residual of slice i only, sends slice i of the pseudo-gradient
 over the WAN (k parallel rings, as hierarchical does), and an all-gather in the datacenter
@@ -64,6 +73,8 @@ class _Transfer:
     """Per bucket: the encoded input, kept alive until the collective is done."""
     mean: list[Tensor] | None = None
     """Per bucket: the outer gradient averaged across datacenters, once received."""
+    own: list[Tensor] | None = None
+    """eager: per bucket, this datacenter's outer gradient as the others decode it (its share of ``mean``)."""
 
 
 class DiLoCoSync(GeoSync):
@@ -75,7 +86,11 @@ class DiLoCoSync(GeoSync):
         self.inner_steps = cfg.inner_steps
         self.n_fragments = cfg.fragments if streaming else 1
         self.overlap_steps = cfg.overlap_steps if streaming else 0
-        self.alpha = cfg.mix_alpha if streaming else 0.0
+        self.eager = cfg.eager
+        self.alpha = cfg.mix_alpha if streaming and not self.eager else 0.0
+        if self.eager:
+            # A transfer is applied at the fragment's next sync, H steps after its launch.
+            self.overlap_steps = self.inner_steps
         self.wire = resolved_outer_dtype(cfg, self.kind)
         # Nothing crosses a WAN with one datacenter: keep fp32 and skip the quantisation error.
         self.lossy = compress.is_lossy(self.wire) and groups.n_dc > 1
@@ -122,14 +137,20 @@ class DiLoCoSync(GeoSync):
     def after_optimizer_step(self, step: int, params: list[nn.Parameter]) -> None:
         self._check(params)
         t = step + 1
+        if self.eager:
+            for f in self.syncs_at(step):
+                self._eager_sync(f, t, params)
+            return
         for f in self.syncs_at(step):
             self.pending.append(self._launch(f, t, params))
         for tr in [tr for tr in self.pending if tr.apply_at <= t]:
             self._apply(tr, params)
 
     def params_agree_after(self, step: int) -> bool:
-        """diloco: after each outer step; streaming: never all fragments at once."""
-        return self.n_fragments == 1 and self.alpha == 0 and (step + 1) % self.inner_steps == 0
+        """diloco: after each outer step; streaming: never all fragments at once; eager: never."""
+        return (
+            self.n_fragments == 1 and self.alpha == 0 and not self.eager and (step + 1) % self.inner_steps == 0
+        )
 
     def finish(self, params: list[nn.Parameter]) -> None:
         """Apply every transfer still in flight, so training ends with all results merged.
@@ -139,28 +160,64 @@ class DiLoCoSync(GeoSync):
         """
         self._check(params)
         for tr in list(self.pending):
-            self._apply(tr, params)
+            if self.eager:
+                # The others' last outer gradients, on top of the local steps taken since.
+                late = [m.sub(o, alpha=1 / self.groups.n_dc) for m, o in zip(self._receive(tr), tr.own, strict=True)]
+                self._outer_step(tr.fragment, late, params, keep_local=True)
+                self.pending.remove(tr)
+            else:
+                self._apply(tr, params)
 
     # -- one fragment's outer sync ---------------------------------------------------------------------
 
     def _launch(self, f: int, t: int, params: list[nn.Parameter]) -> _Transfer:
         """Compute the outer gradients of fragment f and start averaging them across datacenters."""
+        return self._send(f, t, self._outer_grads(f, params))
+
+    def _outer_grads(self, f: int, params: list[nn.Parameter]) -> list[Tensor]:
+        """Per bucket of fragment f, this rank's slice of snapshot - params (new tensors)."""
+        return [
+            self.snapshot[f][i] - self._shard(pack_params(params, b, self._zeros(b.padded)), b)
+            for i, b in enumerate(self.fragments[f])
+        ]
+
+    def _send(self, f: int, t: int, outer_grads: list[Tensor]) -> _Transfer:
+        """Start averaging ``outer_grads`` (consumed: fp32 ones are reduced in place) across datacenters."""
         tr = _Transfer(fragment=f, apply_at=t + self.overlap_steps)
         n_dc, bs = self.groups.n_dc, self.cfg.block_size
-        for i, b in enumerate(self.fragments[f]):
-            local = self._shard(pack_params(params, b, self._zeros(b.padded)), b)
-            outer_grad = self.snapshot[f][i] - local
+        own: list[Tensor] = []
+        for i, outer_grad in enumerate(outer_grads):
             if not self.lossy:
+                if self.eager:
+                    own.append(outer_grad.clone())
                 tr.works.append(self._all_reduce(outer_grad, "inter", async_op=True))
                 tr.buffers.append(outer_grad)
                 continue
             residual = self.residuals[f][i] if self.residuals is not None else None
             payload = compress.encode_with_feedback(outer_grad, residual, self.wire, bs)
+            if self.eager:
+                own.append(compress.decode(payload, self.wire, outer_grad.numel(), bs))
             gathered = torch.empty(n_dc * payload.numel(), dtype=torch.uint8, device=self.device)
             tr.works.append(self._all_gather(gathered, payload, "inter", async_op=True))
             tr.buffers.append(gathered)
             tr.payloads.append(payload)
+        tr.own = own if self.eager else None
         return tr
+
+    def _eager_sync(self, f: int, t: int, params: list[nn.Parameter]) -> None:
+        """Eager outer step of fragment f: own fresh outer gradient, the others' from the last sync."""
+        fresh = self._outer_grads(f, params)
+        prev = next((tr for tr in self.pending if tr.fragment == f), None)
+        self.pending.append(self._send(f, t, [g.clone() for g in fresh]))
+        n_dc = self.groups.n_dc
+        if prev is None:  # the first sync: nothing from the others yet (the paper's start)
+            grads = [g.div_(n_dc) for g in fresh]
+        else:
+            assert prev.own is not None
+            mean = self._receive(prev)
+            grads = [m - o.div(n_dc) + g.div_(n_dc) for m, o, g in zip(mean, prev.own, fresh, strict=True)]
+            self.pending.remove(prev)
+        self._outer_step(f, grads, params, keep_local=False)
 
     def _receive(self, tr: _Transfer) -> list[Tensor]:
         """Wait for a transfer and decode the mean outer gradient (once)."""
@@ -179,15 +236,22 @@ class DiLoCoSync(GeoSync):
 
     def _apply(self, tr: _Transfer, params: list[nn.Parameter]) -> None:
         """Outer Nesterov step on the fragment's snapshot, then merge it into the parameters."""
-        f = tr.fragment
+        self._outer_step(tr.fragment, self._receive(tr), params, keep_local=False)
+        self.pending.remove(tr)
+
+    def _outer_step(self, f: int, grads: list[Tensor], params: list[nn.Parameter], keep_local: bool) -> None:
+        """Outer Nesterov step of fragment f's snapshot on ``grads``; the parameters then take the
+        snapshot (mixed with the local values by mix_alpha), or with ``keep_local`` move by the step."""
         lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
-        for i, (b, g) in enumerate(zip(self.fragments[f], self._receive(tr), strict=True)):
+        for i, (b, g) in enumerate(zip(self.fragments[f], grads, strict=True)):
             # torch.optim.SGD(nesterov=True, dampening=0): buf = mu * buf + g; step = g + mu * buf.
             if mu > 0:
                 m = self.momentum[f][i].mul_(mu).add_(g)
                 g = g.add(m, alpha=mu)
             snap = self.snapshot[f][i].sub_(g, alpha=lr)
-            if self.alpha > 0:
+            if keep_local:
+                merged = self._shard(pack_params(params, b, self._zeros(b.padded)), b).sub_(g, alpha=lr)
+            elif self.alpha > 0:
                 local = self._shard(pack_params(params, b, self._zeros(b.padded)), b)
                 merged = local.mul_(self.alpha).add_(snap, alpha=1 - self.alpha)
             else:
@@ -195,7 +259,6 @@ class DiLoCoSync(GeoSync):
             full = self._zeros(b.padded)
             self._all_gather(full, merged, "intra")
             unpack_params(full, params, b)
-        self.pending.remove(tr)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -207,7 +270,12 @@ class DiLoCoSync(GeoSync):
             momentum=_clone(self.momentum),
             residuals=_clone(self.residuals),
             pending=[
-                {"fragment": tr.fragment, "apply_at": tr.apply_at, "mean": [m.clone() for m in self._receive(tr)]}
+                {
+                    "fragment": tr.fragment,
+                    "apply_at": tr.apply_at,
+                    "mean": [m.clone() for m in self._receive(tr)],
+                    "own": None if tr.own is None else [o.clone() for o in tr.own],
+                }
                 for tr in self.pending
             ],
         )
@@ -221,7 +289,12 @@ class DiLoCoSync(GeoSync):
                 continue
             copy_state(name, [t for frag in mine for t in frag], [t for frag in saved for t in frag])
         self.pending = [
-            _Transfer(fragment=p["fragment"], apply_at=p["apply_at"], mean=[m.clone() for m in p["mean"]])
+            _Transfer(
+                fragment=p["fragment"],
+                apply_at=p["apply_at"],
+                mean=[m.clone() for m in p["mean"]],
+                own=None if p.get("own") is None else [o.clone() for o in p["own"]],
+            )
             for p in state["pending"]
         ]
 
