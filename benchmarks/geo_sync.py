@@ -4,6 +4,8 @@
     python benchmarks/geo_sync.py --sweep                       # 5..500 Mbit/s vs the planner
     python benchmarks/geo_sync.py --steps 40 --sweep            # both (the sweep then also
                                                                 # projects time to flat's loss)
+    python benchmarks/geo_sync.py --local --steps 200           # losses and WAN bytes only, as
+                                                                # local runs (no emulator, no root)
 
 Every run is a real `isthmus emulate --topology emulated-2dc --wan-mbit R -- train ...`
 (subprocess; root, network namespaces + tc tbf, removed on exit) of the `small` flavor, global
@@ -21,6 +23,13 @@ none is within N steps. A strategy that misses the target within N steps is trai
 target is taken from that run (its loss at equal tokens still from the N-step run). WAN bytes are
 the trainer's per-step `wan_bytes` (sum over ranks of what each sent on a link to another
 datacenter, ring accounting: isthmus.geo.accounting).
+
+--local: the main benchmark's trainings as local 4-rank runs in 2 datacenters (`isthmus train
+--geo.datacenters 2`, loopback): the WAN's speed changes no number the trainer computes, so the
+losses and WAN bytes are the emulated run's (checked: equal to the last digit); only its times are
+not, so it prints loss at equal tokens, WAN bytes against flat's and steps to flat's loss. With
+--sweep the step times still come from the emulator, and its last table projects the time to flat's
+loss (steps to it, from the local runs, x s/step measured on the emulator).
 
 Sweep: each strategy at each WAN rate for a few steps; the measured step time is the median of
 steps 2.. (per-step strategies) or the mean over one full period of H steps 2..H+1 (DiLoCo kinds:
@@ -44,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isthmus.config import GeoConfig
 from isthmus.layout.spec import DILOCO_SYNCS, GEO_SYNCS
 from isthmus.train.short_run import capped, max_steps_override
 
@@ -77,24 +87,27 @@ class Strategy:
             self.geo[k.strip()] = v.strip()
 
     def settings(self, inner_steps: int) -> dict[str, str]:
-        """Every `[geo]` key given to the run (defaults of the config apart from these)."""
+        """Every `[geo]` key given to the run (the config's defaults apart from these)."""
         out = dict(self.geo)
         if self.kind in DILOCO_KINDS:
             out.setdefault("inner_steps", str(inner_steps))
-            out.setdefault("outer_lr", "0.7")
-            out.setdefault("outer_momentum", "0.9")
         return out
 
     def label(self, inner_steps: int) -> str:
-        s = self.settings(inner_steps)
+        s, d = self.settings(inner_steps), GeoConfig()
         if self.kind == "compressed":
-            return f"compressed ({s.get('wan_dtype', 'int8')})"
+            return f"compressed ({s.get('wan_dtype', d.wan_dtype)})"
+        extra = "".join(
+            f", {k}={s[k]}" for k in ("outer_lr", "outer_momentum", "mix_alpha", "eager", "block_size") if k in s
+        )
         if self.kind == "diloco":
-            return f"diloco (H={s['inner_steps']}, fp32)"
+            return f"diloco (H={s['inner_steps']}, {s.get('outer_dtype', 'fp32')}{extra})"
         if self.kind == "streaming_diloco":
+            tau = "eager" if s.get("eager", str(d.eager)).lower() == "true" else f"tau={s.get('overlap_steps', d.overlap_steps)}"
+            extra = extra.replace(", eager=true", "").replace(", eager=True", "")
             return (
-                f"streaming_diloco (H={s['inner_steps']}, {s.get('fragments', '4')} fragments, "
-                f"tau={s.get('overlap_steps', '1')}, {s.get('outer_dtype', 'int4')})"
+                f"streaming_diloco (H={s['inner_steps']}, {s.get('fragments', d.fragments)} fragments, "
+                f"{tau}, {s.get('outer_dtype', 'int4')}{extra})"
             )
         return self.spec if not self.geo else f"{self.kind} ({', '.join(f'{k}={v}' for k, v in self.geo.items())})"
 
@@ -392,14 +405,14 @@ def print_quality(results: list[Summary], ns: argparse.Namespace) -> None:
     print("| strategy | val loss @ N | vs flat | WAN MB, N steps | WAN bytes, flat / this | steps to flat's loss |")
     print("|---|---:|---:|---:|---:|---:|")
     for s in results:
-        ratio = flat.wan_bytes / s.wan_bytes if s.wan_bytes else math.inf
+        ratio = f"{flat.wan_bytes / s.wan_bytes:,.0f}x" if s.wan_bytes else "-"
         where = f" ({s.reach_run}-step run)" if s.reach_run > ns.steps else ""
         cells = [
             s.label,
             f"{s.final_val:.4f}",
             f"{100 * (s.final_val / flat.final_val - 1):+.2f}%",
             _mb(s.wan_bytes),
-            f"{ratio:,.0f}x",
+            ratio,
             f"{s.reach_step:.1f}{where}" if s.reach_step is not None else "not reached",
         ]
         print("| " + " | ".join(cells) + " |")
@@ -544,6 +557,8 @@ def sweep(ns: argparse.Namespace, main: list[Summary] | None, main_recs: dict[st
 
 
 def print_sweep(rows: dict[float, list[dict[str, Any]]], main: list[Summary] | None, ns: argparse.Namespace) -> None:
+    from isthmus.planner.layout import RUNTIMES
+
     print(
         f"\n### Sweep: {FLAVOR}, {TOPOLOGY}, step time per strategy, measured vs predicted (same topology, every WAN "
         f"link set to the rate)\n"
@@ -566,10 +581,10 @@ def print_sweep(rows: dict[float, list[dict[str, Any]]], main: list[Summary] | N
         "steps-to-target from the main benchmark"
         + (f" ({ns.wan_mbit:g} Mbit/s, {ns.steps} steps)" if main else " (not run: pass --steps N with --sweep)")
         + " x measured s/step here; strategies that did not reach it are out. Planner: its step time, and its "
-        "ranking key (tokens/s x assumed quality: compressed 0.98, diloco and streaming_diloco 0.9).\n"
+        "ranking key (tokens/s x quality factor: "
+        + ", ".join(f"{k} {v:g}" for k, v in RUNTIMES["isthmus"].quality)
+        + ").\n"
     )
-    from isthmus.planner.layout import RUNTIMES
-
     q = RUNTIMES["isthmus"].quality_of
     print(
         "| WAN Mbit/s | fastest step (measured) | fastest step (predicted) | fastest to flat's loss (measured) "

@@ -253,6 +253,7 @@ def _eager(groups: Any, steps: int = 12) -> dict[str, Any]:
         inner_steps=4,
         fragments=2,
         eager=True,
+        mix_alpha=0.0,
         outer_lr=1.0,
         outer_momentum=0.0,
         outer_dtype="fp32",

@@ -234,7 +234,7 @@ class GeoConfig:
     mix_alpha: float = 0.5
     """streaming_diloco: fragment <- alpha * local + (1 - alpha) * global when applied (0 = replace by global)."""
     eager: bool = False
-    """diloco / streaming_diloco: eager outer updates (Kale et al. 2025): a fragment's outer step is taken as it syncs, from this datacenter's fresh outer gradient and the other datacenters' of the previous sync, whose transfer had the H steps since to cross the WAN (overlap_steps and mix_alpha unused)."""
+    """diloco / streaming_diloco: eager outer updates (Kale et al. 2025): a fragment's outer step is taken as it syncs, from this datacenter's fresh outer gradient and the other datacenters' of the previous sync, whose transfer had the H steps since to cross the WAN (overlap_steps unused)."""
     outer_dtype: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
     """diloco / streaming_diloco: outer-gradient dtype on the WAN; auto = fp32 for diloco, int4 for streaming."""
     wan_streams: int = 1

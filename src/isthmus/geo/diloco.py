@@ -29,6 +29,8 @@ the fragment, which had H steps to arrive: ``g = mean_prev + (own_now - own_prev
 datacenter's outer gradient so enters every outer state exactly once, its own at once and the
 others' one sync later. The transfer then overlaps H inner steps (tau = H, not 1): a link H times
 slower keeps up. The datacenters' snapshots differ by their own latest terms (the paper's choice).
+The fragment then takes ``alpha * local + (1 - alpha) * snapshot`` as above, with no tau steps
+between: local is the value the outer gradient was taken from.
 
 Outer state is sharded inside a datacenter: the replicas there are identical, so intra rank i
 keeps the snapshot, momentum and residual of slice i only, sends slice i of the pseudo-gradient
@@ -87,7 +89,7 @@ class DiLoCoSync(GeoSync):
         self.n_fragments = cfg.fragments if streaming else 1
         self.overlap_steps = cfg.overlap_steps if streaming else 0
         self.eager = cfg.eager
-        self.alpha = cfg.mix_alpha if streaming and not self.eager else 0.0
+        self.alpha = cfg.mix_alpha if streaming else 0.0
         if self.eager:
             # A transfer is applied at the fragment's next sync, H steps after its launch.
             self.overlap_steps = self.inner_steps
