@@ -4,8 +4,8 @@ Launched by peers.py (never by hand) with that venv's python, RANK/WORLD_SIZE/MA
 PYTHONPATH naming this checkout's src/ and benchmarks/. Plugins per mode:
 
 - ddp: TorchDDPPlugin; zero1 / zero2: LowLevelZeroPlugin(stage=1 / 2);
-- zero3: TorchFSDPPlugin (torch's FSDP1, FULL_SHARD, one unit per transformer block), since
-  GeminiPlugin's chunk manager needs an accelerator;
+- zero3: TorchFSDPPlugin (torch's FSDP1, FULL_SHARD, one unit per transformer block; GeminiPlugin,
+  Colossal-AI's own ZeRO-3 built for GPU memory management, was not tried);
 - tp / tp_sp: HybridParallelPlugin(tp_size=2[, enable_sequence_parallelism, "split_gather"]);
 - pp: HybridParallelPlugin(pp_size=2, num_microbatches=4) (its default schedule is 1F1B);
 - cp: HybridParallelPlugin(sp_size=2, sequence_parallelism_mode="ring_attn"), Colossal-AI's ring attention.
