@@ -20,6 +20,8 @@ redistributions are what DTensor does well).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -121,9 +123,11 @@ class ShardedLinear(nn.Module):
     def __init__(self, linear: nn.Linear, mesh: DeviceMesh, placement: Placement) -> None:
         super().__init__()
         assert linear.bias is None, "the model's Linears have no bias"
-        self.weight = nn.Parameter(distribute_tensor(linear.weight, mesh, [placement], src_data_rank=None))
-        self.row = placement == Shard(1)
-        self.group = mesh.get_group()
+        self.weight: nn.Parameter = nn.Parameter(
+            distribute_tensor(linear.weight, mesh, [placement], src_data_rank=None)
+        )
+        self.row: bool = placement == Shard(1)
+        self.group: dist.ProcessGroup = mesh.get_group()
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
@@ -131,8 +135,8 @@ class ShardedLinear(nn.Module):
         return _ReduceFromTP.apply(out, self.group) if self.row else out
 
 
-def _copy_to_tp_hook(group: dist.ProcessGroup):  # noqa: ANN202
-    def hook(_: nn.Module, args: tuple) -> tuple:  # noqa: ANN001
+def _copy_to_tp_hook(group: dist.ProcessGroup) -> Callable[[nn.Module, tuple], tuple]:
+    def hook(_: nn.Module, args: tuple) -> tuple:
         return (_CopyToTP.apply(args[0], group), *args[1:])
 
     return hook
