@@ -98,6 +98,14 @@ def test_stale_cache_is_measured_again(
     assert json.loads(cache.read_text())[cpu_peak_key("fp32", threads)]["flops"] == 150e9
 
 
+def test_the_peak_is_described_by_the_probe_that_measured_it(tmp_path: Path, counted_probe: list[float]) -> None:
+    threads = torch.get_num_threads()
+    cpu_peak_flops("fp32", tmp_path)
+    said = device.describe_peak(CPU, "fp32", tmp_path)
+    n = device.probe_size(threads)
+    assert said.startswith(f"fp32 {n}x{n} matmul, {threads} thread(s), best of 5 x 0.2 s (probe 20"), said
+
+
 def test_unwritable_cache_still_gives_a_peak(tmp_path: Path, counted_probe: list[float]) -> None:
     blocked = tmp_path / "file"
     blocked.write_text("")  # a file where the cache directory should be
@@ -183,5 +191,8 @@ def test_training_with_an_absurdly_low_cached_peak_reports_at_most_100_percent(
     )
     mfus = [r["mfu"] for r in map(json.loads, jsonl.read_text().splitlines()) if "mfu" in r]
     assert len(mfus) == 6 and all(0 < m <= 1.0 for m in mfus), mfus
-    assert "MFU 100.0%" not in capsys.readouterr().out  # the summary uses the corrected peak
+    out = capsys.readouterr().out
+    assert "MFU 100.0%" not in out  # the summary uses the corrected peak
+    # ... and says what it divided by: the achieved and peak rates, and the probe behind the peak.
+    assert "MFU from" in out and "GFLOP/s per device" in out and "matmul" in out, out
     assert json.loads((tmp_path / "peaks" / PEAK_CACHE_FILE).read_text())[key]["flops"] > 1e9

@@ -317,3 +317,20 @@ def test_sigkill_of_emulate_mid_training_stops_every_rank_and_removes_the_networ
             proc.wait()
         if prefix is not None:  # what a failed check leaves is not left for other tests
             netns.delete_prefix(prefix)
+
+
+def test_a_launcher_failing_after_every_rank_finished_is_a_success(tmp_path: Path) -> None:
+    """A datacenter's launcher that aborts while shutting down (seen once: a C++ thread torn down at
+    exit) after every rank wrote its done mark leaves a run that succeeded; a rank short, the same
+    code is the interruption it says it is."""
+    from isthmus.cli.emulate import _exit_code
+    from isthmus.errors import Interrupted
+    from isthmus.launch.local import write_rank_done
+
+    for rank in range(3):
+        write_rank_done(tmp_path, rank, 8)
+    with pytest.raises(Interrupted, match="SIGTERM"):
+        _exit_code(128 + signal.SIGTERM, None, None, tmp_path, world=4)
+    write_rank_done(tmp_path, 3, 8)
+    assert _exit_code(128 + signal.SIGTERM, None, None, tmp_path, world=4) == 0
+    assert _exit_code(1, None, None, tmp_path, world=4) == 0

@@ -66,7 +66,7 @@ def test_llama3_param_counts(name: str, shape: tuple[int, int, int, int], publis
 
 
 def test_flavors_lookup() -> None:
-    assert {"tiny", "small", "llama3-8b", "gpt3-1t"} <= set(list_flavors())
+    assert {"tiny", "small", "debug", "llama3-8b", "gpt3-1t"} <= set(list_flavors())
     with pytest.raises(ConfigError, match="unknown flavor; choose one of: tiny"):
         get_flavor("nope")
 
@@ -145,3 +145,10 @@ def test_flops_per_token_equals_torch_flop_counter(flavor: str) -> None:
     with FlopCounterMode(display=False) as counter:
         F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
     assert counter.get_total_flops() == flops_per_token(args, seq) * batch * seq
+
+
+def test_debug_flavor_is_torchtitans_debug_shape() -> None:
+    # embedding + head 2 * 2048 * 256 = 1_048_576; per block 4 * 256^2 + 3 * 256 * 768 + 2 * 256 = 852_480;
+    # 6 blocks = 5_114_880; + final norm 256 -> 6_163_712 (what `isthmus train --model.flavor debug` logs
+    # with a 2048-token BPE vocabulary).
+    assert count_params(get_flavor("debug")) == 6_163_712

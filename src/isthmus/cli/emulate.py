@@ -233,7 +233,7 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
             fault_tolerant=fault_tolerant,
             max_restarts=ns.dc_restarts,
         )
-    return _exit_code(rc, ns.timeout, log_dir, Path(command.config.train.run_dir) / "logs")
+    return _exit_code(rc, ns.timeout, log_dir, Path(command.config.train.run_dir) / "logs", net.world_size)
 
 
 @contextmanager
@@ -246,22 +246,33 @@ def _claimed_run_dir(command: TrainCommand) -> Iterator[tuple[list[str], dict[st
     """
     claim = claim_run_dir(command.config, command.config_name)
     run_dir = command.config.train.run_dir  # concrete now: {config} and {time} resolved once, here
-    for stale in (Path(run_dir) / "logs").glob("rank*.error"):  # an earlier attempt's, resumed here
-        stale.unlink()
+    for pattern in ("rank*.error", "rank*.done"):  # an earlier attempt's, resumed here
+        for stale in (Path(run_dir) / "logs").glob(pattern):
+            stale.unlink()
     try:
         yield [*command.argv, "--train.run_dir", run_dir], {CLAIMED_ENV: run_dir}
     finally:
         claim.release()
 
 
-def _exit_code(rc: int, timeout_s: float | None, log_dir: Path | None, rank_logs: Path) -> int:
+def _exit_code(rc: int, timeout_s: float | None, log_dir: Path | None, rank_logs: Path, world: int) -> int:
     """The launcher's code as the CLI reports it: 0, or one line and the signal's 128+N when it was
     stopped, or exit 3 for a run that failed (the agents' own code, torchrun's 1, says nothing more).
 
     A rank that stopped on an error of isthmus's own left its line in ``rank_logs`` (``rank<N>.error``):
-    the last line repeats the first such line, with its exit code.
+    the last line repeats the first such line, with its exit code. When every rank marked its run
+    finished (``rank<N>.done``, written after the final model), a datacenter's launcher that failed
+    afterwards, while shutting down (and the others stopped because of it), spoiled nothing: the
+    run succeeded, and a warning says what happened.
     """
     if rc == 0:
+        return 0
+    from isthmus.launch.local import count_ranks_done, read_rank_errors  # torch: loaded by the run's checks
+
+    if count_ranks_done(rank_logs) >= world:
+        get_logger().warning(
+            "every rank finished its run; a datacenter's launcher then exited with code %d while shutting down", rc
+        )
         return 0
     if rc > 128:
         name = signal.Signals(rc - 128).name if rc - 128 in signal.valid_signals() else f"signal {rc - 128}"
@@ -269,7 +280,6 @@ def _exit_code(rc: int, timeout_s: float | None, log_dir: Path | None, rank_logs
     where = f"see {log_dir}/dc<i>.log" if log_dir is not None else "its ranks' output is above"
     if rc == 124 and timeout_s is not None:
         raise RunFailed(f"the emulated run passed its --timeout of {timeout_s:g} s and was stopped; {where}")
-    from isthmus.launch.local import read_rank_errors  # torch: loaded already by the failed run's checks
 
     errors = read_rank_errors(rank_logs)
     if errors:

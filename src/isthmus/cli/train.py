@@ -125,6 +125,11 @@ def _print_summary(r: TrainResult) -> None:
     if r.val_losses:
         table.add_row("val loss", "  ".join(f"{s}:{v:.4f}" for s, v in r.val_losses))
     table.add_row("throughput", f"{r.tokens_per_s:,.0f} tokens/s, MFU {100 * r.mfu:.1f}%")
+    if r.peak_flops > 0:
+        table.add_row(
+            "MFU from",
+            f"{r.flops_per_device / 1e9:,.1f} of {r.peak_flops / 1e9:,.1f} GFLOP/s per device; peak: {r.peak_source}",
+        )
     table.add_row("wall time", f"{r.elapsed_s:.1f} s")
     if r.bytes_by_tier:
         table.add_row("bytes sent", "  ".join(f"{tier} {format_bytes(n)}" for tier, n in r.bytes_by_tier.items()))

@@ -150,8 +150,11 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None, loopback: bool = 
         try:
             if loopback and rank == 0:
                 with loopback_store_server(int(os.environ["MASTER_PORT"])):
-                    return train(cfg, progress)
-            return train(cfg, progress)
+                    result = train(cfg, progress)
+            else:
+                result = train(cfg, progress)
+            write_rank_done(error_dir, rank, progress.step)
+            return result
         except BaseException as e:
             raise _rank_exit(e, stop, cfg, rank, progress, launch_dir, error_dir) from None
         finally:
@@ -205,6 +208,20 @@ def write_rank_error(directory: Path, rank: int, e: IsthmusError) -> None:
     tmp = directory / f"rank{rank}.error.tmp"
     tmp.write_text(json.dumps({"message": str(e), "exit_code": e.exit_code}))
     tmp.replace(directory / f"rank{rank}.error")
+
+
+def write_rank_done(directory: Path, rank: int, step: int) -> None:
+    """Mark this rank's run finished (``rank<N>.done``): a launcher that then fails while shutting
+    down (a C++ thread torn down at exit) is not mistaken for a failed run."""
+    try:
+        (directory / f"rank{rank}.done").write_text(json.dumps({"step": step}))
+    except OSError:  # a full disk: the run is done all the same, only this mark is lost
+        pass
+
+
+def count_ranks_done(directory: Path) -> int:
+    """How many ranks marked their run finished (:func:`write_rank_done`)."""
+    return sum(1 for _ in directory.glob("rank*.done"))
 
 
 def read_rank_errors(directory: Path) -> list[tuple[int, str, int]]:

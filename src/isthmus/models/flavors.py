@@ -64,6 +64,9 @@ FLAVORS: dict[str, ModelArgs] = {
     # Byte-level sizes: vocab 256 needs no tokenizer.
     "tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=256),
     "small": ModelArgs(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=704, vocab_size=256),
+    # torchtitan's debug model, the shape of benchmarks/peers.py; its vocab 2048 wants a BPE tokenizer
+    # (--data.tokenizer bpe --data.bpe_vocab_size 2048), else the vocabulary follows the byte tokenizer's 256.
+    "debug": ModelArgs(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=768, vocab_size=2048),
     "llama3-8b": llama3(4096, 32, 32, 14336),
     "llama3-70b": llama3(8192, 80, 64, 28672),
     "llama3-405b": llama3(16384, 126, 128, 53248),

@@ -298,6 +298,20 @@ def peak_flops(
     return cpu_peak_flops(dtype, cache_dir, remeasure)
 
 
+def describe_peak(device: torch.device, dtype: str = "fp32", cache_dir: Path | None = None) -> str:
+    """Where the peak that MFU divides by comes from, in a few words: the datasheet on a GPU, the
+    probe's size, threads, best-of and date on a CPU (from the cache entry this run used)."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} datasheet, dense {dtype}"
+    threads = torch.get_num_threads()
+    path = (cache_dir or default_cache_dir()) / PEAK_CACHE_FILE
+    entry = _read_cache(path).get(cpu_peak_key(dtype, threads), {})
+    n = entry.get("n", probe_size(threads))
+    how = entry.get("how", "probe")
+    when = f" {entry['measured'][:16]}" if "measured" in entry else ""
+    return f"{dtype} {n}x{n} matmul, {threads} thread(s), best of {PROBES} x {PROBE_SECONDS} s ({how}{when})"
+
+
 def correct_peak(
     device: torch.device, dtype: str, peak: float, achieved: float, first: bool, cache_dir: Path | None = None
 ) -> float:

@@ -65,6 +65,10 @@ class ThroughputModel:
     beats the peak (isthmus.train.device.correct_peak); None: MFU is only capped at 1."""
     corrections: int = 0
 
+    def flops_per_device(self, tokens_per_s: float) -> float:
+        """Model FLOP/s of one device at ``tokens_per_s`` (the whole run's rate)."""
+        return tokens_per_s * self.flops_per_token / self.devices if self.devices > 0 else 0.0
+
     def mfu(self, tokens_per_s: float) -> float:
         """Model FLOPs utilisation at ``tokens_per_s``, never above 1.
 
@@ -74,7 +78,7 @@ class ThroughputModel:
         """
         if self.peak_flops <= 0 or self.devices <= 0:
             return 0.0
-        achieved = tokens_per_s * self.flops_per_token / self.devices
+        achieved = self.flops_per_device(tokens_per_s)
         if achieved > self.peak_flops and self.correct_peak is not None:
             self.peak_flops = max(achieved, self.correct_peak(self.peak_flops, achieved, self.corrections == 0))
             self.corrections += 1

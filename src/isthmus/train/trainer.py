@@ -35,7 +35,7 @@ from isthmus.parallel.parallelize import ParallelModel, apply_layout
 from isthmus.train.bubbles import BubbleRun, build_bubble_run
 from isthmus.train.checkpoint import Checkpointer, ResumePoint, TrainState
 from isthmus.train.checkpoint_manifest import checkpoint_key, resume_note
-from isthmus.train.device import correct_peak, devices_worth, peak_flops, resolve_device
+from isthmus.train.device import correct_peak, describe_peak, devices_worth, peak_flops, resolve_device
 from isthmus.train.final_model import gather_full_state, save_final_model
 from isthmus.train.grad import clip_grad_norm
 from isthmus.train.init_from import load_weights, open_weights
@@ -56,6 +56,11 @@ class TrainResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     tokens_per_s: float = 0.0
     mfu: float = 0.0
+    flops_per_device: float = 0.0
+    """Model FLOP/s one device achieved (the numerator of MFU)."""
+    peak_flops: float = 0.0
+    """The peak FLOP/s of one device that MFU divides by, and where it comes from."""
+    peak_source: str = ""
     elapsed_s: float = 0.0
     n_params: int = 0
     world_size: int = 1
@@ -429,6 +434,9 @@ class Trainer:
         # No step at all: a datacenter that (re)joined the others at their last outer sync.
         result.tokens_per_s = throughput.tokens_per_step * len(timed) / sum(timed) if timed else 0.0
         result.mfu = throughput.mfu(result.tokens_per_s)
+        result.flops_per_device = throughput.flops_per_device(result.tokens_per_s)
+        result.peak_flops = throughput.peak_flops
+        result.peak_source = describe_peak(self.device, t.dtype)
         self._save_final_model()
         return result
 
