@@ -16,7 +16,6 @@ __all__ = [
     "SyncKind",
     "WireDtype",
     "ranks_per_datacenter",
-    "resolved_outer",
     "resolved_outer_dtype",
     "validate",
 ]
@@ -27,19 +26,6 @@ def resolved_outer_dtype(cfg: GeoConfig, kind: str | None = None) -> WireDtype:
     if cfg.outer_dtype != "auto":
         return cfg.outer_dtype
     return "int4" if (kind or cfg.sync) == "streaming_diloco" else "fp32"
-
-
-OUTER_DEFAULTS: dict[str, tuple[float, float]] = {"diloco": (0.7, 0.9), "streaming_diloco": (1.0, 0.0)}
-"""(outer lr, outer momentum) when unset. diloco: the DiLoCo paper's Nesterov step. streaming_diloco:
-the mean of the datacenters' fragments (lr 1, no momentum), which benchmarks/geo_sync.py --local
-measured best on `small` (H = 10, 4 fragments, tau 1, alpha 0.5, int4): -0.6% against flat's loss
-after 200 steps where lr 0.7 with momentum 0.9 was +3.9% (40 steps: +1.9% and +2.0%)."""
-
-
-def resolved_outer(cfg: GeoConfig, kind: str | None = None) -> tuple[float, float]:
-    """(outer lr, outer momentum) after filling unset ones by kind (see OUTER_DEFAULTS)."""
-    lr, mu = OUTER_DEFAULTS["streaming_diloco" if (kind or cfg.sync) == "streaming_diloco" else "diloco"]
-    return (lr if cfg.outer_lr is None else cfg.outer_lr, mu if cfg.outer_momentum is None else cfg.outer_momentum)
 
 
 def ranks_per_datacenter(cfg: GeoConfig, world_size: int) -> int:

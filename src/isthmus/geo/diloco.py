@@ -3,9 +3,10 @@
 DiLoCo (Douillard et al. 2023): every datacenter runs ``inner_steps`` (H) steps of its own inner
 optimizer (the trainer's AdamW), averaging gradients only inside the datacenter. Then the
 pseudo-gradient ``outer_grad = snapshot - params`` is averaged across datacenters and an outer
-Nesterov SGD step (lr 0.7, momentum 0.9 by default) moves the snapshot; every replica takes the new
-snapshot. Streaming DiLoCo's default outer step is lr 1 without momentum: the snapshot becomes the
-datacenters' mean (``geo.config.OUTER_DEFAULTS`` says why).
+Nesterov SGD step moves the snapshot; every replica takes the new snapshot. The paper's step is lr
+0.7 with momentum 0.9; the default here is lr 1 without momentum, the snapshot becoming the
+datacenters' mean: on `small` with H = 10-20 it matched flat's loss where the paper's was 4-13%
+above it after 200 steps (docs/benchmarks.md, benchmarks/geo_sync.py --local).
 
 Streaming DiLoCo (Douillard et al. 2025) adds three things, all here:
 
@@ -58,7 +59,7 @@ from isthmus.geo.buckets import (
     unpack_grads,
     unpack_params,
 )
-from isthmus.geo.config import GeoConfig, resolved_outer, resolved_outer_dtype
+from isthmus.geo.config import GeoConfig, resolved_outer_dtype
 from isthmus.geo.groups import GeoGroups
 from isthmus.geo.strategy import GeoSync, Work, copy_state
 
@@ -96,7 +97,6 @@ class DiLoCoSync(GeoSync):
             # A transfer is applied at the fragment's next sync, H steps after its launch.
             self.overlap_steps = self.inner_steps
         self.wire = resolved_outer_dtype(cfg, self.kind)
-        self.outer_lr, self.outer_momentum = resolved_outer(cfg, self.kind)
         # Nothing crosses a WAN with one datacenter: keep fp32 and skip the quantisation error.
         self.lossy = compress.is_lossy(self.wire) and groups.n_dc > 1
         k = groups.intra_size
@@ -247,7 +247,7 @@ class DiLoCoSync(GeoSync):
     def _outer_step(self, f: int, grads: list[Tensor], params: list[nn.Parameter], keep_local: bool) -> None:
         """Outer Nesterov step of fragment f's snapshot on ``grads``; the parameters then take the
         snapshot (mixed with the local values by mix_alpha), or with ``keep_local`` move by the step."""
-        lr, mu = self.outer_lr, self.outer_momentum
+        lr, mu = self.cfg.outer_lr, self.cfg.outer_momentum
         for i, (b, g) in enumerate(zip(self.fragments[f], grads, strict=True)):
             # torch.optim.SGD(nesterov=True, dampening=0): buf = mu * buf + g; step = g + mu * buf.
             if mu > 0:
