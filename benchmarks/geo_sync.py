@@ -103,7 +103,11 @@ class Strategy:
         if self.kind == "diloco":
             return f"diloco (H={s['inner_steps']}, {s.get('outer_dtype', 'fp32')}{extra})"
         if self.kind == "streaming_diloco":
-            tau = "eager" if s.get("eager", str(d.eager)).lower() == "true" else f"tau={s.get('overlap_steps', d.overlap_steps)}"
+            tau = (
+                "eager"
+                if s.get("eager", str(d.eager)).lower() == "true"
+                else f"tau={s.get('overlap_steps', d.overlap_steps)}"
+            )
             extra = extra.replace(", eager=true", "").replace(", eager=True", "")
             return (
                 f"streaming_diloco (H={s['inner_steps']}, {s.get('fragments', d.fragments)} fragments, "

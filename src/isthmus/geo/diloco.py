@@ -153,9 +153,7 @@ class DiLoCoSync(GeoSync):
 
     def params_agree_after(self, step: int) -> bool:
         """diloco: after each outer step; streaming: never all fragments at once; eager: never."""
-        return (
-            self.n_fragments == 1 and self.alpha == 0 and not self.eager and (step + 1) % self.inner_steps == 0
-        )
+        return self.n_fragments == 1 and self.alpha == 0 and not self.eager and (step + 1) % self.inner_steps == 0
 
     def finish(self, params: list[nn.Parameter]) -> None:
         """Apply every transfer still in flight, so training ends with all results merged.
@@ -166,6 +164,7 @@ class DiLoCoSync(GeoSync):
         self._check(params)
         for tr in list(self.pending):
             if self.eager:
+                assert tr.own is not None, "an eager transfer keeps this datacenter's share"
                 # The others' last outer gradients, on top of the local steps taken since.
                 late = [m.sub(o, alpha=1 / self.groups.n_dc) for m, o in zip(self._receive(tr), tr.own, strict=True)]
                 self._outer_step(tr.fragment, late, params, keep_local=True)
