@@ -134,38 +134,49 @@ def wait_quiet(limit: float, timeout: float) -> float:
     return busy
 
 
-def measure(lay: LayoutSpec, steps: int, skip: int, root: Path, tag: str) -> list[float]:
-    """Step times of one real `isthmus train` run of ``lay`` (the first ``skip`` left out)."""
-    jsonl = root / f"{tag}.jsonl"
-    cmd = [
+def train_argv(flavor: str, steps: int, run_dir: Path, *flags: str) -> list[str]:
+    """`python -m isthmus train` of ``flavor`` for ``steps`` steps into ``run_dir``, validation and
+    the progress bar off, then ``flags``: how the benchmarks that time real runs start one."""
+    return [
         sys.executable,
         "-m",
         "isthmus",
         "train",
         "--model.flavor",
-        "small",
+        flavor,
         "--train.steps",
         str(steps),
+        "--train.val_every",
+        "0",
+        "--metrics.progress",
+        "false",
+        "--train.run_dir",
+        str(run_dir),
+        *flags,
+    ]
+
+
+def measure(lay: LayoutSpec, steps: int, skip: int, root: Path, tag: str) -> list[float]:
+    """Step times of one real `isthmus train` run of ``lay`` (the first ``skip`` left out)."""
+    jsonl = root / f"{tag}.jsonl"
+    cmd = train_argv(
+        "small",
+        steps,
+        root / tag,
         "--train.batch_size",
         str(BATCH),
         "--train.seq_len",
         str(SEQ),
-        "--train.val_every",
-        "0",
         "--train.val_batches",
         "1",
         "--train.warmup_steps",
         "2",
-        "--metrics.progress",
-        "false",
         "--metrics.log_every",
         "1000",
         "--metrics.jsonl",
         str(jsonl),
-        "--train.run_dir",
-        str(root / tag),
         *train_flags(lay),
-    ]
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")

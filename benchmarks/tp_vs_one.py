@@ -20,36 +20,17 @@ import os
 import shlex
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from isthmus.train.short_run import capped, max_steps_override
-from plan_vs_measured import wait_quiet  # the script's folder is on sys.path
+from plan_vs_measured import train_argv, wait_quiet  # the script's folder is on sys.path
 
 
 def run(flags: list[str], opts: argparse.Namespace, root: Path, tag: str) -> float:
     """Tokens/s of one `isthmus train` run: tokens per step over its median step time (steps 3..)."""
     run_dir = root / tag
-    cmd = [
-        sys.executable,
-        "-m",
-        "isthmus",
-        "train",
-        "--model.flavor",
-        opts.flavor,
-        "--train.steps",
-        str(opts.steps),
-        "--train.val_every",
-        "0",
-        "--metrics.progress",
-        "false",
-        "--data.cache_dir",
-        str(root / "cache"),
-        "--train.run_dir",
-        str(run_dir),
-        *flags,
-    ]
+    cmd = train_argv(opts.flavor, opts.steps, run_dir, "--data.cache_dir", str(root / "cache"), *flags)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "step_time_s" in r]
