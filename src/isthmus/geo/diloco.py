@@ -108,10 +108,7 @@ class DiLoCoSync(GeoSync):
         self.offsets = [f * self.inner_steps // self.n_fragments for f in range(self.n_fragments)]
         """Fragment f syncs after inner step t when (t + offsets[f]) % inner_steps == 0."""
         # Outer state, this rank's slice of each bucket. The snapshot is the global parameters.
-        self.snapshot = [
-            [self._shard(pack_params(params, b, self._zeros(b.padded)), b).clone() for b in frag]
-            for frag in self.fragments
-        ]
+        self.snapshot = [[self._local_slice(params, b).clone() for b in frag] for frag in self.fragments]
         self.momentum = [[torch.zeros_like(s) for s in frag] for frag in self.snapshot]
         self.residuals: list[list[Tensor]] | None = None
         if self.lossy and cfg.error_feedback:
@@ -180,10 +177,11 @@ class DiLoCoSync(GeoSync):
 
     def _outer_grads(self, f: int, params: list[nn.Parameter]) -> list[Tensor]:
         """Per bucket of fragment f, this rank's slice of snapshot - params (new tensors)."""
-        return [
-            self.snapshot[f][i] - self._shard(pack_params(params, b, self._zeros(b.padded)), b)
-            for i, b in enumerate(self.fragments[f])
-        ]
+        return [self.snapshot[f][i] - self._local_slice(params, b) for i, b in enumerate(self.fragments[f])]
+
+    def _local_slice(self, params: list[nn.Parameter], b: Bucket) -> Tensor:
+        """This rank's slice of bucket b's current parameter values (a new tensor)."""
+        return self._shard(pack_params(params, b, self._zeros(b.padded)), b)
 
     def _send(self, f: int, t: int, outer_grads: list[Tensor]) -> _Transfer:
         """Start averaging ``outer_grads`` (consumed: fp32 ones are reduced in place) across datacenters."""
@@ -254,9 +252,9 @@ class DiLoCoSync(GeoSync):
                 g = g.add(m, alpha=mu)
             snap = self.snapshot[f][i].sub_(g, alpha=lr)
             if keep_local:
-                merged = self._shard(pack_params(params, b, self._zeros(b.padded)), b).sub_(g, alpha=lr)
+                merged = self._local_slice(params, b).sub_(g, alpha=lr)
             elif self.alpha > 0:
-                local = self._shard(pack_params(params, b, self._zeros(b.padded)), b)
+                local = self._local_slice(params, b)
                 merged = local.mul_(self.alpha).add_(snap, alpha=1 - self.alpha)
             else:
                 merged = snap

@@ -58,7 +58,7 @@ from torch import Tensor, nn
 from isthmus.errors import ConfigError, IsthmusError
 from isthmus.geo import accounting
 from isthmus.geo.accounting import Scope
-from isthmus.geo.buckets import pack_params, unpack_params
+from isthmus.geo.buckets import unpack_params
 from isthmus.geo.config import GeoConfig, resolved_outer_dtype
 from isthmus.geo.diloco import DiLoCoSync, _Transfer
 from isthmus.geo.groups import GeoGroups
@@ -339,7 +339,7 @@ class FaultTolerantDiLoCo(DiLoCoSync):
         rnd.participants = n = self.manager.num_participants()
         for i, b in enumerate(self.fragments[f]):
             if contribute:
-                local = self._shard(pack_params(params, b, self._zeros(b.padded)), b)
+                local = self._local_slice(params, b)
                 outer_grad = self.snapshot[f][i] - local
             else:
                 outer_grad = torch.zeros_like(self.snapshot[f][i])

@@ -60,28 +60,24 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
         if not sequence_parallel:
             shard_block_locally(block, tp_mesh)
             continue
+        # Sequence parallel: torch's plans, activations sequence-sharded between the blocks.
         plan: dict[str, ParallelStyle] = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=between),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "attention_norm": SequenceParallel(),
+            "ffn_norm": SequenceParallel(),
+            # (x, cos, sin): gather the sequence for attention; rotary tables are plain tensors.
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+            ),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         }
         if getattr(block.get_submodule("feed_forward"), "w3", None) is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
-        if sequence_parallel:  # always true here; kept as the plan's own condition
-            plan.update(
-                {
-                    "attention_norm": SequenceParallel(),
-                    "ffn_norm": SequenceParallel(),
-                    # (x, cos, sin): gather the sequence for attention; rotary tables are plain tensors.
-                    "attention": PrepareModuleInput(
-                        input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-                    ),
-                    "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                }
-            )
         parallelize_module(block, tp_mesh, plan)
 
 
