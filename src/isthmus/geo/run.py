@@ -14,12 +14,14 @@ links. Two answers exist:
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from isthmus.config import MetricsConfig
@@ -164,17 +166,18 @@ class GeoRun:
         (0: from where this process stands)."""
         return 0
 
-    def step_metrics(self) -> dict[str, int]:
+    def step_metrics(self, wait: Callable[[dist.Work, str], None] | None = None) -> dict[str, int]:
         """What the step just taken sent, summed over ranks: ``<tier>_bytes`` per link tier from
         ``geo.sync`` (the WAN share is the point), ``wan_bytes`` from a pipeline across datacenters.
-        A collective: every rank calls it once per step."""
+        A collective: every rank calls it once per step (``wait``: see `total_over_ranks`)."""
         out: dict[str, int] = {}
         if self.sync is not None:
-            sent = total_over_ranks(bytes_delta(self._sync_sent_before, self.sync.bytes_sent))
+            sent = total_over_ranks(bytes_delta(self._sync_sent_before, self.sync.bytes_sent), wait=wait)
             self._sync_sent_before = dict(self.sync.bytes_sent)
             out.update({f"{tier}_bytes": n for tier, n in sent.items()})
         if self.pipeline_wan is not None:
-            out["wan_bytes"] = total_over_ranks(bytes_delta(self._pipeline_sent_before, self.pipeline_wan))["wan"]
+            delta = bytes_delta(self._pipeline_sent_before, self.pipeline_wan)
+            out["wan_bytes"] = total_over_ranks(delta, wait=wait)["wan"]
             self._pipeline_sent_before = dict(self.pipeline_wan)
         return out
 
@@ -259,8 +262,8 @@ class DatacenterJob(GeoRun):
         self._rounds_seen = len(self.ft_sync.history)
         return step
 
-    def step_metrics(self) -> dict[str, int]:
-        out = super().step_metrics()
+    def step_metrics(self, wait: Callable[[dist.Work, str], None] | None = None) -> dict[str, int]:
+        out = super().step_metrics(wait)
         assert self.ft_sync is not None
         history = self.ft_sync.history
         if len(history) > self._rounds_seen:

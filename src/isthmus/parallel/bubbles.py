@@ -156,7 +156,7 @@ class BubbleFiller:
         self._gaps: dict[int, deque[float]] = {}
         self._costs: dict[int, deque[float]] = {}
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isthmus-bubble-wait")
-        self._niced = NicedThread()
+        self._low_priority = IdlePriority()
 
     # --- cost model ---------------------------------------------------------------------
     def calibrate(self) -> None:
@@ -188,7 +188,7 @@ class BubbleFiller:
 
     # --- the hook -----------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
-        self.step, self._slot, self.tokens_this_step = step, 0, 0
+        self.step, self._slot = step, 0
 
     def wait(self, work: Any, name: str) -> None:
         """Wait for ``work``, running prefill chunks meanwhile when the slot's gap allows one."""
@@ -199,7 +199,7 @@ class BubbleFiller:
             work.wait()
             done = time.perf_counter()
         else:
-            future: Future[float] = self._waiter.submit(_wait_and_stamp, work, self._niced.restore)
+            future: Future[float] = self._waiter.submit(_wait_and_stamp, work, self._low_priority.restore)
             while not future.done():
                 left = expected - (time.perf_counter() - start) - SLACK_S
                 request = self._next_fitting(left)
@@ -232,7 +232,7 @@ class BubbleFiller:
         assert self.model is not None  # requests come with a model
         self.pending.remove(request)
         start = time.perf_counter()
-        with self._niced if slot is not None else nullcontext():
+        with self._low_priority if slot is not None else nullcontext():
             out = prefill(self.model, request.tokens, self.device)
         end = time.perf_counter()
         self._costs.setdefault(len(request.tokens), deque(maxlen=COST_HISTORY)).append(end - start)
@@ -253,22 +253,28 @@ class BubbleFiller:
         return left
 
 
-class NicedThread:
-    """Run a block at the lowest CPU priority (nice 19) on this thread, then restore it.
+class IdlePriority:
+    """Run a block at idle CPU priority on this thread, then restore it.
 
     Where the device is a CPU core shared with other work (the transport's threads, the other
     ranks, an emulator's forwarder), a filler chunk at normal priority takes CPU time from them and
-    so slows training; at nice 19 the kernel gives it only what they leave. Linux sets nice per
-    thread; restoring a lower value needs CAP_SYS_NICE (root), so without it this does nothing.
+    so slows training. Linux's SCHED_IDLE policy runs a thread only when nothing else wants the
+    core, and a waking normal thread preempts it at once; nice 19 (the fallback where SCHED_IDLE is
+    missing) still gets a 1.5% share and waits for the scheduler's tick to be preempted. Linux sets
+    both per thread; going back to normal needs CAP_SYS_NICE (root), so without it this does nothing.
     """
 
     def __init__(self) -> None:
         self.tid = threading.get_native_id()
         self.normal = os.getpriority(os.PRIO_PROCESS, self.tid)
         self.enabled = sys.platform == "linux" and os.geteuid() == 0
+        self.idle_policy = getattr(os, "SCHED_IDLE", None) if self.enabled else None
+        self.normal_policy = os.sched_getscheduler(self.tid) if self.idle_policy is not None else None
 
     def __enter__(self) -> None:
-        if self.enabled:
+        if self.idle_policy is not None:
+            os.sched_setscheduler(self.tid, self.idle_policy, os.sched_param(0))
+        elif self.enabled:
             os.setpriority(os.PRIO_PROCESS, self.tid, 19)
 
     def __exit__(self, *exc: object) -> None:
@@ -277,7 +283,10 @@ class NicedThread:
     def restore(self) -> None:
         """Back to normal priority; also called by the waiter thread the moment the transfer
         completes, so that a chunk running past it finishes at full speed."""
-        if self.enabled:
+        if self.normal_policy is not None:
+            os.sched_setscheduler(self.tid, self.normal_policy, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, self.tid, self.normal)
+        elif self.enabled:
             os.setpriority(os.PRIO_PROCESS, self.tid, self.normal)
 
 

@@ -81,7 +81,7 @@ class BubbleRun:
         self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, run_dir
         self.timeline = Timeline()
         self.filler: BubbleFiller | None = None
-        self._step_start = 0.0
+        self._window_start: float | None = None
         self.serving = bool(cfg.bubbles.prefill) and schedule is not None
         if schedule is None:
             return
@@ -109,7 +109,10 @@ class BubbleRun:
             fill_stage(st, self.filler)
 
     def begin_step(self, step: int) -> None:
-        self._step_start = time.perf_counter()
+        # Each step's window starts where the previous one ended, so that every second of the run
+        # (the metrics' own collectives, logging, checkpoints) falls in some step's busy fraction.
+        if self._window_start is None:
+            self._window_start = time.perf_counter()
         if self.filler is not None:
             self.filler.begin_step(step)
 
@@ -123,14 +126,21 @@ class BubbleRun:
 
     def end_step(self, step: int) -> dict[str, Any]:
         """This step's busy fraction of every rank, and the prefill tokens served in its bubbles
-        (summed over ranks). A collective: every rank calls it once per step."""
-        end = time.perf_counter()
-        self.timeline.add(f"step {step}", "step", self._step_start, end)
-        tokens = self.filler.tokens_this_step if self.filler is not None else 0
-        mine = torch.tensor([self.timeline.busy_fraction(self._step_start, end), float(tokens)], dtype=torch.float64)
+        (summed over ranks). A collective, every rank calls it once per step; its wait is filled
+        like the step's own, and counts towards the next step's window."""
+        start, end = self._window_start, time.perf_counter()
+        assert start is not None, "end_step without begin_step"
+        self._window_start = end
+        self.timeline.add(f"step {step}", "step", start, end)
+        tokens = 0
+        if self.filler is not None:
+            tokens, self.filler.tokens_this_step = self.filler.tokens_this_step, 0
+        mine = torch.tensor([self.timeline.busy_fraction(start, end), float(tokens)], dtype=torch.float64)
         if self.world > 1:
             every = [torch.zeros_like(mine) for _ in range(self.world)]
-            dist.all_gather(every, mine)
+            work = dist.all_gather(every, mine, async_op=True)
+            assert work is not None
+            self.wait(work, "all-gather busy")
         else:
             every = [mine]
         out: dict[str, Any] = {"busy": [round(float(t[0]), 4) for t in every]}

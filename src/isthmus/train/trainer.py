@@ -405,7 +405,8 @@ class Trainer:
                 result.losses.append(loss)
                 result.grad_norms.append(grad_norm)
                 # Bytes this step sent per link tier, and the datacenters in its outer round.
-                extra: dict[str, Any] = {"grad_norm": grad_norm, **self.geo_run.step_metrics()}
+                wait = self.bubbles.wait if self.bubbles is not None else None
+                extra: dict[str, Any] = {"grad_norm": grad_norm, **self.geo_run.step_metrics(wait)}
                 if self.bubbles is not None:
                     extra.update(self.bubbles.end_step(self.step))
                 if metrics is not None:
