@@ -105,11 +105,10 @@ def measure(ns: argparse.Namespace) -> dict[str, Any]:
     variants = ns.variants.split(",")
     rows = []
     settings = [(float(m), float(r)) for m in ns.mbit.split(",") for r in ns.rtt_ms.split(",")]
-    # ISTHMUS_MAX_STEPS (a smoke run, as the docs' test runs it): the first setting only (each is a set
-    # of emulated trainings of a minute each), at most N variants, rounds and steps.
+    # ISTHMUS_MAX_STEPS (a smoke run, as the docs' test runs it): the first setting and variant only
+    # (each emulated training takes half a minute to start and stop), at most N rounds and steps.
     if max_steps_override() is not None:
-        settings = settings[:1]
-    variants = variants[: capped(len(variants))]
+        settings, variants = settings[:1], variants[:1]
     ns.rounds, ns.steps = capped(ns.rounds), capped(ns.steps)
     with tempfile.TemporaryDirectory() as tmp:
         for i, (mbit, rtt) in enumerate(settings):
