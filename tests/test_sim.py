@@ -335,7 +335,8 @@ def test_streaming_diloco_hides_what_its_overlap_covers(mbit: float, tau: int) -
     from isthmus.planner.cost import estimate
 
     rate = mbit * 1e6 / 8
-    topo = load_topology("emulated-2dc").with_wan(bandwidth_gb_s=rate / 1e9)
+    # Without the shared host: the closed form gives every rank a core (Topology.host_cores).
+    topo = replace(load_topology("emulated-2dc").with_wan(bandwidth_gb_s=rate / 1e9), host_cores=None)
     lay = LayoutSpec(
         dp_replicate=2,
         datacenters=2,
@@ -361,6 +362,49 @@ def test_streaming_diloco_hides_what_its_overlap_covers(mbit: float, tau: int) -
     step0 = est.step_time_s - exposed
     assert exposed == pytest.approx((payload / 4 / rate - tau * step0) * 4 / 20, rel=0.02)
     assert sim.breakdown["wan"] == pytest.approx(exposed, rel=0.10)
+
+
+def test_ranks_sharing_a_hosts_cores_slow_down_only_while_more_compute_than_there_are_cores() -> None:
+    """`host_cores` (the emulator's ranks on this machine's cores): a device's compute is a flow on
+    the host's cores. Four data-parallel ranks on two cores all compute at once: their ops take
+    twice as long. A pipeline of two ranks on two cores: never more than two at once, no change.
+    A rank alone never runs faster than its core."""
+    from isthmus.planner.topology import parse_topology
+
+    def topo(devices: int, host_cores: int | None) -> object:
+        dc = {"name": "dc0", "device": "cpu", "nodes": 1, "devices_per_node": devices}
+        dc |= {
+            "intra_node": {"bandwidth_gb_s": 100, "latency_us": 1},
+            "fabric": {"bandwidth_gb_s": 100, "latency_us": 1},
+        }
+        data = {"name": "host", "datacenters": [dc]} | ({"host_cores": host_cores} if host_cores else {})
+        return parse_topology(data)
+
+    dp4 = LayoutSpec(dp_replicate=4, micro_batch=4)
+    alone, shared = (simulate(SMALL, topo(4, c), dp4, ISTHMUS, record=True) for c in (None, 2))  # type: ignore[arg-type]
+    ops = {name: [e for e in r.trace_events if e.cat in ("fwd", "bwd")] for name, r in (("a", alone), ("s", shared))}
+    assert ops["a"] and [e.end - e.start for e in ops["s"]] == pytest.approx([2 * (e.end - e.start) for e in ops["a"]])
+    assert shared.step_time_s > 1.6 * alone.step_time_s
+    pp2 = LayoutSpec(pp=2, microbatches=4, micro_batch=4)
+    assert simulate(SMALL, topo(2, 2), pp2, ISTHMUS).step_time_s == pytest.approx(  # type: ignore[arg-type]
+        simulate(SMALL, topo(2, None), pp2, ISTHMUS).step_time_s,
+        rel=1e-9,  # type: ignore[arg-type]
+    )
+    assert simulate(SMALL, topo(1, 4), LayoutSpec(micro_batch=16), ISTHMUS).step_time_s == pytest.approx(  # type: ignore[arg-type]
+        simulate(SMALL, topo(1, None), LayoutSpec(micro_batch=16), ISTHMUS).step_time_s,
+        rel=1e-9,  # type: ignore[arg-type]
+    )
+
+
+def test_bad_host_cores_is_one_line() -> None:
+    from isthmus.errors import ConfigError
+    from isthmus.planner.topology import parse_topology
+
+    dc = {"name": "dc0", "device": "cpu", "nodes": 1, "devices_per_node": 2}
+    dc |= {"intra_node": {"bandwidth_gb_s": 1, "latency_us": 1}, "fabric": {"bandwidth_gb_s": 1, "latency_us": 1}}
+    for bad in (0, 1.5, "two"):
+        with pytest.raises(ConfigError, match="topology.host_cores"):
+            parse_topology({"datacenters": [dc], "host_cores": bad})
 
 
 # --- outputs --------------------------------------------------------------------------------------

@@ -169,6 +169,11 @@ class Topology:
     wan: dict[frozenset[str], Link] = field(default_factory=dict)
     """WAN link per unordered pair of datacenter names."""
     description: str = ""
+    host_cores: int | None = None
+    """Set when every device is a one-thread process on one host of this many cores (an emulated
+    topology, `isthmus emulate`): up to this many compute at full speed, more share the cores.
+    The simulator runs their compute on the shared cores; the closed-form cost model does not know
+    which devices compute at once and leaves it out."""
 
     @property
     def n_devices(self) -> int:
@@ -275,7 +280,7 @@ def _read_toml(path: Path, key: str) -> dict[str, Any]:
 
 def parse_topology(data: dict[str, Any], default_name: str = "topology") -> Topology:
     """Build and check a Topology from parsed TOML; ConfigError names the offending key."""
-    _no_unknown(data, {"name", "description", "devices", "datacenters", "wan"}, "topology")
+    _no_unknown(data, {"name", "description", "host_cores", "devices", "datacenters", "wan"}, "topology")
     kinds = device_kinds()
     extra = data.get("devices", {})
     if not isinstance(extra, dict):
@@ -298,7 +303,8 @@ def parse_topology(data: dict[str, Any], default_name: str = "topology") -> Topo
     name = data.get("name", default_name)
     if not isinstance(name, str):
         raise ConfigError("topology.name", name, "must be a string")
-    return Topology(name, dcs, wan, str(data.get("description", "")))
+    host_cores = _integer(data, "host_cores", "topology") if "host_cores" in data else None
+    return Topology(name, dcs, wan, str(data.get("description", "")), host_cores)
 
 
 def _no_unknown(table: dict[str, Any], allowed: set[str], where: str) -> None:

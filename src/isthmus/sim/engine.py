@@ -20,6 +20,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 DONE_S = 1e-9
@@ -300,17 +301,26 @@ Program = Iterator[tuple[Any, ...]]
 
 
 class Device:
-    """One compute stream running one program."""
+    """One compute stream running one program.
 
-    __slots__ = ("engine", "index", "track", "program", "busy", "by_cat", "finished", "done")
+    With ``host`` (a :class:`Link` standing for a host's CPU cores, `Topology.host_cores`) each
+    compute is a flow on it of weight ``host_weight`` (the devices this one stands for over the
+    cores) that never runs faster than nominal: while more devices compute than there are cores,
+    all of them slow down together, as one-thread processes on a shared host do.
+    """
 
-    def __init__(self, engine: Engine, index: int, program: Program) -> None:
+    __slots__ = ("engine", "index", "track", "program", "busy", "by_cat", "finished", "done", "host", "host_weight")
+
+    def __init__(
+        self, engine: Engine, index: int, program: Program, host: Link | None = None, host_weight: float = 0.0
+    ) -> None:
         self.engine, self.index, self.program = engine, index, program
         self.track = f"device:{index}"
         self.busy = 0.0
         self.by_cat: dict[str, float] = {}
         self.finished = 0.0
         self.done = Token()
+        self.host, self.host_weight = host, host_weight
 
     def start(self) -> None:
         self.engine.at(self.engine.now, self._step)
@@ -323,19 +333,15 @@ class Device:
                 _, seconds, name, cat, detail = instr
                 if seconds <= 0:
                     continue
-                start = eng.now
-                self.busy += seconds
                 if detail:
                     for _, dur, _, c in detail:
                         self.by_cat[c] = self.by_cat.get(c, 0.0) + dur
                 else:
                     self.by_cat[cat] = self.by_cat.get(cat, 0.0) + seconds
-                if eng.record:
-                    eng.log(self.track, "compute", name, cat, start, start + seconds)
-                    for off, dur, sub, c in detail or ():
-                        if c in ("tp", "cp"):
-                            eng.log(self.track, c, sub, c, start + off, start + off + dur)
-                eng.at(start + seconds, self._step)
+                if self.host is not None:
+                    self.host.add(seconds, self.host_weight, 1.0, partial(self._computed, eng.now, seconds, instr))
+                else:
+                    eng.at(eng.now + seconds, self._computed, eng.now, seconds, instr)
                 return
             if op == "wait":
                 token: Token = instr[1]
@@ -350,6 +356,19 @@ class Device:
                 raise AssertionError(f"unknown instruction {op!r}")
         self.finished = eng.now
         eng.fire(self.done)
+
+    def _computed(self, start: float, nominal: float, instr: tuple[Any, ...]) -> None:
+        """A compute has ended (``nominal`` seconds of work, longer on a crowded host): log it, go on."""
+        eng = self.engine
+        _, _, name, cat, detail = instr
+        self.busy += eng.now - start
+        if eng.record:
+            eng.log(self.track, "compute", name, cat, start, eng.now)
+            stretch = (eng.now - start) / nominal
+            for off, dur, sub, c in detail or ():
+                if c in ("tp", "cp"):
+                    eng.log(self.track, c, sub, c, start + off * stretch, start + (off + dur) * stretch)
+        self._step()
 
     def _resume(self) -> None:
         self._step()

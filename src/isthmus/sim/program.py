@@ -125,7 +125,13 @@ class Simulation:
         self.iter_start = [Token() for _ in range(iterations + 1)]
         self.iter_time: list[float] = []
         self.streams = {(r, "gather"): Stream() for r in range(p)}
-        self.devices = [Device(self.engine, r, self._program(r)) for r in range(p)]
+        host, weight = None, 0.0
+        if topo.host_cores is not None:
+            # Every simulated device stands for the tp x cp x dp devices of its pipeline rank, all
+            # one-thread processes on the same cores (Device's docstring).
+            host = Link(self.engine, "host cores", "cpu")
+            weight = layout.tp * layout.cp * layout.dp / topo.host_cores
+        self.devices = [Device(self.engine, r, self._program(r), host, weight) for r in range(p)]
         self._left = p
 
     # --- building --------------------------------------------------------------------------------
