@@ -33,7 +33,7 @@ def test_the_plain_run_is_the_whole_run() -> None:
     assert run.metrics_config(mcfg) is mcfg
     assert run.join([]) == 0
     # Nothing crosses a datacenter: no per-step metrics, an empty summary.
-    assert run.step_metrics() == {} and run.finish([]) == {}
+    assert run.step_metrics(run.step_counters()) == {} and run.finish([]) == {}
 
 
 def test_replica_keys_under_diloco() -> None:
@@ -48,10 +48,10 @@ def test_per_step_bytes_are_deltas_and_the_summary_is_the_total() -> None:
     sent = new_counter()
     run.sync = SimpleNamespace(bytes_sent=sent, finish=lambda params: None)  # type: ignore[assignment]
     sent["wan"] += 10
-    assert run.step_metrics() == {"intra_node_bytes": 0, "intra_dc_bytes": 0, "wan_bytes": 10}
+    assert run.step_metrics(run.step_counters()) == {"intra_node_bytes": 0, "intra_dc_bytes": 0, "wan_bytes": 10}
     sent["wan"] += 5
     sent["intra_dc"] += 2
-    assert run.step_metrics() == {"intra_node_bytes": 0, "intra_dc_bytes": 2, "wan_bytes": 5}
+    assert run.step_metrics(run.step_counters()) == {"intra_node_bytes": 0, "intra_dc_bytes": 2, "wan_bytes": 5}
     assert run.finish([]) == {"intra_node": 0, "intra_dc": 2, "wan": 15}
 
 
@@ -59,9 +59,9 @@ def test_pipeline_across_datacenters_reports_wan_only() -> None:
     run = GeoRun(GeoConfig(datacenters=2, dc_axis="pp"))
     run.pipeline_wan = new_counter()
     run.pipeline_wan["wan"] = 7
-    assert run.step_metrics() == {"wan_bytes": 7}
+    assert run.step_metrics(run.step_counters()) == {"wan_bytes": 7}
     run.pipeline_wan["wan"] = 9
-    assert run.step_metrics() == {"wan_bytes": 2}
+    assert run.step_metrics(run.step_counters()) == {"wan_bytes": 2}
     assert run.finish([]) == {"wan": 9}
 
 
@@ -89,10 +89,10 @@ def test_a_datacenter_job_reports_the_quorum_of_each_new_round() -> None:
     sync = SimpleNamespace(bytes_sent=new_counter(), history=history, join=lambda params: 0)
     job.ft_sync = job.sync = sync  # type: ignore[assignment]
     assert job.join([]) == 0
-    assert "dc_quorum" not in job.step_metrics()  # no round in this step
+    assert "dc_quorum" not in job.step_metrics(job.step_counters())  # no round in this step
     history.append(SimpleNamespace(participants=1))
-    assert job.step_metrics()["dc_quorum"] == 1
-    assert "dc_quorum" not in job.step_metrics()
+    assert job.step_metrics(job.step_counters())["dc_quorum"] == 1
+    assert "dc_quorum" not in job.step_metrics(job.step_counters())
 
 
 def test_build_geo_run_reads_the_datacenter_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,7 +17,6 @@ last rank of each datacenter only; sum :func:`total_over_ranks` for what crossed
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -80,22 +79,11 @@ def bytes_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]
     return {tier: after[tier] - before.get(tier, 0) for tier in after}
 
 
-def total_over_ranks(
-    bytes_sent: dict[str, int],
-    group: dist.ProcessGroup | None = None,
-    wait: Callable[[dist.Work, str], None] | None = None,
-) -> dict[str, int]:
-    """Sum of every rank's counter (a collective on ``group``): what crossed each tier in total.
-    ``wait`` waits for the all-reduce instead of blocking on it (bubble filling: across a WAN the
-    reduction takes round trips, which are a rank's idle time like any other wait)."""
+def total_over_ranks(bytes_sent: dict[str, int], group: dist.ProcessGroup | None = None) -> dict[str, int]:
+    """Sum of every rank's counter (a collective on ``group``): what crossed each tier in total."""
     t = torch.tensor([bytes_sent[tier] for tier in TIERS], dtype=torch.int64)
     if dist.is_initialized():
-        work = dist.all_reduce(t, group=group, async_op=True)
-        assert work is not None
-        if wait is not None:
-            wait(work, "all-reduce bytes sent")
-        else:
-            work.wait()
+        dist.all_reduce(t, group=group)
     return dict(zip(TIERS, t.tolist()))
 
 

@@ -14,18 +14,17 @@ links. Two answers exist:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from isthmus.config import MetricsConfig
-from isthmus.geo.accounting import bytes_delta, format_bytes, new_counter, total_over_ranks
+from isthmus.geo.accounting import TIERS, bytes_delta, format_bytes, new_counter, total_over_ranks
 from isthmus.geo.config import GeoConfig
 from isthmus.geo.fault import FaultTolerantDiLoCo, FaultTolerantJob, build_fault_tolerant_sync, job_from_env
 from isthmus.geo.groups import build_geo_groups
@@ -166,19 +165,30 @@ class GeoRun:
         (0: from where this process stands)."""
         return 0
 
-    def step_metrics(self, wait: Callable[[dist.Work, str], None] | None = None) -> dict[str, int]:
-        """What the step just taken sent, summed over ranks: ``<tier>_bytes`` per link tier from
-        ``geo.sync`` (the WAN share is the point), ``wan_bytes`` from a pipeline across datacenters.
-        A collective: every rank calls it once per step (``wait``: see `total_over_ranks`)."""
+    def step_counters(self) -> list[int]:
+        """This rank's bytes sent since the previous call, for the trainer to sum over ranks in the
+        step's loss all-reduce (one collective a step instead of two: across a WAN each is a round
+        trip or more): the link tiers of ``geo.sync``, then the pipeline's WAN bytes."""
+        out: list[int] = []
+        if self.sync is not None:
+            delta = bytes_delta(self._sync_sent_before, self.sync.bytes_sent)
+            self._sync_sent_before = dict(self.sync.bytes_sent)
+            out += [delta[tier] for tier in TIERS]
+        if self.pipeline_wan is not None:
+            out.append(bytes_delta(self._pipeline_sent_before, self.pipeline_wan)["wan"])
+            self._pipeline_sent_before = dict(self.pipeline_wan)
+        return out
+
+    def step_metrics(self, totals: Sequence[int]) -> dict[str, int]:
+        """What the step just taken sent, from `step_counters` summed over ranks: ``<tier>_bytes``
+        per link tier from ``geo.sync`` (the WAN share is the point), ``wan_bytes`` from a pipeline
+        across datacenters."""
+        values = iter(totals)
         out: dict[str, int] = {}
         if self.sync is not None:
-            sent = total_over_ranks(bytes_delta(self._sync_sent_before, self.sync.bytes_sent), wait=wait)
-            self._sync_sent_before = dict(self.sync.bytes_sent)
-            out.update({f"{tier}_bytes": n for tier, n in sent.items()})
+            out.update({f"{tier}_bytes": int(next(values)) for tier in TIERS})
         if self.pipeline_wan is not None:
-            delta = bytes_delta(self._pipeline_sent_before, self.pipeline_wan)
-            out["wan_bytes"] = total_over_ranks(delta, wait=wait)["wan"]
-            self._pipeline_sent_before = dict(self.pipeline_wan)
+            out["wan_bytes"] = int(next(values))
         return out
 
     def finish(self, params: list[nn.Parameter]) -> dict[str, int]:
@@ -262,8 +272,8 @@ class DatacenterJob(GeoRun):
         self._rounds_seen = len(self.ft_sync.history)
         return step
 
-    def step_metrics(self, wait: Callable[[dist.Work, str], None] | None = None) -> dict[str, int]:
-        out = super().step_metrics(wait)
+    def step_metrics(self, totals: Sequence[int]) -> dict[str, int]:
+        out = super().step_metrics(totals)
         assert self.ft_sync is not None
         history = self.ft_sync.history
         if len(history) > self._rounds_seen:

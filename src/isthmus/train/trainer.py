@@ -11,6 +11,7 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -112,6 +113,8 @@ class Trainer:
         # The whole run, or (geo.fault_tolerant) one datacenter's job of it: the layout checked
         # below is still the whole run's.
         self.geo_run = build_geo_run(cfg.geo)
+        self.summed_counters: list[int] = []
+        """The last step's `GeoRun.step_counters`, summed over ranks (`_mean_over_ranks`)."""
         self.run_dir = self.geo_run.run_dir(Path(t.run_dir))
         self.data = self._prepare_data()
         self.model_args = a = resolve_model_args(cfg.model, self.data.tokenizer.vocab_size)
@@ -296,20 +299,26 @@ class Trainer:
             return nullcontext()
         return self.bubbles.timeline.span(what, "optimizer" if what == "optimizer" else "forward")
 
-    def _mean_over_ranks(self, local: torch.Tensor | None, fill: bool = False) -> float:
-        """Average a per-rank loss over the ranks that computed one (last pipeline stage; every dp/cp rank)."""
+    def _mean_over_ranks(self, local: torch.Tensor | None, fill: bool = False, counters: Sequence[int] = ()) -> float:
+        """Average a per-rank loss over the ranks that computed one (last pipeline stage; every dp/cp rank).
+        ``counters`` ride along, summed over ranks into ``self.summed_counters`` (exact in float64
+        below 2**53): the step's byte counts cost no collective of their own."""
         if self.world == 1:
             assert local is not None
+            self.summed_counters = list(counters)
             return float(local)
-        value = torch.zeros(2, dtype=torch.float64)
+        value = torch.zeros(2 + len(counters), dtype=torch.float64)
         if local is not None:
             value[0], value[1] = float(local), 1.0
+        if counters:
+            value[2:] = torch.tensor(counters, dtype=torch.float64)
         work = dist.all_reduce(value, async_op=True)
         assert work is not None
         if self.bubbles is not None and fill:
             self.bubbles.wait(work, "all-reduce loss")  # stages without the loss wait here for the last one
         else:
             work.wait()
+        self.summed_counters = [int(v) for v in value[2:].tolist()]
         return float(value[0] / value[1])
 
     # --- one optimizer step -------------------------------------------------------------
@@ -346,7 +355,7 @@ class Trainer:
             self.geo.after_optimizer_step(self.step, self.pm.parameters())
         self.step += 1
         local = torch.stack(losses).mean() if losses else None
-        return self._mean_over_ranks(local, fill=True), grad_norm
+        return self._mean_over_ranks(local, fill=True, counters=self.geo_run.step_counters()), grad_norm
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -405,8 +414,7 @@ class Trainer:
                 result.losses.append(loss)
                 result.grad_norms.append(grad_norm)
                 # Bytes this step sent per link tier, and the datacenters in its outer round.
-                wait = self.bubbles.wait if self.bubbles is not None else None
-                extra: dict[str, Any] = {"grad_norm": grad_norm, **self.geo_run.step_metrics(wait)}
+                extra: dict[str, Any] = {"grad_norm": grad_norm, **self.geo_run.step_metrics(self.summed_counters)}
                 if self.bubbles is not None:
                     extra.update(self.bubbles.end_step(self.step))
                 if metrics is not None:
