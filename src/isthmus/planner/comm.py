@@ -38,6 +38,8 @@ class Span:
     """The slowest WAN link of the ring through the group's datacenters."""
     concurrent: int = 1
     """Groups of this shape that cross the WAN at the same time (they share its bandwidth)."""
+    streams: int = 1
+    """TCP connections each member's WAN transfer is split over (``geo.wan_streams``)."""
 
     @property
     def size(self) -> int:
@@ -57,7 +59,8 @@ class Span:
         if self.dcs > 1:
             assert self.wan is not None, "a span over datacenters needs its WAN link"
             share = self.per_node * self.nodes * self.concurrent
-            out.append((self.dcs, self.wan.bandwidth / share, self.wan.latency))
+            # All members' connections at once: the link, or their windows per round trip (`Link.rate`).
+            out.append((self.dcs, self.wan.rate(share * self.streams) / share, self.wan.latency))
         return out
 
 

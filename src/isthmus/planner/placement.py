@@ -64,12 +64,14 @@ class Placement:
         return [self.sites[i].dc.kind for i in self.stage_sites[rank]]
 
 
-def _span(size: int, stride: int, dc: Datacenter, dcs: int = 1, wan: Link | None = None, concurrent: int = 1) -> Span:
+def _span(
+    size: int, stride: int, dc: Datacenter, dcs: int = 1, wan: Link | None = None, concurrent: int = 1, streams: int = 1
+) -> Span:
     """The span of ``size`` members spaced ``stride`` ranks apart (``dcs`` of them across datacenters)."""
     g = dc.devices_per_node
     per_dc = size // dcs
     per_node = 1 if stride >= g else max(1, min(per_dc, g // stride))
-    return Span(per_node, max(1, per_dc // per_node), dcs, dc.intra_node, dc.fabric, wan, concurrent)
+    return Span(per_node, max(1, per_dc // per_node), dcs, dc.intra_node, dc.fabric, wan, concurrent, streams)
 
 
 def _ring_order(topo: Topology, idx: list[int], closed: bool) -> tuple[list[int], Link | None]:
@@ -86,7 +88,7 @@ def _ring_order(topo: Topology, idx: list[int], closed: bool) -> tuple[list[int]
         score = (-worst.bandwidth, sum(l.latency for l in links))
         if best is None or score < best:
             best, best_order = score, order
-            best_link = Link(worst.bandwidth, max(l.latency for l in links))
+            best_link = Link(worst.bandwidth, max(l.latency for l in links), min(l.window for l in links))
     return best_order, best_link
 
 
@@ -189,8 +191,8 @@ def place(topo: Topology, layout: LayoutSpec) -> Placement:
                 tp=_span(t, 1, dc),
                 cp=_span(c, t, dc),
                 shard=_span(s * c, t, dc),
-                replicate=_span(layout.replicas, s * c * t, dc, over, ring_link, rep_conc),
-                sync=_span(layout.dp * c, t, dc, over, ring_link, sync_conc),
+                replicate=_span(layout.replicas, s * c * t, dc, over, ring_link, rep_conc, layout.wan_streams),
+                sync=_span(layout.dp * c, t, dc, over, ring_link, sync_conc, layout.wan_streams),
                 pp_link=dc.intra_node if pp_stride < dc.devices_per_node else dc.fabric,
             )
         )
