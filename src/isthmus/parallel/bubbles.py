@@ -285,8 +285,7 @@ class IdlePriority:
         completes, so that a chunk running past it finishes at full speed."""
         if self.normal_policy is not None:
             os.sched_setscheduler(self.tid, self.normal_policy, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, self.tid, self.normal)
-        elif self.enabled:
+        if self.enabled:
             os.setpriority(os.PRIO_PROCESS, self.tid, self.normal)
 
 
