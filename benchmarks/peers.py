@@ -257,7 +257,7 @@ def torch_step(mode: str, trainer: object) -> pc.Step:
 
 def isthmus_step(trainer: object) -> pc.Step:
     def step() -> float:
-        return trainer.train_step()[0]  # type: ignore[attr-defined]
+        return trainer.train_step()[0].loss  # type: ignore[attr-defined]
 
     return step
 

@@ -148,7 +148,7 @@ def _rank(
         step_fn, after_fn, join_fn = trainer.train_step, sync.after_optimizer_step, sync.join
         round_fn, all_reduce_fn = sync._start_round, sync._ft_all_reduce
 
-        def train_step() -> tuple[float, float]:
+        def train_step() -> Any:
             if trainer.step == pause_before:
                 (control / f"{me}-at-{trainer.step}").touch()
                 _wait_for(control / f"{tag}-go-{trainer.step}")

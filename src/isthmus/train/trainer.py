@@ -11,7 +11,6 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -44,6 +43,7 @@ from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
 from isthmus.train.short_run import max_steps_override
 from isthmus.train.step import cross_entropy, forward_backward, loss_context, shard_batch
+from isthmus.train.step_sum import StepSum
 
 
 @dataclass
@@ -82,6 +82,18 @@ class Progress:
         self.changed.set()
 
 
+@dataclass
+class _OpenStep:
+    """A finished optimizer step whose loss is still being summed over ranks."""
+
+    step: int
+    lr: float
+    seconds: float
+    sum: StepSum
+    grad_norm: float
+    extra: dict[str, Any]
+
+
 def init_distributed(backend: str, device: torch.device) -> tuple[int, bool]:
     """Join the process group the launcher prepared (RANK/WORLD_SIZE in the environment).
 
@@ -113,8 +125,6 @@ class Trainer:
         # The whole run, or (geo.fault_tolerant) one datacenter's job of it: the layout checked
         # below is still the whole run's.
         self.geo_run = build_geo_run(cfg.geo)
-        self.summed_counters: list[int] = []
-        """The last step's `GeoRun.step_counters`, summed over ranks (`_mean_over_ranks`)."""
         self.run_dir = self.geo_run.run_dir(Path(t.run_dir))
         self.data = self._prepare_data()
         self.model_args = a = resolve_model_args(cfg.model, self.data.tokenizer.vocab_size)
@@ -250,7 +260,7 @@ class Trainer:
             groups.append(self.checkpointer.group)
         set_group_timeouts(self.cfg.parallel.timeout_s, groups)
 
-    def _check_finite(self, loss: float, grad_norm: float, lr: float) -> None:
+    def _check_finite(self, loss: float, grad_norm: float, lr: float, step: int) -> None:
         """Stop at the first non-finite loss or gradient norm, before the step's metrics or checkpoint.
 
         Every rank sees the same values (both are reduced over ranks), so every rank stops here. A save
@@ -263,7 +273,7 @@ class Trainer:
         t = self.cfg.train
         change = f"lower train.lr (now {lr:g})" + (" or train.dtype = fp32" if t.dtype == "bf16" else "")
         raise RunFailed(
-            f"{what} at step {self.step}; {resume_note(self.checkpointer.root, self.cfg.checkpoint.every)}; {change}"
+            f"{what} at step {step}; {resume_note(self.checkpointer.root, self.cfg.checkpoint.every)}; {change}"
         )
 
     def _mesh_group(self, dim: str) -> dist.ProcessGroup:
@@ -299,31 +309,14 @@ class Trainer:
             return nullcontext()
         return self.bubbles.timeline.span(what, "optimizer" if what == "optimizer" else "forward")
 
-    def _mean_over_ranks(self, local: torch.Tensor | None, fill: bool = False, counters: Sequence[int] = ()) -> float:
-        """Average a per-rank loss over the ranks that computed one (last pipeline stage; every dp/cp rank).
-        ``counters`` ride along, summed over ranks into ``self.summed_counters`` (exact in float64
-        below 2**53): the step's byte counts cost no collective of their own."""
-        if self.world == 1:
-            assert local is not None
-            self.summed_counters = list(counters)
-            return float(local)
-        value = torch.zeros(2 + len(counters), dtype=torch.float64)
-        if local is not None:
-            value[0], value[1] = float(local), 1.0
-        if counters:
-            value[2:] = torch.tensor(counters, dtype=torch.float64)
-        work = dist.all_reduce(value, async_op=True)
-        assert work is not None
-        if self.bubbles is not None and fill:
-            self.bubbles.wait(work, "all-reduce loss")  # stages without the loss wait here for the last one
-        else:
-            work.wait()
-        self.summed_counters = [int(v) for v in value[2:].tolist()]
-        return float(value[0] / value[1])
+    def _mean_over_ranks(self, local: torch.Tensor | None) -> float:
+        """Average a per-rank loss over the ranks that computed one (last pipeline stage; every dp/cp rank)."""
+        return StepSum(local, (), self.world).loss
 
     # --- one optimizer step -------------------------------------------------------------
-    def train_step(self) -> tuple[float, float]:
-        """Forward/backward over grad_accum micro-batches, clip, step. Returns (mean loss, gradient norm)."""
+    def train_step(self) -> tuple[StepSum, float]:
+        """Forward/backward over grad_accum micro-batches, clip, step. Returns the step's loss on its
+        way to the mean over ranks (with the step's byte counters; `StepSum`) and the gradient norm."""
         t = self.cfg.train
         if self.bubbles is not None:
             self.bubbles.begin_step(self.step + 1)
@@ -355,7 +348,7 @@ class Trainer:
             self.geo.after_optimizer_step(self.step, self.pm.parameters())
         self.step += 1
         local = torch.stack(losses).mean() if losses else None
-        return self._mean_over_ranks(local, fill=True, counters=self.geo_run.step_counters()), grad_norm
+        return StepSum(local, self.geo_run.step_counters(), self.world), grad_norm
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -401,32 +394,39 @@ class Trainer:
         result = TrainResult(run_dir=self.run_dir, n_params=self.n_params, world_size=self.world)
         step_times: list[float] = []
         start = time.perf_counter()
+        # The step whose loss is still being summed over ranks: closed (logged) after the next step
+        # has computed, so that the sum crosses the network behind it (see train/step_sum.py).
+        open_step: _OpenStep | None = None
         try:
             while self.step < t.steps:
                 step_start = time.perf_counter()
                 lr = float(self.scheduler.get_last_lr()[0])
-                loss, grad_norm = self.train_step()
+                step_sum, grad_norm = self.train_step()
+                if open_step is not None:
+                    self._close_step(open_step, result, metrics)
                 step_times.append(time.perf_counter() - step_start)
-                self._check_finite(loss, grad_norm, self.cfg.train.lr)
                 self.progress.advance(self.step)
                 if len(step_times) == 1:
                     self._set_timeouts()
-                result.losses.append(loss)
-                result.grad_norms.append(grad_norm)
-                # Bytes this step sent per link tier, and the datacenters in its outer round.
-                extra: dict[str, Any] = {"grad_norm": grad_norm, **self.geo_run.step_metrics(self.summed_counters)}
-                if self.bubbles is not None:
-                    extra.update(self.bubbles.end_step(self.step))
-                if metrics is not None:
-                    metrics.log_step(self.step, loss, lr, step_times[-1], extra)
-                if (t.val_every and self.step % t.val_every == 0) or self.step == t.steps:
+                # The busy fractions are a collective of their own, made at the step's end.
+                extra = self.bubbles.end_step(self.step) if self.bubbles is not None else {}
+                open_step = _OpenStep(self.step, lr, step_times[-1], step_sum, grad_norm, extra)
+                validate = bool(t.val_every and self.step % t.val_every == 0) or self.step == t.steps
+                save = self.checkpointer.due(self.step, last=self.step == t.steps)
+                if validate or save:
+                    # Both see the state after this step, and a checkpoint only a finite one.
+                    self._close_step(open_step, result, metrics)
+                    open_step = None
+                if validate:
                     val = self.validate()
                     result.val_losses.append((self.step, val))
                     if metrics is not None:
                         metrics.log_val(self.step, val)
                 self.checkpointer.poll()
-                if self.checkpointer.due(self.step, last=self.step == t.steps):
+                if save:
                     self.checkpointer.save(self.step, self.train_state)
+            if open_step is not None:
+                self._close_step(open_step, result, metrics)
         except BaseException:
             self.checkpointer.abandon()
             raise
@@ -448,6 +448,18 @@ class Trainer:
         result.peak_source = describe_peak(self.device, t.dtype)
         self._save_final_model()
         return result
+
+    def _close_step(self, done: _OpenStep, result: TrainResult, metrics: MetricsLogger | None) -> None:
+        """Collect a step's loss and byte counts summed over ranks; check and log them."""
+        done.sum.wait(self.bubbles.wait if self.bubbles is not None else None)
+        self._check_finite(done.sum.loss, done.grad_norm, done.lr, done.step)
+        result.losses.append(done.sum.loss)
+        result.grad_norms.append(done.grad_norm)
+        # Bytes this step sent per link tier, and the datacenters in its outer round.
+        extra: dict[str, Any] = {"grad_norm": done.grad_norm, **self.geo_run.step_metrics(done.sum.counters)}
+        extra.update(done.extra)
+        if metrics is not None:
+            metrics.log_step(done.step, done.sum.loss, done.lr, done.seconds, extra)
 
     def _metrics_logger(self, throughput: ThroughputModel) -> MetricsLogger | None:
         """Rank 0's metrics logger (None on the others)."""
