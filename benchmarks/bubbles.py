@@ -141,24 +141,12 @@ def run(topology: Path, mbit: float, rtt_ms: float, steps: int, prefill: str, ou
 
 def served_equal_alone(run_dir: Path) -> dict[str, int]:
     """Every request the run served (its prefill.jsonl) against the same prefill run alone, outside
-    training: the run's resolved config, its tokenizer's vocabulary, one thread as its ranks ran."""
-    import torch
+    training (`isthmus.train.bubbles.prefill_alone`)."""
+    from isthmus.train.bubbles import prefill_alone
 
-    from isthmus.config import build_config
-    from isthmus.data.tokenizer import load_tokenizer
-    from isthmus.models.resolve import resolve_model_args
-    from isthmus.parallel.bubbles import prefill
-    from isthmus.train.bubbles import load_requests, serving_model
-
-    cfg = build_config(run_dir / "config.toml", [])
-    tokenizer = load_tokenizer(run_dir)
-    args = resolve_model_args(cfg.model, tokenizer.vocab_size)
-    model = serving_model(cfg, args, tokenizer.vocab_size, torch.device("cpu"))
-    requests = {r.id: r.tokens for r in load_requests(cfg, tokenizer, tokenizer.vocab_size)}
     served = [json.loads(line) for line in (run_dir / "prefill.jsonl").read_text().splitlines()]
-    torch.set_num_threads(cfg.train.threads)
+    alone = prefill_alone(run_dir)
     keys = ("next_token", "logits_sha256")
-    alone = {r["id"]: prefill(model, requests[r["id"]], torch.device("cpu")) for r in served}
     equal = sum(all(r[k] == alone[r["id"]][k] for k in keys) for r in served)
     return {"equal": equal, "served": len(served), "in_bubbles": sum(r["step"] is not None for r in served)}
 

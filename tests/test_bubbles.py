@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from isthmus.cli import main
-from isthmus.config import JobConfig
+from isthmus.train.bubbles import prefill_alone
 
 # The trained model is wider than `tiny`, so that its stages leave each other waits of several
 # milliseconds; the requests are served by `tiny` (short prompts, well under a millisecond each).
@@ -52,25 +52,6 @@ def _train(tmp: Path, name: str, *flags: str) -> tuple[list[tuple[float, float]]
     return [(r["loss"], r["grad_norm"]) for r in records if "loss" in r], run_dir
 
 
-def _prefill_alone(run_dir: Path) -> dict[str, dict[str, object]]:
-    """The same requests through the same prefill function, outside any training run."""
-    from isthmus.data.tokenizer import ByteTokenizer
-    from isthmus.parallel.bubbles import prefill
-    from isthmus.train.bubbles import load_requests, serving_model
-
-    cfg = JobConfig()  # train.seed as in the runs, which leave it at its default
-    cfg.bubbles.prefill, cfg.bubbles.model = BUBBLES[1], BUBBLES[3]
-    tokenizer = ByteTokenizer()
-    requests = load_requests(cfg, tokenizer, 256)
-    model = serving_model(cfg, None, 256, torch.device("cpu"))  # type: ignore[arg-type]  # a flavor: no run shape
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the ranks ran (train.threads = 1)
-    try:
-        return {r.id: prefill(model, r.tokens, torch.device("cpu")) for r in requests}
-    finally:
-        torch.set_num_threads(old)
-
-
 @pytest.mark.slow
 def test_filling_changes_no_training_value_and_serves_every_request(tmp_path: Path) -> None:
     plain, plain_dir = _train(tmp_path, "plain")
@@ -82,7 +63,7 @@ def test_filling_changes_no_training_value_and_serves_every_request(tmp_path: Pa
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     served = [json.loads(line) for line in (filled_dir / "prefill.jsonl").read_text().splitlines()]
-    alone = _prefill_alone(filled_dir)
+    alone = prefill_alone(filled_dir)  # the run's own config and tokenizer, one thread as its ranks
     assert sorted(r["id"] for r in served) == sorted(alone)
     for r in served:
         assert (r["next_token"], r["logits_sha256"]) == (alone[r["id"]]["next_token"], alone[r["id"]]["logits_sha256"])

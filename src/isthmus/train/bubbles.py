@@ -28,7 +28,7 @@ from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.flavors import get_flavor
 from isthmus.models.llama import build_model, init_weights
-from isthmus.parallel.bubbles import BubbleFiller, Request, Timeline, fill_stage, time_stage
+from isthmus.parallel.bubbles import BubbleFiller, Request, Timeline, fill_stage, prefill, time_stage
 from isthmus.parallel.pipeline import local_stages
 
 
@@ -62,6 +62,27 @@ def serving_model(cfg: JobConfig, run_args: ModelArgs, vocab: int, device: torch
             load_weights([model], open_weights(cfg.model.init_from, args))
     model.eval().requires_grad_(False)
     return model
+
+
+def prefill_alone(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Every request of a finished run's ``bubbles.prefill``, prefilled again outside training: the
+    run's resolved config and tokenizer, its ranks' thread count, the same prefill function. What
+    the run served in its bubbles must equal this, request by request (filling changes no value)."""
+    from isthmus.config import build_config
+    from isthmus.data.tokenizer import load_tokenizer
+    from isthmus.models.resolve import resolve_model_args
+
+    cfg = build_config(run_dir / "config.toml", [])
+    tokenizer = load_tokenizer(run_dir)
+    cpu = torch.device("cpu")
+    model = serving_model(cfg, resolve_model_args(cfg.model, tokenizer.vocab_size), tokenizer.vocab_size, cpu)
+    requests = load_requests(cfg, tokenizer, tokenizer.vocab_size)
+    before = torch.get_num_threads()
+    torch.set_num_threads(cfg.train.threads or before)
+    try:
+        return {r.id: prefill(model, r.tokens, cpu) for r in requests}
+    finally:
+        torch.set_num_threads(before)
 
 
 class BubbleRun:
