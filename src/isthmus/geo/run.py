@@ -191,6 +191,12 @@ class GeoRun:
             out["wan_bytes"] = int(next(values))
         return out
 
+    def round_metrics(self) -> dict[str, int]:
+        """What the outer round that ended with the step just taken says (called at once after the
+        step, unlike `step_metrics`, whose sums arrive a step later): ``dc_quorum`` under
+        ``geo.fault_tolerant``."""
+        return {}
+
     def finish(self, params: list[nn.Parameter]) -> dict[str, int]:
         """After the last step: apply transfers still in flight, log what the whole run sent, and
         return it by link tier (empty without cross-datacenter traffic). A collective."""
@@ -272,14 +278,13 @@ class DatacenterJob(GeoRun):
         self._rounds_seen = len(self.ft_sync.history)
         return step
 
-    def step_metrics(self, totals: Sequence[int]) -> dict[str, int]:
-        out = super().step_metrics(totals)
+    def round_metrics(self) -> dict[str, int]:
         assert self.ft_sync is not None
         history = self.ft_sync.history
         if len(history) > self._rounds_seen:
-            out["dc_quorum"] = history[-1].participants  # datacenters in this step's outer round
             self._rounds_seen = len(history)
-        return out
+            return {"dc_quorum": history[-1].participants}  # datacenters in this step's outer round
+        return {}
 
 
 def _local_world(world: int) -> int:

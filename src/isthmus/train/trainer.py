@@ -408,8 +408,11 @@ class Trainer:
                 self.progress.advance(self.step)
                 if len(step_times) == 1:
                     self._set_timeouts()
-                # The busy fractions are a collective of their own, made at the step's end.
-                extra = self.bubbles.end_step(self.step) if self.bubbles is not None else {}
+                # The outer round's quorum and the busy fractions (a collective of their own) are
+                # the step's own: taken at its end, not when its sums arrive.
+                extra: dict[str, Any] = self.geo_run.round_metrics()
+                if self.bubbles is not None:
+                    extra.update(self.bubbles.end_step(self.step))
                 open_step = _OpenStep(self.step, lr, step_times[-1], step_sum, grad_norm, extra)
                 validate = bool(t.val_every and self.step % t.val_every == 0) or self.step == t.steps
                 save = self.checkpointer.due(self.step, last=self.step == t.steps)
@@ -452,10 +455,10 @@ class Trainer:
     def _close_step(self, done: _OpenStep, result: TrainResult, metrics: MetricsLogger | None) -> None:
         """Collect a step's loss and byte counts summed over ranks; check and log them."""
         done.sum.wait(self.bubbles.wait if self.bubbles is not None else None)
-        self._check_finite(done.sum.loss, done.grad_norm, done.lr, done.step)
+        self._check_finite(done.sum.loss, done.grad_norm, self.cfg.train.lr, done.step)
         result.losses.append(done.sum.loss)
         result.grad_norms.append(done.grad_norm)
-        # Bytes this step sent per link tier, and the datacenters in its outer round.
+        # Bytes this step sent per link tier.
         extra: dict[str, Any] = {"grad_norm": done.grad_norm, **self.geo_run.step_metrics(done.sum.counters)}
         extra.update(done.extra)
         if metrics is not None:
