@@ -202,6 +202,7 @@ def dp_sync(params: float, site: SiteSpans, layout: LayoutSpec, runtime: Runtime
     if layout.zero_stage == 3 and layout.pp == 1:
         return SyncCost(rs + t, 0.0, 2 * gather, wan, wan_bytes, frag)
     if layout.zero_stage == 3:
-        return SyncCost(rs + t, gather, gather, wan, wan_bytes, frag)
+        again = 0.0 if runtime.gathered_across_microbatches else gather
+        return SyncCost(rs + t, gather, again, wan, wan_bytes, frag)
     # ZeRO-2: weights gathered once per microbatch (pp == 1, resharded after backward) or per step.
     return SyncCost(rs + t, gather if layout.pp > 1 else 0.0, gather if layout.pp == 1 else 0.0, wan, wan_bytes, frag)

@@ -76,10 +76,12 @@ def layer_activation_bytes(
     q, kv = args.n_heads * hd, args.n_kv_heads * hd
     mask = 1 if runtime.dropout else 0
     # Outside the tensor-parallel regions (replicated over tp unless sequence-parallel):
-    # two norm inputs, the QKV and fc1 inputs, two dropout masks.
-    outside = sb * h * (4 * e + 2 * mask)
-    # Inside (split over tp): Q, K, V, attention output (proj input), MLP activations.
-    mlp = (4 if args.mlp == "swiglu" else 2) * e * sb * f
+    # two norm inputs, the QKV and fc1 inputs (the norms' outputs), two dropout masks.
+    outside = sb * h * ((2 if runtime.pointwise_recompute else 4) * e + 2 * mask)
+    # Inside (split over tp): Q, K, V, attention output (proj input), MLP activations: SwiGLU's two
+    # projections, the SiLU and the product (the fc2 input); GELU's input and output. Recomputing
+    # pointwise results keeps only what the matmuls produced.
+    mlp = (2 if args.mlp == "swiglu" else 1) * (1 if runtime.pointwise_recompute else 2) * e * sb * f
     inside = e * sb * (q + 2 * kv + q) + mlp
     if runtime.attention == "materialized" and scores:
         square = micro_batch * args.n_heads * (seq_len / cp) * seq_len
