@@ -15,16 +15,3 @@ def _rank_pools_per_module() -> Iterator[None]:
     import multirank
 
     multirank.POOLS.close()
-
-
-FIRST = ("test_docs_commands.py", "test_docs_benchmarks.py")
-"""The longest modules (every command of the README, of docs/benchmarks.md), started first on the two
-workers (pyproject's addopts) so that neither runs alone at the end."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        name = item.path.name
-        return FIRST.index(name) if name in FIRST else len(FIRST)
-
-    items.sort(key=rank)

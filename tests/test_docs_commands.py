@@ -1,14 +1,102 @@
-"""Every command the README and docs/ show runs as written, so they cannot drift from the code
-(how: tests/docs_commands.py). docs/benchmarks.md, the longest after the README, has a module of its own
-(tests/test_docs_benchmarks.py) so that another test worker runs it beside this one."""
+"""Every command the README and docs/ show runs as written, so they cannot drift from the code.
+
+The commands of each ```bash block, and each ``$ command`` line with the output under it, run in the
+order the documents give them (README first), in one fresh copy of the working tree, as a user who
+follows the README would run them: the first quickstart command makes the copy's virtual environment
+and the shell stays in it (its ``bin`` first on PATH) for every later command. The only override is
+the documented short run, ``ISTHMUS_MAX_STEPS=2``. HOME and isthmus's cache are folders of the test,
+so ``~/...`` and cached corpora start empty; pip keeps this machine's configuration and cache.
+
+A few commands cannot run here; NOT_HERE lists each with the reason, and the test fails when one of
+them is no longer in the docs (the list cannot rot) or when .ci/run stops running the suite command.
+"""
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
 
-from docs_commands import NOT_HERE, ROOT, SUITE, _without_comment, commands, documents, make_user, run_document
+ROOT = Path(__file__).resolve().parents[1]
+SHORT_RUN = {"ISTHMUS_MAX_STEPS": "2"}
+TIMEOUT_S = 900
 
-OWN_MODULE = {"benchmarks.md"}
+SUITE = "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e '.[test]' && python -m pytest -q"
+NOT_HERE = {
+    SUITE: "the test suite itself (this test is in it); .ci/run runs exactly this line, checked below",
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128": "the CUDA wheel: this machine has no GPU and no route to download.pytorch.org",
+    "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0:29500 "
+    "-m isthmus train --parallel.dp_replicate 2 --parallel.dp_shard 4 --parallel.tp 2": "a second node: NODE0 names another machine (the one-node torchrun command runs)",
+}
+
+
+@dataclass
+class Command:
+    doc: str
+    line: int
+    text: str
+    expected: list[str] | None = None  # a `$` command: the lines it prints
+
+
+def documents() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def commands(path: Path) -> list[Command]:
+    """The commands of ```bash blocks (continuation lines joined, comments dropped) and ``$`` lines, in order."""
+    found: list[Command] = []
+    lines = path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        fence = re.match(r"^```(\w*)\s*$", lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        body, start = lines[i + 1 : end], i + 2
+        if fence.group(1) == "bash":
+            found += _bash_commands(path.name, body, start)
+        else:
+            found += _dollar_commands(path.name, body, start)
+        i = end + 1
+    return found
+
+
+def _bash_commands(doc: str, body: list[str], start: int) -> list[Command]:
+    found, pending, first = [], "", 0
+    for n, raw in enumerate(body, start):
+        line = raw.rstrip()
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if not pending:
+            first = n
+        if line.endswith("\\"):
+            pending += line[:-1].rstrip() + " "
+            continue
+        found.append(Command(doc, first, re.sub(r"\s+", " ", pending + line.strip())))
+        pending = ""
+    return found
+
+
+def _dollar_commands(doc: str, body: list[str], start: int) -> list[Command]:
+    found: list[Command] = []
+    for n, line in enumerate(body, start):
+        if line.startswith("$ "):
+            found.append(Command(doc, n, line[2:].strip(), []))
+        elif found:
+            found[-1].expected.append(line)  # type: ignore[union-attr]
+    return found
+
+
+def _without_comment(text: str) -> str:
+    return re.sub(r"\s+#\s.*$", "", text).strip()
 
 
 def test_the_docs_show_commands_and_every_exception_is_still_there() -> None:
@@ -23,13 +111,90 @@ def test_the_docs_show_commands_and_every_exception_is_still_there() -> None:
 
 @pytest.fixture(scope="module")
 def user(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    return make_user(tmp_path_factory)
+    """A fresh copy of the working tree (what git tracks or would track) and the environment a user has."""
+    tmp = tmp_path_factory.mktemp("docs_commands")
+    copy, home = tmp / "isthmus", tmp / "home"
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, check=True
+        )
+        .stdout.decode()
+        .split("\0")
+    )
+    for name in filter(None, listed):
+        source = ROOT / name
+        if not source.exists() and not source.is_symlink():
+            continue  # deleted in the working tree, not yet in git
+        (copy / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, copy / name, follow_symlinks=False)
+    # `--data.path ~/my-texts/`: the user's own text files; here, some of the standard library's docs.
+    texts = home / "my-texts"
+    texts.mkdir(parents=True)
+    for source in sorted(Path(os.__file__).parent.glob("[a-h]*.py"))[:40]:
+        shutil.copy(source, texts / (source.stem + ".txt"))
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "ISTHMUS_CHECKPOINT_KEY_FILE")}
+    real_home = Path.home()
+    venv_bin = copy / ".venv" / "bin"
+    outer = os.pathsep.join(p for p in env["PATH"].split(os.pathsep) if Path(p) != Path(sys.executable).parent)
+    env.update(SHORT_RUN)
+    env.update(
+        HOME=str(home),
+        ISTHMUS_CACHE=str(tmp / "cache"),
+        # The shell the first quickstart command leaves in its virtual environment.
+        PATH=f"{venv_bin}{os.pathsep}{outer}",
+        VIRTUAL_ENV=str(copy / ".venv"),
+        # pip as configured on this machine (indexes, wheels on disk) and its cache, not a new HOME's.
+        XDG_CONFIG_HOME=env.get("XDG_CONFIG_HOME", str(real_home / ".config")),
+        PIP_CACHE_DIR=env.get("PIP_CACHE_DIR", str(real_home / ".cache" / "pip")),
+    )
+    return {"copy": copy, "env": env}
 
 
-@pytest.mark.parametrize("doc", [p.name for p in documents() if p.name not in OWN_MODULE])
+def _run(command: Command, user: dict[str, object]) -> str | None:
+    """Run one command; None if it did what the docs say, else what went wrong."""
+    began = time.monotonic()
+    proc = subprocess.run(
+        ["bash", "-c", command.text],
+        cwd=user["copy"],
+        env=user["env"],  # type: ignore[arg-type]
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    print(f"{time.monotonic() - began:6.1f} s  {command.doc}:{command.line}: {command.text}")  # shown with -s
+    where = f"{command.doc}:{command.line}: {command.text}"
+    tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
+    if command.expected is None:
+        if proc.returncode != 0:
+            return f"{where}\n  exit code {proc.returncode}\n{tail}"
+        if "Traceback (most recent call last)" in proc.stdout:
+            return f"{where}\n  printed a traceback, yet exited 0\n{tail}"
+        return None
+    expected = [line for line in command.expected if line.strip()]
+    printed = proc.stdout.strip().splitlines()[-len(expected) :] if expected else []
+    if printed != expected:
+        return f"{where}\n  printed:  {printed}\n  docs say: {expected}"
+    if expected and expected[-1].startswith("isthmus: error:") and proc.returncode != 2:
+        return f"{where}\n  exit code {proc.returncode}, not 2"
+    return None
+
+
+@pytest.mark.parametrize("doc", [p.name for p in documents()])
 def test_every_command_runs_as_written(doc: str, user: dict[str, object]) -> None:
-    run_document(doc, user)
-
-
-def test_every_document_is_run_by_one_module() -> None:
-    assert OWN_MODULE <= {p.name for p in documents()}
+    path = ROOT / doc if doc == "README.md" else ROOT / "docs" / doc
+    failures, ran = [], 0
+    if doc != "README.md" and not (Path(user["copy"]) / ".venv").exists():  # type: ignore[arg-type]
+        # This document alone (pytest -k): first what its reader did before, the README's install.
+        install = commands(ROOT / "README.md")[0]
+        assert _run(install, user) is None, install.text
+    for command in commands(path):
+        if _without_comment(command.text) in NOT_HERE:
+            continue
+        ran += 1
+        problem = _run(command, user)
+        if problem is not None:
+            failures.append(problem)
+    assert not failures, f"{len(failures)} of {ran} command(s) in {doc} did not do what it says:\n" + "\n".join(
+        failures
+    )
