@@ -335,15 +335,10 @@ def dp_plan(site: SiteSpans, layout: LayoutSpec, runtime: Runtime) -> DpPlan:
     grad = reduce_scatter(g, site.shard) + rep
     gather = all_gather(w, site.shard)
     if layout.zero_stage == 3:
-        per_microbatch = layout.pp > 1 and not runtime.gathered_across_microbatches
-        return DpPlan(
-            grad,
-            outer,
-            gather if layout.pp > 1 else [],
-            gather if per_microbatch or layout.pp == 1 else [],
-            layout.pp == 1,
-            stream,
-        )
+        # Under a pipeline once per step, and again per microbatch unless the runtime keeps them
+        # gathered (as planner.geo.dp_sync).
+        again = layout.pp == 1 or not runtime.gathered_across_microbatches
+        return DpPlan(grad, outer, gather if layout.pp > 1 else [], gather if again else [], layout.pp == 1, stream)
     return DpPlan(grad, outer, gather if layout.pp > 1 else [], gather if layout.pp == 1 else [], False, stream)
 
 
