@@ -56,6 +56,7 @@ from isthmus.launch.environ import environ, launcher_world
 from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
 from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
 from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
+from isthmus.launch.warm import START_METHOD, start_rank_server
 from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.train.device import resolve_device
@@ -112,14 +113,18 @@ def _threads_per_rank(cfg: JobConfig, local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
-def run_rank(cfg: JobConfig, launched_at: float | None = None, loopback: bool = False) -> TrainResult:
+def run_rank(
+    cfg: JobConfig, launched_at: float | None = None, loopback: bool = False, environ: dict[str, str] | None = None
+) -> TrainResult:
     """The body of one rank: logging (console on rank 0 only), threads, heartbeat, then training.
 
     ``launched_at`` (a ``time.time()``) is when the launch began: a restarted rank resumes only from
     checkpoints committed since then, never from those an earlier run left in the directory.
     ``loopback`` (the local launcher's ranks): rank 0 hosts the ranks' store (MASTER_PORT) on
-    127.0.0.1 instead of every interface.
+    127.0.0.1 instead of every interface. ``environ``: what the local launcher set for its ranks (a
+    rank forked from `isthmus.launch.warm`'s server has the environment the server started with).
     """
+    os.environ.update(environ or {})
     rank = int(os.environ.get("RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -421,6 +426,7 @@ def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     # A little in the past: the clock of a checkpoint's mtime may be coarser than time.time().
     launched_at = time.time() - 1.0
+    start_rank_server()  # (started already by `isthmus train`, to import beside this process)
     env = {LAUNCH_DIR_ENV: str(launch_dir), **_loopback_environ()}
     monitor = StallMonitor(launch_dir, cfg.parallel.timeout_s)
     monitor.start()
@@ -439,10 +445,10 @@ def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
                 local_addr=LOOPBACK,
                 max_restarts=cfg.parallel.max_restarts,
                 monitor_interval=0.2,
-                start_method="spawn",
+                start_method=START_METHOD,
                 logs_specs=DefaultLogsSpecs(log_dir=str(launch_dir / "elastic")),
             )
-            return elastic_launch(config, run_rank)(cfg, launched_at, True)[0]
+            return elastic_launch(config, run_rank)(cfg, launched_at, True, env)[0]
     except SignalException as e:
         raise Interrupted(int(e.sigval), _interrupted(cfg, int(e.sigval), launch_dir)) from None
     except ChildFailedError as e:

@@ -36,12 +36,14 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage  # (imports torch._dynamo: only pipelined runs do)
 
 COMPUTE = ("forward", "backward", "optimizer", "prefill")
 """Timeline categories that keep a rank busy (the others are waits)."""

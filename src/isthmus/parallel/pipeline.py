@@ -18,20 +18,11 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
-from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from isthmus.errors import ConfigError
 from isthmus.layout import rules
@@ -39,6 +30,12 @@ from isthmus.layout.spec import PP_SCHEDULES
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import attention_flops_per_token, layer_matmul_params
 from isthmus.models.llama import Transformer, init_weights
+
+if TYPE_CHECKING:
+    # torch.distributed.pipelining imports torch._dynamo (half a second of every process's start):
+    # only a pipelined run imports it, in `build_pipeline`.
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 PrepareStage = Callable[[Transformer], Transformer]
@@ -153,6 +150,15 @@ def build_pipeline(
     ``loss_fn(logits, targets)`` must return the *mean* over its micro-batch; the
     schedule keeps ``scale_grads=True`` and so averages over micro-batches itself.
     """
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
+
     check_schedule(schedule, pp_size, microbatches, virtual_stages)
     assert dist.get_rank(pp_group) == pp_rank and dist.get_world_size(pp_group) == pp_size
     n_stages = pp_size * virtual_stages

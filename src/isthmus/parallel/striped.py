@@ -23,12 +23,14 @@ torch has no notion of this (a process group is one connection per pair, and
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.pipelining import PipelineStage
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage  # (imports torch._dynamo: only pipelined runs do)
 
 
 class StripedWork:

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import PipelineStage
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage  # (imports torch._dynamo: only pipelined runs do)
 
 
 class Turns:
