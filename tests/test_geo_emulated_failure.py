@@ -60,15 +60,28 @@ def _namespace(prefix_of: str) -> str:
 
 
 def _kill_workers(namespace: str) -> int:
-    """SIGKILL every training rank in ``namespace`` (not its torchrun agent, which restarts them)."""
+    """SIGKILL every training rank in ``namespace`` (not its torchrun agent, which restarts them).
+
+    The agent forks its ranks from a forkserver it started (`isthmus.launch.warm`): a rank is a
+    process whose parent is that server (the server's own parent is the agent)."""
     pids = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True, check=True).stdout.split()
+
+    def cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""
+
+    def parent(pid: int) -> int:
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return 0
+
     killed = 0
     for pid in map(int, pids):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"isthmus" in cmd and b"isthmus.launch.agent" not in cmd and b"train" in cmd:
+        server = parent(pid)
+        if b"multiprocessing.forkserver" in cmdline(server) and b"isthmus.launch.agent" in cmdline(parent(server)):
             os.kill(pid, signal.SIGKILL)
             killed += 1
     return killed

@@ -7,6 +7,10 @@ into a ``ChildFailedError`` traceback and the emulator's stop (SIGTERM) into a `
 traceback, each after its own log lines; the workers' output says what failed, and the emulator
 says the rest in one line (`isthmus.cli.emulate`).
 
+Ranks that run the ``isthmus`` command are forked from a preloaded interpreter
+(`isthmus.launch.warm`), not started as ``python -u -m isthmus ...`` that each import torch: the same
+command line, run by `isthmus_command` in a fork of the agent's server.
+
 Exit codes: 0 when every worker succeeded; the first failed worker's exit code (1 when it has
 none of its own: killed by a signal); 128 + N when the agent was stopped by signal N.
 """
@@ -15,13 +19,21 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
-from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+from isthmus.launch.warm import START_METHOD, isthmus_command, start_rank_server, unbuffered_ranks
 
 
 def main(argv: list[str]) -> int:
+    forked = any(a == "-m" and b == "isthmus" for a, b in zip(argv, argv[1:], strict=False))
+    if forked:
+        # The ranks' server imports torch beside this process's own import (just below), not after it.
+        unbuffered_ranks()
+        start_rank_server()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
 
     # The agent logs each failed worker and each survivor it stops; the workers' own output and the
     # emulator's line say it better. Each elastic module's logger has a level of its own (torch sets
@@ -30,7 +42,16 @@ def main(argv: list[str]) -> int:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
-        run(parse_args(argv))
+        # torchrun's own steps (torch.distributed.run.run, c10d as the emulator writes it), with an
+        # ``-m isthmus`` target run as a function in forks of the server.
+        args = parse_args(argv)
+        config, entrypoint, entry_args = config_from_args(args)
+        entry: Any = entrypoint
+        entry_argv: list[Any] = list(entry_args)
+        if forked and args.module and args.training_script == "isthmus":
+            config.start_method = START_METHOD
+            entry, entry_argv = isthmus_command, [list(args.training_script_args)]
+        elastic_launch(config, entry)(*entry_argv)
     except ChildFailedError as e:
         first = e.failures[min(e.failures)]
         return first.exitcode if first.exitcode > 0 else 1

@@ -18,13 +18,31 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import os
 
 START_METHOD = "forkserver"
-RANK_MODULE = "isthmus.launch.local"
-"""What a rank runs (`run_rank`) and everything it imports: torch, torch.distributed, the trainer."""
+RANK_MODULES = ["isthmus.launch.local", "isthmus.cli.main"]
+"""What a rank runs (`run_rank`, or the `isthmus` command) and everything it imports: torch,
+torch.distributed, the trainer."""
 
 
 def start_rank_server() -> None:
-    """Start the forkserver of this launcher's ranks now (idempotent); it imports ``RANK_MODULE`` meanwhile."""
-    multiprocessing.get_context(START_METHOD).set_forkserver_preload([RANK_MODULE])
+    """Start the forkserver of this launcher's ranks now (idempotent); it imports ``RANK_MODULES`` meanwhile."""
+    multiprocessing.get_context(START_METHOD).set_forkserver_preload(RANK_MODULES)
     multiprocessing.forkserver.ensure_running()
+
+
+def isthmus_command(argv: list[str]) -> None:
+    """``python -u -m isthmus ARGV`` (what torchrun would start) as a rank forked from the server
+    runs it: the command's exit code becomes the process's."""
+    from isthmus.cli.main import main
+
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+
+
+def unbuffered_ranks() -> None:
+    """torchrun starts ``python -u``: the server (and so every rank forked from it) writes unbuffered
+    too, so a rank's lines reach its log as they are printed. Call before `start_rank_server`."""
+    os.environ["PYTHONUNBUFFERED"] = "1"
