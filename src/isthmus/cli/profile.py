@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from isthmus.errors import ConfigError
+from isthmus.launch.warm import start_rank_server, wait_for_rank_server
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.topology import load_topology
 from isthmus.train.short_run import max_steps_override
@@ -67,8 +68,12 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     cap = max_steps_override()
     budget = ns.seconds if cap is None else min(ns.seconds, float(cap))
     load = os.getloadavg()[0]
+    # The 2-rank measurements' processes fork from a server that imports torch beside this process.
+    start_rank_server(("isthmus.profile.measure",))
     # Startup time: the measurements load torch, which `isthmus plan` and the rest of the CLI never need.
     from isthmus.profile.measure import measure, topology_toml
+
+    wait_for_rank_server()  # (its import would slow the first measurements down)
 
     prof = measure(budget, threads, ns.model, ns.batch, ns.seq_len)
     # What MFU divides by: measured again here, where the machine is known to be in use for nothing else.

@@ -9,7 +9,7 @@ says the rest in one line (`isthmus.cli.emulate`).
 
 Ranks that run the ``isthmus`` command are forked from a preloaded interpreter
 (`isthmus.launch.warm`), not started as ``python -u -m isthmus ...`` that each import torch: the same
-command line, run by `isthmus_command` in a fork of the agent's server.
+command line, run by `run_module` in a fork of the agent's server.
 
 Exit codes: 0 when every worker succeeded; the first failed worker's exit code (1 when it has
 none of its own: killed by a signal); 128 + N when the agent was stopped by signal N.
@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import Any
 
-from isthmus.launch.warm import START_METHOD, isthmus_command, start_rank_server, unbuffered_ranks
+from isthmus.launch.warm import START_METHOD, run_module, start_rank_server, unbuffered_ranks
 
 
 def main(argv: list[str]) -> int:
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
         entry_argv: list[Any] = list(entry_args)
         if forked and args.module and args.training_script == "isthmus":
             config.start_method = START_METHOD
-            entry, entry_argv = isthmus_command, [list(args.training_script_args)]
+            entry, entry_argv = run_module, [args.training_script, list(args.training_script_args)]
         elastic_launch(config, entry)(*entry_argv)
     except ChildFailedError as e:
         first = e.failures[min(e.failures)]

@@ -17,29 +17,44 @@ to them as an argument (`isthmus.launch.local.run_rank`'s ``environ``).
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.context
 import multiprocessing.forkserver
 import os
+import runpy
+import sys
 
 START_METHOD = "forkserver"
-RANK_MODULES = ["isthmus.launch.local", "isthmus.cli.main"]
+RANK_MODULES = ("isthmus.launch.local", "isthmus.cli.main")
 """What a rank runs (`run_rank`, or the `isthmus` command) and everything it imports: torch,
 torch.distributed, the trainer."""
 
 
-def start_rank_server() -> None:
-    """Start the forkserver of this launcher's ranks now (idempotent); it imports ``RANK_MODULES`` meanwhile."""
-    multiprocessing.get_context(START_METHOD).set_forkserver_preload(RANK_MODULES)
+def rank_context() -> multiprocessing.context.ForkServerContext:
+    """Processes forked from this process's server (its ``Process``, queues, events)."""
+    return multiprocessing.get_context("forkserver")
+
+
+def start_rank_server(modules: tuple[str, ...] = RANK_MODULES) -> None:
+    """Start this process's forkserver now, importing ``modules`` meanwhile (a server already running
+    stays as it is: its ranks import what it lacks)."""
+    rank_context().set_forkserver_preload(list(modules))
     multiprocessing.forkserver.ensure_running()
 
 
-def isthmus_command(argv: list[str]) -> None:
-    """``python -u -m isthmus ARGV`` (what torchrun would start) as a rank forked from the server
-    runs it: the command's exit code becomes the process's."""
-    from isthmus.cli.main import main
+def wait_for_rank_server() -> None:
+    """Return once the server has imported its modules (it forks nothing before): for a caller about
+    to time something that the server's import would slow down."""
+    probe = rank_context().Process(target=os.getpid)
+    probe.start()
+    probe.join()
 
-    code = main(argv)
-    if code:
-        raise SystemExit(code)
+
+def run_module(module: str, argv: list[str]) -> None:
+    """``python -m MODULE ARGV`` in this process, as a rank forked from the server runs what torchrun
+    would have started as a command (its ``runpy`` entry for scripts does the same): the module's
+    ``SystemExit`` is the process's exit code."""
+    sys.argv = [module, *argv]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
 
 
 def unbuffered_ranks() -> None:

@@ -15,7 +15,7 @@ What it measures, as one rank sees it (torch on CPU, fp32), at the shapes of one
   the memory bandwidth is set so the planner's block time is the measured one (what the planner
   does not count as GEMM, norms, rotary embeddings, the CPU attention kernel, lands there), and
   the threads' speed-up scales the ``-<t>t`` kind;
-- gloo all-reduce between 2 local ranks over loopback (two fresh interpreters, one thread each,
+- gloo all-reduce between 2 local ranks over loopback (two forked ranks, one thread each,
   4 KB to 64 MB), fitted to the planner's alpha-beta form t = 2 latency + bytes / bandwidth;
 - the CPU peak that MFU divides by (isthmus.train.device), on 1 and on ``--threads`` threads, fp32
   and bf16: this machine's entries of the peak cache are rewritten with the new figures;
@@ -35,14 +35,14 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -117,7 +117,7 @@ def fit_gemm_curve(samples: list[tuple[int, int, int, float]], peak: float) -> t
 def _gloo_worker(
     rank: int, port: int, sizes: list[int], budget: float, out: str, block: list[Any] | None = None
 ) -> None:
-    """One of the two ranks of :func:`measure_gloo` (run in its own interpreter). ``block``:
+    """One of the two ranks of :func:`measure_gloo` (a process of its own). ``block``:
     [flavor, batch, seq, seconds] to time a block while the other rank does the same."""
 
     torch.set_num_threads(1)
@@ -174,7 +174,7 @@ def measure_gloo(
     """((bytes, median seconds) of a gloo all-reduce between two local ranks over loopback, and, when
     ``block`` asks, how much slower a block runs with both ranks computing than with one alone)."""
     got = _two_ranks(
-        "_gloo_worker", lambda port, out: [port, list(sizes), budget, out, block], 120 + 10 * budget, "the gloo ranks"
+        _gloo_worker, lambda port, out: [port, list(sizes), budget, out, block], 120 + 10 * budget, "the gloo ranks"
     )
     shared = got["block_together"] / got["block_alone"] if got["block_alone"] > 0 else 1.0
     return list(zip(sizes, got["allreduce"])), shared
@@ -194,7 +194,7 @@ reduce-scatters once; ZeRO-3 gathers again for the backward."""
 
 
 def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, steps: int, out: str) -> None:
-    """One of the two ranks of :func:`measure_mechanisms` (its own interpreter, one thread, gloo):
+    """One of the two ranks of :func:`measure_mechanisms` (a process of its own, one thread, gloo):
     the median time of a whole training step (forward, backward, clipping, AdamW) of ``flavor``
     with 1 and with 3 blocks under each of :data:`MECHANISMS`, as isthmus.api lays it out."""
 
@@ -235,7 +235,7 @@ def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, s
 
 def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float) -> dict[str, list[float]]:
     """Per mechanism, the median training-step seconds of ``flavor`` with 1 and with 3 blocks on 2
-    local ranks (two fresh interpreters, as :func:`measure_gloo`)."""
+    local ranks (two processes, as :func:`measure_gloo`)."""
 
     # As many steps as the budget allows, from the cpu kind's guess at one 3-block step.
     a = get_flavor(flavor)
@@ -243,37 +243,38 @@ def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float) -> dict
     guess = 4 * (t.fwd + t.bwd + t.wgrad)
     steps = max(3, min(12, int(budget / (len(MECHANISMS) * 2 * 2 * max(guess, 1e-3)))))
     return _two_ranks(
-        "_mechanism_worker",
+        _mechanism_worker,
         lambda port, out: [port, flavor, batch, seq, steps, out],
         300 + 10 * budget,
         "the 2-rank layouts",
     )
 
 
-def _two_ranks(worker: str, worker_args: Any, timeout_s: float, what: str) -> Any:
-    """Run ``measure.<worker>(rank, *worker_args(port, out))`` in two fresh interpreters (one
-    thread each) and return the JSON rank 0 wrote to ``out``.
-
-    Fresh interpreters rather than multiprocessing: spawn would re-import the caller's main module.
-    """
+def _two_ranks(worker: Callable[..., None], worker_args: Any, timeout_s: float, what: str) -> Any:
+    """Run ``worker(rank, *worker_args(port, out))`` on two ranks and return the JSON rank 0 wrote to
+    ``out``. The ranks are forks of this process's forkserver (`isthmus.launch.warm`; `isthmus
+    profile` starts it with this module preloaded): the gloo pair and the mechanisms' pair start
+    without importing torch again; each worker sets its one thread itself."""
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("forkserver")  # the server `isthmus profile` started
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        code = f"import json, sys; from isthmus.profile.measure import {worker}; {worker}(*json.loads(sys.argv[1]))"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = [
-            subprocess.Popen([sys.executable, "-c", code, json.dumps([rank, *worker_args(port, out)])], env=env)
-            for rank in range(2)
-        ]
+        procs = [ctx.Process(target=worker, args=(rank, *worker_args(port, out))) for rank in range(2)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
         try:
-            codes = [p.wait(timeout=timeout_s) for p in procs]
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
         finally:
             for p in procs:
-                if p.poll() is None:
+                if p.is_alive():
                     p.kill()
+                    p.join()
+        codes = [p.exitcode for p in procs]
         if any(codes) or not os.path.exists(out):
             raise RuntimeError(f"{what} of isthmus profile failed (exit codes {codes})")
         return json.loads(Path(out).read_text())
