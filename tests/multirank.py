@@ -5,8 +5,10 @@ a gloo default group, and one intra-op thread (the machine has 2 cores; more wou
 The function's return value (anything picklable) comes back as a list indexed by rank; an
 exception on any rank fails the call with that rank's traceback, at once.
 
-Shared spawn. Starting ranks costs more than most cases run (each imports torch and isthmus and
-joins gloo: ~3 s for 2 ranks, ~15 s for 8 on two cores, several times that under load), so the
+Shared start. Ranks are forks of one forkserver per test session that imported torch and isthmus
+once (as the launcher's ranks, `isthmus.launch.warm`); each rank takes the parent's environment as it
+is when the rank starts, as a spawned one would. Starting ranks still costs more than most cases
+run (each joins gloo; spawned, each also imported torch: ~3 s for 2 ranks, ~15 s for 8), so the
 ranks of a world size are started once per test session and kept (a :class:`RankPool`), and each
 call hands them a job. Between jobs a rank puts back what a job may leave behind: the environment,
 the working directory and its thread count. The process groups a job made stay: DTensor and
@@ -34,6 +36,17 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+START_METHOD = "forkserver"
+PRELOAD = ["isthmus.launch.local", "isthmus.api"]
+"""What the session's forkserver imports once, for every rank forked from it (torch, DTensor, FSDP,
+the trainer)."""
+
+
+def _context() -> Any:
+    ctx = mp.get_context(START_METHOD)
+    ctx.set_forkserver_preload(PRELOAD)  # (no effect once the server runs)
+    return ctx
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -41,10 +54,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join_world(rank: int, world: int, port: int) -> None:
+def _join_world(rank: int, world: int, port: int, environ: dict[str, str]) -> None:
     import torch
     import torch.distributed as dist
 
+    # The parent's environment when it started this rank (a fork of the server has the server's).
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -57,13 +73,15 @@ def _join_world(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str) -> None:
+def _entry(
+    rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple, out_dir: str, environ: dict[str, str]
+) -> None:
     """A rank of its own for one job (``fresh=True``)."""
     import torch.distributed as dist
 
     out = Path(out_dir) / f"rank{rank}.pkl"
     try:
-        _join_world(rank, world, port)
+        _join_world(rank, world, port, environ)
         result: Any = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - reported to the parent with its traceback
         result = ("error", traceback.format_exc())
@@ -86,11 +104,13 @@ def _tidy_after_job(environ: dict[str, str], cwd: str) -> None:
     torch.set_num_threads(1)
 
 
-def _serve(rank: int, world: int, port: int, conn: multiprocessing.connection.Connection) -> None:
+def _serve(
+    rank: int, world: int, port: int, conn: multiprocessing.connection.Connection, environ: dict[str, str]
+) -> None:
     """A pooled rank: join the world once, then run the jobs the parent sends until it sends None."""
     import torch.distributed as dist
 
-    _join_world(rank, world, port)
+    _join_world(rank, world, port, environ)
     environ, cwd = dict(os.environ), os.getcwd()
     while (job := pickle.loads(conn.recv_bytes())) is not None:
         fn, args = job
@@ -111,14 +131,14 @@ class RankPool:
     """``world`` ranks started once, running one job at a time (see the module's doc)."""
 
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.world = world
         self.conns: list[multiprocessing.connection.Connection] = []
         self.procs: list[Any] = []
         port = free_port()
         for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(rank, world, port, child), daemon=True)
+            proc = ctx.Process(target=_serve, args=(rank, world, port, child, dict(os.environ)), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -208,8 +228,13 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
             if not pool.alive():
                 POOLS.by_world.pop(world, None)
     with tempfile.TemporaryDirectory() as out_dir:
+        _context()
         ctx = mp.start_processes(
-            _entry, args=(world, free_port(), fn, args, out_dir), nprocs=world, join=False, start_method="spawn"
+            _entry,
+            args=(world, free_port(), fn, args, out_dir, dict(os.environ)),
+            nprocs=world,
+            join=False,
+            start_method=START_METHOD,
         )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=2):
