@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
+from isthmus.launch.warm import START_METHOD, start_rank_server
 from isthmus.train.short_run import capped
 
 # (label, overrides given dp degree N): plain DDP is the baseline every ZeRO stage is read against.
@@ -148,13 +149,14 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """Run ``fn(*args)`` on ``world`` spawned gloo ranks; each rank's return value, by rank."""
+    """Run ``fn(*args)`` on ``world`` gloo ranks; each rank's return value, by rank. The ranks fork
+    from one server that imported torch and the trainer once, for every world (isthmus.launch.warm)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
-            _entry, args=(world, port, fn, args, out_dir), nprocs=world, join=False, start_method="spawn"
+            _entry, args=(world, port, fn, args, out_dir), nprocs=world, join=False, start_method=START_METHOD
         )
         for proc in ctx.processes:  # exit codes are not trusted (see _entry); the result files are
             proc.join()
@@ -185,6 +187,7 @@ def main() -> None:
     ap.add_argument("--flavor", default="small")
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     opts = ap.parse_args()
+    start_rank_server()  # imports for every rank of every world, beside the measuring below
     total = unsharded_bytes(opts.flavor)
     mib = 2**20
     rows: list[list[str]] = []
