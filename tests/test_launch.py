@@ -293,3 +293,18 @@ def test_local_ranks_train_when_the_hostname_resolves_nowhere(tmp_path: Path) ->
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(_losses(tmp_path / "r" / "metrics.jsonl")) == 6
+
+
+def test_only_this_user_can_ask_the_rank_server_to_fork() -> None:
+    """The server the ranks fork from (isthmus.launch.warm) runs whatever a client sends it: its socket
+    must be a file only this user can open, not a name in Linux's abstract namespace (any local user)."""
+    code = (
+        "import multiprocessing.forkserver as f, os, stat, json; "
+        "from isthmus.launch.warm import start_rank_server; "
+        "start_rank_server(()); a = f._forkserver._forkserver_address; "
+        "print(json.dumps([a, stat.S_IMODE(os.stat(a).st_mode), stat.S_IMODE(os.stat(os.path.dirname(a)).st_mode)]))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    address, mode, folder = json.loads(out)
+    assert isinstance(address, str) and not address.startswith("\0"), address
+    assert mode == 0o600 and folder == 0o700, (oct(mode), oct(folder))

@@ -12,6 +12,10 @@ thread that has run no torch operation (so no OpenMP pool to inherit either).
 What the server cannot know: the environment. A forked rank starts with the server's, which is the
 launcher's as it was when the server started; what the launcher sets afterwards for its ranks travels
 to them as an argument (`isthmus.launch.local.run_rank`'s ``environ``).
+
+Who can ask the server to fork: it listens on a Unix socket file of mode 0600 in a private temporary
+directory, so only this user's processes (pyproject's Python >= 3.11.1: 3.11.0 put the socket in
+Linux's abstract namespace, open to every local user, CVE-2022-42919).
 """
 
 from __future__ import annotations
