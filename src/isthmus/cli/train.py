@@ -16,7 +16,7 @@ from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError
 from isthmus.launch.environ import launcher_world
 from isthmus.launch.preflight import preflight
-from isthmus.launch.warm import start_rank_server
+from isthmus.launch.warm import start_rank_server, starts_local_ranks
 from isthmus.log import setup_logging
 from isthmus.planner.autoplan import PLAN_KEYS, apply_local_choice
 
@@ -92,7 +92,7 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
     if ns.print_config:
         sys.stdout.write(cfg.to_toml())
         return 0
-    if launcher_world() is None and (cfg.parallel.nproc > 1 or cfg.parallel.max_restarts > 0):
+    if starts_local_ranks(cfg):
         start_rank_server()  # the ranks' interpreter imports torch beside this one (`isthmus.launch.warm`)
     # Startup time: torch loads (seconds) only once a run really starts, not for --print-config or an error.
     from isthmus.launch.local import launch, launched_externally

@@ -56,7 +56,7 @@ from isthmus.launch.environ import environ, launcher_world
 from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
 from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
 from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
-from isthmus.launch.warm import START_METHOD, start_rank_server
+from isthmus.launch.warm import START_METHOD, start_rank_server, starts_local_ranks
 from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.train.device import resolve_device
@@ -341,7 +341,7 @@ def launch(cfg: JobConfig, config_name: str = "default") -> TrainResult:
                 dist.destroy_process_group()
     claim = claim_run_dir(cfg, config_name)
     try:
-        if cfg.parallel.nproc == 1 and cfg.parallel.max_restarts == 0:
+        if not starts_local_ranks(cfg):
             return _train_here(cfg)
         return _launch_local(cfg)
     finally:

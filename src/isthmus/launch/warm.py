@@ -27,10 +27,19 @@ import os
 import runpy
 import sys
 
+from isthmus.config import JobConfig
+from isthmus.launch.environ import launcher_world
+
 START_METHOD = "forkserver"
 RANK_MODULES = ("isthmus.launch.local", "isthmus.cli.main")
 """What a rank runs (`run_rank`, or the `isthmus` command) and everything it imports: torch,
 torch.distributed, the trainer."""
+
+
+def starts_local_ranks(cfg: JobConfig) -> bool:
+    """Whether ``isthmus train`` with ``cfg`` starts ranks of its own (`isthmus.launch.local`):
+    several ranks, or one with restarts, and no external launcher (torchrun) that started them."""
+    return launcher_world() is None and (cfg.parallel.nproc > 1 or cfg.parallel.max_restarts > 0)
 
 
 def rank_context() -> multiprocessing.context.ForkServerContext:
