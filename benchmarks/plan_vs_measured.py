@@ -90,6 +90,7 @@ def to_layout(values: dict[str, object]) -> LayoutSpec:
     m = int(v.get("microbatches", 1)) if pp > 1 else accum  # type: ignore[arg-type]
     return LayoutSpec(
         tp=int(v.get("tp", 1)),
+        cp=int(v.get("cp", 1)),  # type: ignore[arg-type]
         sequence_parallel=bool(v.get("sequence_parallel", False)),
         pp=pp,  # type: ignore[arg-type]
         pp_schedule=str(v.get("pp_schedule", "1f1b")),

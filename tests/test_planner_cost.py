@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from isthmus.models.flavors import get_flavor, gpt3
 from isthmus.models.flops import forward_flops_per_token
+from isthmus.models.llama import TransformerBlock, rope_cos_sin
 from isthmus.planner import comm
+from isthmus.planner.autoplan import local_runtime
 from isthmus.planner.compute import gemm_fraction, gemm_time, head_ops, layer_ops
 from isthmus.planner.cost import estimate
 from isthmus.planner.geo import cross_dc_all_reduce
@@ -112,6 +117,31 @@ def test_korthikanti_activation_formulas_exact() -> None:
     assert layer_input_bytes(args, b, s, 8, 1, False) == 2 * sbh
     # Fused attention and no dropout drop the 5as/h term and the masks.
     assert layer_activation_bytes(args, b, s, 1, 1, False, ISTH) == pytest.approx(sbh * 32)
+    # isthmus's eager RMSNorms (CPU ranks) each keep x * rsqrt(mean(x^2)) too: two more 2-byte sbh.
+    assert layer_activation_bytes(args, b, s, 1, 1, False, local_runtime()) == pytest.approx(sbh * 36)
+
+
+def test_a_block_keeps_what_the_cpu_runtime_counts() -> None:
+    """Every tensor autograd saves in one real `small` block (GQA: 4 query heads, 2 KV heads), each
+    storage once and parameters left out, is exactly what the CPU runtime's accounting says in fp32."""
+    args = replace(get_flavor("small"), vocab_size=256)
+    block = TransformerBlock(args)
+    b, s = 4, 64
+    x = torch.randn(b, s, args.dim, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(s), args.head_dim, args.rope_theta)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        # cos / sin and the norms' per-token rsqrt are not per-block activations of the hidden size
+        if storage.data_ptr() not in params and t.numel() >= b * s * args.n_kv_heads * args.head_dim:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x, cos, sin)
+    assert sum(kept.values()) == layer_activation_bytes(args, b, s, 1, 1, False, local_runtime(), "fp32")
 
 
 def test_zero_stages_shard_state() -> None:

@@ -17,8 +17,8 @@ from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.flavors import list_flavors
 from isthmus.models.resolve import expected_vocab, resolve_model_args
-from isthmus.planner.layout import RUNTIMES
-from isthmus.planner.memory import MemoryBreakdown, alternate_share, device_memory
+from isthmus.planner.autoplan import local_runtime
+from isthmus.planner.memory import MemoryBreakdown, alternate_share, alternate_wraps_last, device_memory
 from isthmus.planner.pipeline import in_flight
 from isthmus.train.checkpoint_manifest import checkpoint_key
 
@@ -188,7 +188,7 @@ def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
     for first, last in ((True, dims.pp == 1), (False, True)) if dims.pp > 1 else ((True, True),):
         m = device_memory(
             args,
-            RUNTIMES["isthmus"],
+            local_runtime(),  # CPU ranks: this check runs only for them
             layers=layers,
             first=first,
             last=last,
@@ -206,6 +206,9 @@ def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
             dtype=t.dtype,
             # what parallel.ac wraps: blocks 0, 2, ... of each stage module
             wrapped=alternate_share(layers, p.pp_virtual_stages if dims.pp > 1 else 1),
+            wraps_last=alternate_wraps_last(layers, p.pp_virtual_stages if dims.pp > 1 else 1),
+            microbatches=p.microbatches,
+            virtual_stages=p.pp_virtual_stages if dims.pp > 1 else 1,
         )
         if worst is None or m.total > worst.total:
             worst = m

@@ -198,10 +198,11 @@ THREAD_EFFICIENCY = 0.9
 def local_runtime() -> Runtime:
     """isthmus on CPU ranks: gloo moves and reduces bytes on the same cores that compute, so
     data-parallel traffic does not hide behind the backward (it adds to the step), unlike on GPUs
-    where NCCL runs on its own engines. Measured here: dp_replicate 2 takes compute + all-reduce."""
+    where NCCL runs on its own engines. Measured here: dp_replicate 2 takes compute + all-reduce.
+    Its blocks keep what eager fp32 autograd keeps (``Runtime.eager_llama_block``, measured)."""
     from isthmus.planner.layout import RUNTIMES
 
-    return replace(RUNTIMES["isthmus"], name="isthmus-cpu", dp_overlap=False)
+    return replace(RUNTIMES["isthmus"], name="isthmus-cpu", dp_overlap=False, eager_llama_block=True)
 
 
 def threads_per_rank(nproc: int, cores: int | None = None, threads: int = 0) -> int:

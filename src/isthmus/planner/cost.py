@@ -27,7 +27,14 @@ from isthmus.planner.compute import (
 )
 from isthmus.planner.geo import dp_sync, pipeline_transfer, streaming_exposed
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
-from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, alternate_share, device_memory, stage_params
+from isthmus.planner.memory import (
+    USABLE_FRACTION,
+    MemoryBreakdown,
+    alternate_share,
+    alternate_wraps_last,
+    device_memory,
+    stage_params,
+)
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
 from isthmus.planner.placement import Placement, SiteSpans, place
 from isthmus.planner.topology import DeviceKind, Link, Topology
@@ -318,6 +325,9 @@ def rank_memory(work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, la
         accumulate=layout.microbatches > 1,
         dtype=work.dtype,
         wrapped=alternate_share(layers, layout.pp_virtual_stages),
+        wraps_last=alternate_wraps_last(layers, layout.pp_virtual_stages),
+        microbatches=layout.microbatches,
+        virtual_stages=layout.pp_virtual_stages,
     )
 
 

@@ -72,6 +72,18 @@ class Runtime:
     """Backward recomputes a block's pointwise results (the norms' outputs, the SiLU and the gated
     product) from the tensors they came from, as a compiled block does (torch.compile's partitioner
     keeps only what matmuls and attention read); False: eager autograd stores each of them."""
+    eager_llama_block: bool = False
+    """What isthmus's eager Llama block keeps in fp32, as measured on CPU ranks (saved-tensor hooks per
+    block, torch.profiler's memory events per rank: benchmarks/peak_memory.py): each RMSNorm keeps its
+    normalised input before the weight besides its input and output (three tensors of the hidden
+    size, not two), K and V repeated to the query heads before attention are kept at that size, and
+    under torch's sequence-parallel plans the matmuls keep the all-gathered norm outputs. Off for
+    GPUs: under bf16 the kept tensors' widths differ (an fp32 norm input, bf16 matmul inputs), no GPU
+    was measured here, and the leaner accounting meets the one published peak (torchtitan's Llama
+    3.1 8B, 82.4 GiB on H100 96GB)."""
+    pp_recv_buffers: bool = False
+    """torch pipelining's stages keep one receive buffer per microbatch for their input and for their
+    output's gradient, allocated once and held between steps (measured: benchmarks/peak_memory.py)."""
     megatron_stages: bool = False
     """Megatron-LM's pipeline rules: layers split evenly over stages (n_layers divisible by pp x v),
     interleaving only with pp > 2 and microbatches divisible by pp."""
@@ -108,6 +120,7 @@ RUNTIMES: dict[str, Runtime] = {
         weight_bytes=4,
         grad_bytes=4,
         optimizer_bytes=8,
+        pp_recv_buffers=True,
     ),
     # Megatron-LM as in Narayanan et al. 2021: fp16 with fused softmax over a materialised score
     # matrix, dropout 0.1, gradient all-reduce after the last backward, blocking p2p with the

@@ -52,9 +52,20 @@ def alternate_share(layers: int, virtual_stages: int) -> float:
     with one block per module (a deep interleaved pipeline), half with an even count."""
     if layers <= 0:
         return 0.5
+    return sum((k + 1) // 2 for k in _module_sizes(layers, virtual_stages)) / layers
+
+
+def _module_sizes(layers: int, virtual_stages: int) -> list[int]:
     base, extra = divmod(layers, max(1, virtual_stages))
-    sizes = [base + (1 if c < extra else 0) for c in range(max(1, virtual_stages))]
-    return sum((k + 1) // 2 for k in sizes) / layers
+    return [base + (1 if c < extra else 0) for c in range(max(1, virtual_stages))]
+
+
+def alternate_wraps_last(layers: int, virtual_stages: int) -> bool:
+    """Whether every-other-block recomputation wraps the last block of one of the rank's stage
+    modules (blocks 0, 2, ...: a module with an odd count). Backward starts there, with every stored
+    activation still held, so recomputing that block adds to the peak; a wrapped block met later is
+    recomputed after the unwrapped block above it has freed as much."""
+    return any(k % 2 == 1 for k in _module_sizes(max(1, layers), virtual_stages))
 
 
 def layer_activation_bytes(
@@ -76,17 +87,27 @@ def layer_activation_bytes(
     q, kv = args.n_heads * hd, args.n_kv_heads * hd
     mask = 1 if runtime.dropout else 0
     # Outside the tensor-parallel regions (replicated over tp unless sequence-parallel):
-    # two norm inputs, the QKV and fc1 inputs (the norms' outputs), two dropout masks.
-    outside = sb * h * ((2 if runtime.pointwise_recompute else 4) * e + 2 * mask)
+    # two norm inputs, the QKV and fc1 inputs (the norms' outputs), two dropout masks; an eager
+    # RMSNorm also keeps x * rsqrt(mean(x^2)), the operand of its weight's multiply.
+    per_norm = 1 if runtime.pointwise_recompute else 3 if runtime.eager_llama_block else 2
+    outside = sb * h * (2 * per_norm * e + 2 * mask)
+    gathered = 0.0
+    if sp and tp > 1 and runtime.eager_llama_block and not runtime.pointwise_recompute:
+        # torch's sequence-parallel plans all-gather each norm's output for the matmuls after it,
+        # which keep the gathered copy (Megatron keeps the shard and gathers again in backward).
+        outside -= 2 * sb * h * e
+        gathered = 2 * sb * h * e
     # Inside (split over tp): Q, K, V, attention output (proj input), MLP activations: SwiGLU's two
     # projections, the SiLU and the product (the fc2 input); GELU's input and output. Recomputing
-    # pointwise results keeps only what the matmuls produced.
+    # pointwise results keeps only what the matmuls produced. K and V repeated to the query heads
+    # before attention are kept at that size.
     mlp = (2 if args.mlp == "swiglu" else 1) * (1 if runtime.pointwise_recompute else 2) * e * sb * f
-    inside = e * sb * (q + 2 * kv + q) + mlp
+    kv_kept = q if runtime.eager_llama_block and not runtime.pointwise_recompute else kv
+    inside = e * sb * (q + 2 * kv_kept + q) + mlp
     if runtime.attention == "materialized" and scores:
         square = micro_batch * args.n_heads * (seq_len / cp) * seq_len
         inside += square * (e + (e + 1) * mask)  # softmax output; dropout mask and output
-    return outside / (tp if sp else 1) + inside / tp
+    return outside / (tp if sp else 1) + gathered + inside / tp
 
 
 def layer_input_bytes(
@@ -158,9 +179,13 @@ def device_memory(
     accumulate: bool = False,
     dtype: str = "bf16",
     wrapped: float = 0.5,
+    wraps_last: bool = True,
+    microbatches: int = 1,
+    virtual_stages: int = 1,
 ) -> MemoryBreakdown:
     """Peak memory of one device of one pipeline rank (``wrapped``: the share of its blocks that
-    every-other-block selective recomputation wraps, :func:`alternate_share`)."""
+    every-other-block selective recomputation wraps, :func:`alternate_share`; ``wraps_last``:
+    whether it wraps the last block of a stage module, :func:`alternate_wraps_last`)."""
     params = stage_params(args, layers, first, last, pp) / tp
     w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp)
     full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype)
@@ -175,7 +200,16 @@ def device_memory(
         per_layer = full
     activations = layers * per_layer * in_flight
     e = ELEM_BYTES[dtype]
-    transient = full if activation_checkpoint != "none" else 0.0  # the block being recomputed
+    # The block being recomputed: with every other block wrapped, only when backward starts at one.
+    recomputes_on_top = activation_checkpoint == "full" or (
+        activation_checkpoint == "selective" and (runtime.selective == "attention_core" or wraps_last)
+    )
+    transient = full if recomputes_on_top else 0.0
+    if pp > 1 and runtime.pp_recv_buffers:
+        # torch pipelining keeps a receive buffer per microbatch for each stage module's input (but
+        # the first's) and its output's gradient (but the last's), allocated once and kept.
+        ends = 2 * virtual_stages - int(first) - int(last)
+        transient += ends * microbatches * layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, dtype)
     if shard > 1 and zero_stage == 3 and pp == 1:
         transient += 2 * (layer_matmul_params(args) / tp) * runtime.weight_bytes  # this and the prefetched block
     if first:

@@ -1,0 +1,208 @@
+"""The planner's memory per device against what local ranks really allocate, layout by layout.
+
+    python benchmarks/peak_memory.py [--markdown] [--only 1,9] [--flavor small]
+
+For every layout, N gloo ranks build ``Trainer(cfg)`` exactly as ``isthmus train`` would (``small``,
+16 x 128 tokens per step, fp32, the default data), run two steps (AdamW's state exists after the
+first), then measure a third:
+
+- **at rest**: every tensor alive between steps, as the garbage collector finds them, each storage
+  counted once (parameters, optimizer state, DDP's buckets, whatever else the trainer keeps);
+- **in the step**: torch.profiler's memory events (``profile_memory=True``: every CPU allocation
+  and free, with its size) through the step; the largest running sum is the step's peak above rest.
+
+A rank's peak is the two added. It is compared with ``planner.cost.rank_memory`` for the rank's
+pipeline stage (its layers as the planner splits them), the figure behind ``mem_per_device_gb``;
+ranks on the same stage are alike, and the larger of theirs counts. Why the profiler: torch keeps
+no statistics for its CPU allocator (``torch.cpu`` has no ``max_memory_allocated``) and the
+resident set also holds the interpreter, the libraries and freed memory the C allocator kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from isthmus.launch.warm import start_rank_server
+from isthmus.models.flavors import get_flavor
+from isthmus.planner.autoplan import local_runtime, local_topology
+from isthmus.planner.cost import rank_memory, stage_costs
+from isthmus.planner.layout import LayoutSpec, Workload
+from isthmus.planner.placement import place
+from isthmus.train.short_run import capped
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plan_vs_measured import BATCH, SEQ, to_layout, train_flags  # noqa: E402 - a sibling script
+from zero_memory import run_ranks  # noqa: E402
+
+# (name, [parallel] values as benchmarks/plan_vs_measured.py takes them, activation checkpointing)
+LAYOUTS: list[tuple[str, dict[str, object], str]] = [
+    ("single", {}, "none"),
+    ("single, full recomputation", {}, "full"),
+    ("single, selective recomputation", {}, "selective"),
+    ("single, grad_accum 2", {"grad_accum": 2}, "none"),
+    ("dp_replicate 2", {"dp_replicate": 2}, "none"),
+    ("dp_shard 2, zero 1", {"dp_shard": 2, "zero_stage": 1}, "none"),
+    ("dp_shard 2, zero 2", {"dp_shard": 2, "zero_stage": 2}, "none"),
+    ("dp_shard 2, zero 3", {"dp_shard": 2, "zero_stage": 3}, "none"),
+    ("tp 2", {"tp": 2}, "none"),
+    ("tp 2 + sp", {"tp": 2, "sequence_parallel": True}, "none"),
+    ("cp 2", {"cp": 2}, "none"),
+    ("pp 2 gpipe", {"pp": 2, "pp_schedule": "gpipe", "microbatches": 4}, "none"),
+    ("pp 2 1f1b", {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4}, "none"),
+    ("pp 2 1f1b, full recomputation", {"pp": 2, "pp_schedule": "1f1b", "microbatches": 4}, "full"),
+    ("dp 2 x tp 2", {"dp_replicate": 2, "tp": 2}, "none"),
+]
+
+MIB = 2**20
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of every CPU tensor storage alive now, each once (views and shared storages too)."""
+    gc.collect()
+    storages: dict[int, int] = {}
+    for obj in gc.get_objects():
+        # A DTensor is a wrapper without storage of its own; its local tensor is found by itself.
+        if isinstance(obj, torch.Tensor) and type(obj).__name__ != "DTensor" and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def step_peak_bytes(step: Any) -> int:
+    """Run ``step()`` under torch.profiler's memory events; the highest allocated bytes above the start."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]  # type: ignore[union-attr]
+    now = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        now += e.nbytes()  # negative for a free
+        peak = max(peak, now)
+    return peak
+
+
+def _measure(flags: list[str], run_dir: str, cache_dir: str) -> dict[str, int]:
+    """One rank: the trainer's bytes at rest after two steps and its peak through a third."""
+    from isthmus.config import build_config, parse_overrides
+    from isthmus.train.trainer import Trainer
+
+    args = [
+        "--train.steps",
+        "3",
+        "--train.val_every",
+        "0",
+        "--metrics.progress",
+        "false",
+        "--train.run_dir",
+        run_dir,
+        "--data.cache_dir",
+        cache_dir,
+        "--parallel.nproc",
+        os.environ["WORLD_SIZE"],
+        *flags,
+    ]
+    trainer = Trainer(build_config(None, parse_overrides(args)))
+    for _ in range(2):
+        trainer.train_step()
+    rest = live_tensor_bytes()
+    peak = step_peak_bytes(trainer.train_step)
+    stage = trainer.mesh["pp"].get_local_rank() if trainer.mesh is not None and trainer.dims.pp_enabled else 0
+    return {"rest": rest, "peak": rest + peak, "stage": stage}
+
+
+@dataclass
+class Row:
+    name: str
+    layout: LayoutSpec
+    measured: list[dict[str, int]]
+    """Per pipeline stage: the largest rest and peak of its ranks."""
+    planned: list[float]
+    """Per pipeline stage: the planner's peak in bytes."""
+
+
+def planned(layout: LayoutSpec, flavor: str) -> list[float]:
+    """The planner's peak memory of each pipeline stage."""
+    work = Workload(get_flavor(flavor), BATCH, SEQ, "fp32")
+    runtime = local_runtime()
+    stages = stage_costs(work, layout, runtime, place(local_topology(layout.world), layout))
+    return [rank_memory(work, layout, runtime, r, st.layers).total for r, st in enumerate(stages)]
+
+
+def measure(name: str, values: dict[str, object], ac: str, flavor: str, root: Path) -> Row:
+    layout = replace(to_layout(values), activation_checkpoint=ac)
+    flags = ["--model.flavor", flavor, *train_flags(layout), "--parallel.activation_checkpoint", ac]
+    run = root / name.replace(" ", "_").replace(",", "")
+    ranks = run_ranks(_measure, layout.world, flags, str(run / "run"), str(root / "cache"))
+    stages: list[dict[str, int]] = [{"rest": 0, "peak": 0} for _ in range(layout.pp)]
+    for r in ranks:
+        s = stages[r["stage"]]
+        s["rest"], s["peak"] = max(s["rest"], r["rest"]), max(s["peak"], r["peak"])
+    return Row(name, layout, stages, planned(layout, flavor))
+
+
+def print_table(rows: list[Row], markdown: bool) -> None:
+    head = ["#", "layout", "ranks", "stage", "at rest MiB", "peak MiB", "planned peak MiB", "error"]
+    lines = [head]
+    errors = []
+    for i, row in enumerate(rows, 1):
+        for stage, (got, peak_plan) in enumerate(zip(row.measured, row.planned)):
+            error = peak_plan / got["peak"] - 1
+            errors.append(abs(error))
+            lines.append(
+                [
+                    str(i),
+                    row.name,
+                    str(row.layout.world),
+                    str(stage) if row.layout.pp > 1 else "-",
+                    f"{got['rest'] / MIB:.1f}",
+                    f"{got['peak'] / MIB:.1f}",
+                    f"{peak_plan / MIB:.1f}",
+                    f"{error:+.1%}",
+                ]
+            )
+    if markdown:
+        print("| " + " | ".join(lines[0]) + " |")
+        print("|" + "---|" * len(lines[0]))
+        for line in lines[1:]:
+            print("| " + " | ".join(line) + " |")
+    else:
+        widths = [max(len(line[c]) for line in lines) for c in range(len(head))]
+        for line in lines:
+            print(
+                "  ".join(cell.rjust(w) if c >= 2 else cell.ljust(w) for c, (cell, w) in enumerate(zip(line, widths)))
+            )
+    errors.sort()
+    median = (
+        errors[len(errors) // 2] if len(errors) % 2 else sum(errors[len(errors) // 2 - 1 : len(errors) // 2 + 1]) / 2
+    )
+    print(f"\nplanned peak vs measured, {len(errors)} stages: median |error| {median:.1%}, max {max(errors):.1%}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--flavor", default="small")
+    ap.add_argument("--only", default="", help="comma-separated row numbers (1-based) of the layouts to run")
+    ap.add_argument("--markdown", action="store_true")
+    ns = ap.parse_args(argv)
+    start_rank_server()  # every rank of every layout forks from it (isthmus.launch.warm)
+    picked = [LAYOUTS[int(i) - 1] for i in ns.only.split(",")] if ns.only else LAYOUTS
+    picked = picked[: capped(len(picked))]  # ISTHMUS_MAX_STEPS: a smoke run
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = [measure(name, values, ac, ns.flavor, Path(tmp)) for name, values, ac in picked]
+    print(f"{ns.flavor}, {BATCH} x {SEQ} tokens per step, fp32, AdamW; bytes CPU tensors hold\n")
+    print_table(rows, ns.markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
