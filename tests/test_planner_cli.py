@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -134,3 +135,19 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path) -> None:
     )
     assert proc.stderr == "", proc.stderr
     assert proc.returncode == 141, proc.returncode
+
+
+def test_a_pinned_layout_over_memory_shows_its_own_peak() -> None:
+    """Pinning dp_shard leaves cores it cannot divide; they have no variant and are not "over memory",
+    so the closest refused device is the pinned layout's own, above the limit (it once showed an
+    unsharded floor of 65.8 GB "of 91.2 GB usable")."""
+    argv = ["--model", "llama3-8b", "--topology", "grand-teton-h100", "--gpus", "8", "--train.batch_size", "96"]
+    argv += ["--train.seq_len", "8192", "--micro-batch", "4", "--dtype", "bf16"]
+    argv += ["--parallel.activation_checkpoint", "selective", "--parallel.tp", "1", "--parallel.pp", "1"]
+    argv += ["--parallel.dp_shard", "8", "--parallel.zero_stage", "3"]
+    with pytest.raises(IsthmusError) as info:
+        plan(argv)
+    message = str(info.value)
+    assert "1 considered, 1 over memory" in message and "\n" not in message
+    closest, usable = (float(x) for x in re.search(r"= ([\d.]+) GB of ([\d.]+) GB usable", message).groups())  # type: ignore[union-attr]
+    assert closest > usable

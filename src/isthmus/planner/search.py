@@ -327,7 +327,11 @@ def _prepare(
     shards = _fix(divisors(dp // cut), space.dp_shard)
     widest = max(shards, default=1) * core.cp
     state = model_state_bytes(first_params, 3, widest, runtime, False, 1)
-    if not shards or sum(state) + first_act > usable:
+    if not shards:
+        # The fixed dp_shard does not divide this core's data parallelism: no variant, and not a
+        # matter of memory (counted as one, it showed an unsharded "closest" below the limit).
+        return None
+    if sum(state) + first_act > usable:
         result.considered += 1
         result.over_memory(MemoryBreakdown(*state, first_mem.activations, first_mem.transient))
         return None
