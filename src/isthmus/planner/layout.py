@@ -79,8 +79,10 @@ class Runtime:
     size, not two), K and V repeated to the query heads before attention are kept at that size, and
     under torch's sequence-parallel plans the matmuls keep the all-gathered norm outputs. Off for
     GPUs: under bf16 the kept tensors' widths differ (an fp32 norm input, bf16 matmul inputs), no GPU
-    was measured here, and the leaner accounting meets the one published peak (torchtitan's Llama
-    3.1 8B, 82.4 GiB on H100 96GB)."""
+    was measured here, and the published runs bound it from both sides: torchtitan's Llama 3.1 8B on
+    H100 96GB reported 82.4 GiB (88.5 GB), which the leaner accounting puts at 85.1 GB and this one at
+    92.6 GB, over the 91.2 GB a plan may fill; its Llama 2 13B without recomputation ran on A100 80GB,
+    71.6 GB lean, 78.3 GB here, over 76 GB. Both would be refused though they ran."""
     pp_recv_buffers: bool = False
     """torch pipelining's stages keep one receive buffer per microbatch for their input and for their
     output's gradient, allocated once and held between steps (measured: benchmarks/peak_memory.py)."""
