@@ -56,6 +56,26 @@ def test_fixed_choices_are_kept() -> None:
         assert lay.dp * lay.micro_batch * lay.microbatches == 128
 
 
+@pytest.mark.parametrize(
+    "fixed",
+    [
+        {"micro_batch": 3},  # the search tries 1, 2, 4, 8, 16
+        {"micro_batch": 6},
+        {"cp": 4},  # pieces of 1,024 tokens: the search wants 2,048 at least
+        {"pp": 2, "pp_schedule": "interleaved_1f1b", "pp_virtual_stages": 6},  # the search tries 2, 3, 4, 8
+    ],
+)
+def test_a_value_the_search_would_skip_is_tried_when_named(fixed: dict[str, object]) -> None:
+    """A value the search leaves out by its own preference (not a rule of the runtime) is still a
+    layout the user may ask about: naming it gives that layout, not "no layout is valid"."""
+    topo = load_topology("selene-a100").subset(64)
+    space = SearchSpace(batch_size=96, seq_len=4096, **fixed)  # type: ignore[arg-type]
+    res = search(get_flavor("gpt3-7.5b"), topo, space, ISTH, top=3)
+    assert res.ranked
+    for e in res.ranked:
+        assert all(getattr(e.layout, key) == value for key, value in fixed.items())
+
+
 def test_nothing_fits_is_a_one_line_error() -> None:
     with pytest.raises(ConfigError, match="no layout of this .*B-parameter model fits") as info:
         search(get_flavor("gpt3-1t"), load_topology("local"), SearchSpace(batch_size=2, seq_len=2048), ISTH)

@@ -126,6 +126,8 @@ def _schedules(space: SearchSpace, pp: int, m: int, layers: int, runtime: Runtim
         if space.pp_schedule not in (None, sched):
             continue
         vs = [1] if sched in ("1f1b", "gpipe") else ([2] if sched == "zero_bubble" else [2, 3, 4, 8])
+        if sched == "interleaved_1f1b" and space.pp_virtual_stages is not None:
+            vs = [space.pp_virtual_stages]  # any depth the user names, where check_pipeline allows it
         for v in vs:
             if space.pp_virtual_stages not in (None, v) or check_pipeline(
                 sched, pp, m, v, layers, runtime.megatron_stages
@@ -170,12 +172,16 @@ def search(
             node = min(d.devices_per_node for d in used)
             usable = min(d.kind.memory_bytes for d in used) * USABLE_FRACTION
             for tp in _fix([t for t in divisors(node) if args.n_heads % t == 0 and args.n_kv_heads % t == 0], space.tp):
+                # Short sequence pieces and odd microbatch sizes are left out of the search, not
+                # refused: a value the user names is tried whatever the search would have chosen.
                 cps = [
-                    c for c in divisors(per_dc // tp) if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS)
+                    c
+                    for c in divisors(per_dc // tp)
+                    if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS or c == space.cp)
                 ]
                 for cp in _fix(cps, space.cp):
                     for pp, dp in _pipelines(used, axis, world, tp, cp, args.n_layers, space.pp):
-                        for mb in _fix(list(MICRO_BATCHES), space.micro_batch):
+                        for mb in [space.micro_batch] if space.micro_batch else MICRO_BATCHES:
                             m = _microbatches(space, seq, dp, mb, pp)
                             if m is None:
                                 continue
