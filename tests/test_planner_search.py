@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -86,6 +87,14 @@ def test_175b_on_12288_gpus() -> None:
     # How long this takes is measured by benchmarks/plan_speed.py (docs/benchmarks.md), not here.
     res = search(GPT3_175B, load_topology("geo-3dc-h100"), SearchSpace(batch_size=1536, seq_len=2048), ISTH, top=10)
     assert res.best.layout.world == 12288 or res.best.layout.datacenters == 1
+
+
+def test_layouts_over_memory_are_among_those_considered() -> None:
+    """`isthmus plan`'s header says "N layouts considered, M over memory": M counts estimated variants
+    (and probes refused before any), so N must count the same (it counted probes: 3,222 vs 3,288)."""
+    topo = load_topology(str(Path(__file__).resolve().parents[1] / "examples" / "atlas-3dc.toml"))
+    res = search(get_flavor("llama3-70b"), topo, SearchSpace(batch_size=128, seq_len=2048), ISTH, top=3)
+    assert 0 < res.pruned_memory < res.considered
 
 
 def _geo_invariants(topo, est) -> None:  # type: ignore[no-untyped-def]

@@ -429,9 +429,9 @@ def _variants(
         pl = None
         for zero in _zero_choices(core, shard, space):
             probe = LayoutSpec(**fields, dp_replicate=per_dc // shard, dp_shard=shard, zero_stage=zero)
-            result.considered += 1
             state = model_state_bytes(cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p)
             if sum(state) + cand.first_act > cand.usable:
+                result.considered += 1  # its variants are not enumerated: counted once, as refused
                 result.over_memory(MemoryBreakdown(*state, cand.first_act, 0.0))
                 continue
             pl = pl or place(topo, probe)
@@ -460,6 +460,7 @@ def _variants(
                 # Blocking sends (Megatron) put the WAN schedule into the stage costs.
                 same = runtime.p2p_async or wan_schedule == core.wan_schedule
                 est = estimate(work, topo, lay, runtime, pl, cand.stages if same else None)
+                result.considered += 1
                 if not est.fits:
                     result.over_memory(est.memory)
                     continue
