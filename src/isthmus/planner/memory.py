@@ -38,7 +38,8 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     transient: float
-    """Gathered ZeRO-3 / FSDP parameters, the recomputed block, logits of the last stage."""
+    """Gathered ZeRO-3 / FSDP parameters, the recomputed block, logits of the last stage, and torch
+    pipelining's receive buffers (one per microbatch and stage module: many microbatches cost here)."""
 
     @property
     def total(self) -> float:
