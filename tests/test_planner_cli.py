@@ -102,6 +102,9 @@ def test_model_overrides_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> N
     assert out["model_params"] < 500_000_000
 
 
+_H100X8 = ["--model", "llama3-8b", "--topology", "grand-teton-h100", "--gpus", "8", "--train.seq_len", "4096"]
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -112,6 +115,13 @@ def test_model_overrides_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> N
         (["--model", "nope"], "model.flavor = 'nope'"),
         (["--model", "small", "--parallel.activation_checkpoint", "most"], "invalid choice"),
         (["--model", "small", "--gpus", "3"], "--gpus = 3"),
+        # A fixed value that rules out every layout is named, not only "no layout is valid".
+        ([*_H100X8, "--parallel.pp", "3"], "--parallel.pp = 3: no valid layout of this 8.03B-parameter model"),
+        ([*_H100X8, "--parallel.dp_shard", "3"], "--parallel.dp_shard = 3: no valid layout"),
+        (
+            [*_H100X8, "--train.batch_size", "16", "--micro-batch", "5"],
+            "valid with --micro-batch 5, --train.batch_size 16",
+        ),
     ],
 )
 def test_bad_flags_are_one_line_errors(argv: list[str], needle: str) -> None:

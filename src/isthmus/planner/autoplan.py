@@ -137,8 +137,10 @@ def choose_layout(
     except ConfigError as e:
         if not fixed:
             raise
+        # The search names the fixed value at fault as its flag (--parallel.tp for tp=...): keep it.
+        rule = e.rule if e.key == "--topology" else f"{e.key} = {e.value!r}: {e.rule}"
         raise ConfigError(
-            "--plan", names, f"no layout that fits matches it on {topo.name} ({topo.n_devices} devices: {e.rule})"
+            "--plan", names, f"no layout that fits matches it on {topo.name} ({topo.n_devices} devices: {rule})"
         ) from None
     pool = [e for e in result.ranked if _matches(e.layout, fixed)]
     if not pool:

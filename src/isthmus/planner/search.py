@@ -18,7 +18,8 @@ top k is what exhaustive evaluation gives.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 
 from isthmus.errors import ConfigError
 from isthmus.layout.rules import zero_stages
@@ -159,11 +160,51 @@ def search(
         if space.datacenters is not None:
             raise ConfigError("--geo.datacenters", space.datacenters, f"does not go with --geo.dc_axis {space.dc_axis}")
         raise ConfigError("--geo.dc_axis", space.dc_axis, f"topology {topo.name!r} has one datacenter; use none")
-    seqs = [space.seq_len] if space.seq_len else list(DEFAULT_SEQ_LENS)
     heap: list[tuple[float, int, Estimate]] = []
     result = SearchResult([])
     counter = 0
     cores: list[_Core] = []
+    for work, core, usable in _core_layouts(args, topo, space, runtime, dtype):
+        cand = _prepare(work, topo, core, runtime, space, usable, result)
+        if cand is not None:
+            cores.append(cand)
+    # Best bound first, so the top k fills early; a core is evaluated while its bound may still enter
+    # the top k or beat the best layout of its kind of WAN crossing (for the explanation).
+    cores.sort(key=lambda c: -c.bound)
+    for cand in cores:
+        if _hopeless(cand, heap, top, result, len(topo.datacenters)):
+            continue
+        _tighten(cand, topo, runtime, space)
+        if _hopeless(cand, heap, top, result, len(topo.datacenters)):
+            continue
+        counter = _variants(cand, topo, runtime, space, heap, top, result, counter)
+    if not heap:
+        n = count_params(args)
+        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+        why = (
+            f"fits in device memory ({result.considered} considered, {result.pruned_memory} over memory"
+            + (
+                f"; closest, first rank: {memory_parts(result.least_over, usable_bytes(topo))}"
+                if result.least_over
+                else ""
+            )
+            + ")"
+            if result.considered
+            else "is valid for this model's shape and the search's fixed values"
+        )
+        if not result.considered:
+            _name_the_fixed_value(args, topo, space, runtime, dtype, f"{size}-parameter model")
+        raise ConfigError("--topology", topo.name, f"no layout of this {size}-parameter model {why}")
+    result.ranked = [est for _, _, est in sorted(heap, key=lambda x: (-x[0], x[1]))]
+    return result
+
+
+def _core_layouts(
+    args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, dtype: str
+) -> Iterator[tuple[Workload, LayoutSpec, float]]:
+    """Every core layout the runtime's rules and the space allow (no dp split, ZeRO stage or geo
+    strategy yet), with its workload and the usable bytes of its devices."""
+    seqs = [space.seq_len] if space.seq_len else list(DEFAULT_SEQ_LENS)
     for seq in seqs:
         for dc, axis in _placements(topo, space):
             used = [topo.datacenters[i] for i in _used(topo, dc)]
@@ -215,36 +256,54 @@ def search(
                                             wan_schedule=_wan_schedules(axis, space)[-1],  # type: ignore[arg-type]
                                             wan_streams=space.wan_streams,
                                         )
-                                        cand = _prepare(work, topo, core, runtime, space, usable, result)
-                                        if cand is not None:
-                                            cores.append(cand)
-    # Best bound first, so the top k fills early; a core is evaluated while its bound may still enter
-    # the top k or beat the best layout of its kind of WAN crossing (for the explanation).
-    cores.sort(key=lambda c: -c.bound)
-    for cand in cores:
-        if _hopeless(cand, heap, top, result, len(topo.datacenters)):
-            continue
-        _tighten(cand, topo, runtime, space)
-        if _hopeless(cand, heap, top, result, len(topo.datacenters)):
-            continue
-        counter = _variants(cand, topo, runtime, space, heap, top, result, counter)
-    if not heap:
-        n = count_params(args)
-        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-        why = (
-            f"fits in device memory ({result.considered} considered, {result.pruned_memory} over memory"
-            + (
-                f"; closest, first rank: {memory_parts(result.least_over, usable_bytes(topo))}"
-                if result.least_over
-                else ""
-            )
-            + ")"
-            if result.considered
-            else "is valid for this model's shape and the search's fixed values"
+                                        yield work, core, usable
+
+
+# A value the user fixed, and the flag it came from, in the order a message names them.
+_FIXED_FLAGS = (
+    ("tp", "--parallel.tp"),
+    ("cp", "--parallel.cp"),
+    ("pp", "--parallel.pp"),
+    ("dp_shard", "--parallel.dp_shard"),
+    ("zero_stage", "--parallel.zero_stage"),
+    ("pp_schedule", "--parallel.pp_schedule"),
+    ("pp_virtual_stages", "--parallel.pp_virtual_stages"),
+    ("micro_batch", "--micro-batch"),
+    ("batch_size", "--train.batch_size"),
+    ("seq_len", "--train.seq_len"),
+)
+
+
+def _has_valid_layout(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, dtype: str) -> bool:
+    """Whether any layout passes the runtime's rules and the space's fixed values (memory aside)."""
+    for _, core, _ in _core_layouts(args, topo, space, runtime, dtype):
+        cut = core.datacenters if core.dc_axis == "dp" else 1
+        if any(_zero_choices(core, shard, space) for shard in _fix(divisors(core.dp // cut), space.dp_shard)):
+            return True
+    return False
+
+
+def _name_the_fixed_value(
+    args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, dtype: str, what: str
+) -> None:
+    """When no layout is valid, raise for the fixed value that rules them all out, if one does alone:
+    the user learns which flag to change, not only that the combination fails."""
+    culprits = [
+        (flag, getattr(space, name))
+        for name, flag in _FIXED_FLAGS
+        if getattr(space, name) is not None
+        and _has_valid_layout(args, topo, replace(space, **{name: None}), runtime, dtype)  # type: ignore[arg-type]
+    ]
+    if len(culprits) == 1:
+        flag, value = culprits[0]
+        raise ConfigError(
+            flag, value, f"no valid layout of this {what} on {topo.name} has it; without it the search finds some"
         )
-        raise ConfigError("--topology", topo.name, f"no layout of this {size}-parameter model {why}")
-    result.ranked = [est for _, _, est in sorted(heap, key=lambda x: (-x[0], x[1]))]
-    return result
+    if culprits:
+        named = ", ".join(f"{flag} {value}" for flag, value in culprits)
+        raise ConfigError(
+            "--topology", topo.name, f"no layout of this {what} is valid with {named} together; drop one of them"
+        )
 
 
 def _cp_impls(args: ModelArgs, tp: int, cp: int) -> list[str]:
