@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import sys
 import tempfile
 from dataclasses import dataclass, replace
@@ -41,7 +40,7 @@ from isthmus.train.short_run import capped
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plan_vs_measured import BATCH, SEQ, to_layout, train_flags  # noqa: E402 - a sibling script
-from zero_memory import run_ranks  # noqa: E402
+from zero_memory import rank_trainer, run_ranks  # noqa: E402
 
 # (name, [parallel] values as benchmarks/plan_vs_measured.py takes them, activation checkpointing)
 LAYOUTS: list[tuple[str, dict[str, object], str]] = [
@@ -93,25 +92,7 @@ def step_peak_bytes(step: Any) -> int:
 
 def _measure(flags: list[str], run_dir: str, cache_dir: str) -> dict[str, int]:
     """One rank: the trainer's bytes at rest after two steps and its peak through a third."""
-    from isthmus.config import build_config, parse_overrides
-    from isthmus.train.trainer import Trainer
-
-    args = [
-        "--train.steps",
-        "3",
-        "--train.val_every",
-        "0",
-        "--metrics.progress",
-        "false",
-        "--train.run_dir",
-        run_dir,
-        "--data.cache_dir",
-        cache_dir,
-        "--parallel.nproc",
-        os.environ["WORLD_SIZE"],
-        *flags,
-    ]
-    trainer = Trainer(build_config(None, parse_overrides(args)))
+    trainer = rank_trainer(3, run_dir, cache_dir, flags)
     for _ in range(2):
         trainer.train_step()
     rest = live_tensor_bytes()

@@ -70,14 +70,15 @@ def _watch_gathered(model: nn.Module, peak: list[int]) -> None:
             m.register_forward_hook(after_fsdp_forward)
 
 
-def _measure(overrides: list[str], run_dir: str, cache_dir: str) -> dict[str, int]:
-    """One rank: the trainer's model and optimizer after one step, in bytes."""
+def rank_trainer(steps: int, run_dir: str, cache_dir: str, flags: list[str]) -> Any:
+    """The `Trainer` one rank of these benchmarks builds, as ``isthmus train`` would with ``flags``:
+    ``steps`` steps, one thread, no validation or progress bar, a slice of the default data."""
     from isthmus.config import build_config, parse_overrides
     from isthmus.train.trainer import Trainer
 
     args = [
         "--train.steps",
-        "1",
+        str(steps),
         "--train.threads",
         "1",
         "--train.val_every",
@@ -92,9 +93,14 @@ def _measure(overrides: list[str], run_dir: str, cache_dir: str) -> dict[str, in
         cache_dir,
         "--parallel.nproc",
         os.environ["WORLD_SIZE"],
-        *overrides,
+        *flags,
     ]
-    trainer = Trainer(build_config(None, parse_overrides(args)))
+    return Trainer(build_config(None, parse_overrides(args)))
+
+
+def _measure(overrides: list[str], run_dir: str, cache_dir: str) -> dict[str, int]:
+    """One rank: the trainer's model and optimizer after one step, in bytes."""
+    trainer = rank_trainer(1, run_dir, cache_dir, overrides)
     model = trainer.pm.model
     peak = [0]
     if trainer.pm.dp_kind == "fsdp":
