@@ -36,7 +36,7 @@ from isthmus.planner.autoplan import local_runtime, local_topology
 from isthmus.planner.cost import rank_memory, stage_costs
 from isthmus.planner.layout import LayoutSpec, Workload
 from isthmus.planner.placement import place
-from isthmus.train.short_run import capped
+from isthmus.train.short_run import max_steps_override
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plan_vs_measured import BATCH, SEQ, to_layout, train_flags  # noqa: E402 - a sibling script
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     start_rank_server()  # every rank of every layout forks from it (isthmus.launch.warm)
     picked = [LAYOUTS[int(i) - 1] for i in ns.only.split(",")] if ns.only else LAYOUTS
-    picked = picked[: capped(len(picked))]  # ISTHMUS_MAX_STEPS: a smoke run
+    picked = picked[: 1 if max_steps_override() else len(picked)]  # ISTHMUS_MAX_STEPS: a smoke run, one layout
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(name, values, ac, ns.flavor, Path(tmp)) for name, values, ac in picked]
     print(f"{ns.flavor}, {BATCH} x {SEQ} tokens per step, fp32, AdamW; bytes CPU tensors hold\n")

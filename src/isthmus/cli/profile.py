@@ -75,7 +75,8 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
 
     wait_for_rank_server()  # (its import would slow the first measurements down)
 
-    prof = measure(budget, threads, ns.model, ns.batch, ns.seq_len)
+    # A smoke run repeats each measurement once: its figures mean nothing, its path is the same.
+    prof = measure(budget, threads, ns.model, ns.batch, ns.seq_len, repeats=3 if cap is None else 1)
     # What MFU divides by: measured again here, where the machine is known to be in use for nothing else.
     from isthmus.train.device import (  # torch: not for plan/simulate
         PEAK_CACHE_FILE,

@@ -115,7 +115,7 @@ def fit_gemm_curve(samples: list[tuple[int, int, int, float]], peak: float) -> t
 
 
 def _gloo_worker(
-    rank: int, port: int, sizes: list[int], budget: float, out: str, block: list[Any] | None = None
+    rank: int, port: int, sizes: list[int], budget: float, out: str, block: list[Any] | None = None, repeats: int = 3
 ) -> None:
     """One of the two ranks of :func:`measure_gloo` (a process of its own). ``block``:
     [flavor, batch, seq, seconds] to time a block while the other rank does the same."""
@@ -130,7 +130,7 @@ def _gloo_worker(
         t = time.perf_counter()
         dist.all_reduce(x)
         # Both ranks must run the same collectives: rank 0 decides how many repeats fit the budget.
-        reps = torch.tensor([max(3, min(200, int(budget / len(sizes) / max(time.perf_counter() - t, 1e-6))))])
+        reps = torch.tensor([max(repeats, min(200, int(budget / len(sizes) / max(time.perf_counter() - t, 1e-6))))])
         dist.broadcast(reps, src=0)
         samples = []
         for _ in range(int(reps)):
@@ -169,12 +169,15 @@ def _gloo_worker(
 
 
 def measure_gloo(
-    budget: float, sizes: tuple[int, ...] = ALLREDUCE_BYTES, block: list[Any] | None = None
+    budget: float, sizes: tuple[int, ...] = ALLREDUCE_BYTES, block: list[Any] | None = None, repeats: int = 3
 ) -> tuple[list[tuple[int, float]], float]:
     """((bytes, median seconds) of a gloo all-reduce between two local ranks over loopback, and, when
     ``block`` asks, how much slower a block runs with both ranks computing than with one alone)."""
     got = _two_ranks(
-        _gloo_worker, lambda port, out: [port, list(sizes), budget, out, block], 120 + 10 * budget, "the gloo ranks"
+        _gloo_worker,
+        lambda port, out: [port, list(sizes), budget, out, block, repeats],
+        120 + 10 * budget,
+        "the gloo ranks",
     )
     shared = got["block_together"] / got["block_alone"] if got["block_alone"] > 0 else 1.0
     return list(zip(sizes, got["allreduce"])), shared
@@ -193,7 +196,9 @@ SHARD_EVENTS = {2: 2, 3: 3}
 reduce-scatters once; ZeRO-3 gathers again for the backward."""
 
 
-def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, steps: int, out: str) -> None:
+def _mechanism_worker(
+    rank: int, port: int, flavor: str, batch: int, seq: int, steps: int, out: str, warmup: int = 2
+) -> None:
     """One of the two ranks of :func:`measure_mechanisms` (a process of its own, one thread, gloo):
     the median time of a whole training step (forward, backward, clipping, AdamW) of ``flavor``
     with 1 and with 3 blocks under each of :data:`MECHANISMS`, as isthmus.api lays it out."""
@@ -217,14 +222,14 @@ def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, s
             local = x.chunk(dp)[mesh["dp"].get_local_rank()] if dp > 1 else x
             inputs, targets = shard_batch(pm, local[:, :-1], local[:, 1:], mesh)
             samples = []
-            for i in range(steps + 2):
+            for i in range(steps + warmup):
                 dist.barrier()
                 t = time.perf_counter()
                 step(pm, inputs, targets)
                 clip_grad_norm(pm, 1.0, mesh)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-                if i >= 2:  # the first steps allocate and warm caches
+                if i >= warmup:  # the first steps allocate and warm caches
                     samples.append(time.perf_counter() - t)
             times[name].append(statistics.median(samples))
             del pm, opt
@@ -233,7 +238,7 @@ def _mechanism_worker(rank: int, port: int, flavor: str, batch: int, seq: int, s
     dist.destroy_process_group()
 
 
-def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float) -> dict[str, list[float]]:
+def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float, repeats: int = 3) -> dict[str, list[float]]:
     """Per mechanism, the median training-step seconds of ``flavor`` with 1 and with 3 blocks on 2
     local ranks (two processes, as :func:`measure_gloo`)."""
 
@@ -241,10 +246,10 @@ def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float) -> dict
     a = get_flavor(flavor)
     t = layer_times(device_kinds()["cpu"], "fp32", a, batch, seq, 1, 1, False, RUNTIMES["isthmus"])
     guess = 4 * (t.fwd + t.bwd + t.wgrad)
-    steps = max(3, min(12, int(budget / (len(MECHANISMS) * 2 * 2 * max(guess, 1e-3)))))
+    steps = max(repeats, min(12, int(budget / (len(MECHANISMS) * 2 * 2 * max(guess, 1e-3)))))
     return _two_ranks(
         _mechanism_worker,
-        lambda port, out: [port, flavor, batch, seq, steps, out],
+        lambda port, out: [port, flavor, batch, seq, steps, out, min(2, repeats)],
         300 + 10 * budget,
         "the 2-rank layouts",
     )
@@ -408,7 +413,7 @@ def _block_from(best: list[float]) -> tuple[float, float]:
 
 
 def measure_block(
-    args: Any, batch: int, seq: int, threads: tuple[int, ...], budget: float
+    args: Any, batch: int, seq: int, threads: tuple[int, ...], budget: float, repeats: int = 3
 ) -> dict[int, tuple[float, float]]:
     """Per thread count, (one block's forward + backward, the rest of the model's) seconds at
     ``batch`` x ``seq`` tokens.
@@ -424,7 +429,7 @@ def measure_block(
         steps = _block_steps(args, batch, seq)
         best = {t: [math.inf, math.inf] for t in threads}
         start, reps = time.perf_counter(), 0
-        while reps < 3 or (time.perf_counter() - start < budget and reps < 50):
+        while reps < repeats or (time.perf_counter() - start < budget and reps < 50):
             for t in threads:
                 torch.set_num_threads(t)
                 for i, fn in enumerate(steps):
@@ -468,8 +473,11 @@ def fit_block(
     return launch, 1 / inv / kind.memory_bw_fraction
 
 
-def measure(budget: float, threads: int, flavor: str = "small", batch: int = 16, seq: int = 128) -> dict[str, Any]:
-    """Every measurement within about ``budget`` seconds (the gloo ranks' start-up not counted).
+def measure(
+    budget: float, threads: int, flavor: str = "small", batch: int = 16, seq: int = 128, repeats: int = 3
+) -> dict[str, Any]:
+    """Every measurement within about ``budget`` seconds (the gloo ranks' start-up not counted), each
+    repeated at least ``repeats`` times (1: a smoke run, whose figures mean nothing).
 
     One rank alone on one thread: the GEMM curve (matmuls of ``flavor`` at ``batch`` x ``seq``
     tokens and at a half and a quarter of them, cold caches), then the launch cost and memory
@@ -490,14 +498,14 @@ def measure(budget: float, threads: int, flavor: str = "small", batch: int = 16,
     frac, d0, err = fit_gemm_curve(gemms, base.peak("fp32"))
     floor = measure_op_overhead(0.02 * budget)
     kind = replace(base, name="cpu-local", gemm_max_fraction=frac, gemm_half_dim=d0)
-    runs = measure_block(args, batch, seq, tuple(sorted({1, threads})), 0.25 * budget)
+    runs = measure_block(args, batch, seq, tuple(sorted({1, threads})), 0.25 * budget, repeats)
     (block_1t, ends_1t), (block_nt, ends_nt) = runs[1], runs[threads]
-    block_q = measure_block(args, quarter, seq, (1,), 0.1 * budget)[1][0] if quarter < batch else block_1t
+    block_q = measure_block(args, quarter, seq, (1,), 0.1 * budget, repeats)[1][0] if quarter < batch else block_1t
     launch, bw = fit_block(kind, args, seq, [(batch, block_1t), (quarter, block_q)], floor)
     kind = replace(kind, kernel_launch_s=launch, memory_bandwidth=bw)
-    gloo, shared = measure_gloo(0.2 * budget, sizes, [flavor, half, seq, 0.15 * budget])
+    gloo, shared = measure_gloo(0.2 * budget, sizes, [flavor, half, seq, 0.15 * budget], repeats)
     lat, link_bw = fit_alpha_beta(gloo)
-    mechanisms = measure_mechanisms(flavor, batch, seq, 0.3 * budget)
+    mechanisms = measure_mechanisms(flavor, batch, seq, 0.3 * budget, repeats)
     return {
         "mechanisms": mechanisms,
         "seconds": time.perf_counter() - start,
