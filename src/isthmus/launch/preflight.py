@@ -18,7 +18,7 @@ from isthmus.models.args import ModelArgs
 from isthmus.models.flavors import list_flavors
 from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.planner.autoplan import local_runtime
-from isthmus.planner.memory import MemoryBreakdown, alternate_share, alternate_wraps_last, device_memory
+from isthmus.planner.memory import MemoryBreakdown, device_memory
 from isthmus.planner.pipeline import in_flight
 from isthmus.train.checkpoint_manifest import checkpoint_key
 
@@ -204,9 +204,6 @@ def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
             shard=shard,
             accumulate=t.grad_accum > 1,
             dtype=t.dtype,
-            # what parallel.ac wraps: blocks 0, 2, ... of each stage module
-            wrapped=alternate_share(layers, p.pp_virtual_stages if dims.pp > 1 else 1),
-            wraps_last=alternate_wraps_last(layers, p.pp_virtual_stages if dims.pp > 1 else 1),
             microbatches=p.microbatches,
             virtual_stages=p.pp_virtual_stages if dims.pp > 1 else 1,
         )

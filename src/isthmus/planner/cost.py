@@ -31,7 +31,6 @@ from isthmus.planner.memory import (
     USABLE_FRACTION,
     MemoryBreakdown,
     alternate_share,
-    alternate_wraps_last,
     device_memory,
     stage_params,
 )
@@ -324,8 +323,6 @@ def rank_memory(work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, la
         shard=layout.shard_degree,
         accumulate=layout.microbatches > 1,
         dtype=work.dtype,
-        wrapped=alternate_share(layers, layout.pp_virtual_stages),
-        wraps_last=alternate_wraps_last(layers, layout.pp_virtual_stages),
         microbatches=layout.microbatches,
         virtual_stages=layout.pp_virtual_stages,
     )

@@ -16,6 +16,7 @@ table exactly for a GPT block (tests/test_planner_cost.py checks it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from isthmus.models.args import ModelArgs
@@ -59,14 +60,6 @@ def alternate_share(layers: int, virtual_stages: int) -> float:
 def _module_sizes(layers: int, virtual_stages: int) -> list[int]:
     base, extra = divmod(layers, max(1, virtual_stages))
     return [base + (1 if c < extra else 0) for c in range(max(1, virtual_stages))]
-
-
-def alternate_wraps_last(layers: int, virtual_stages: int) -> bool:
-    """Whether every-other-block recomputation wraps the last block of one of the rank's stage
-    modules (blocks 0, 2, ...: a module with an odd count). Backward starts there, with every stored
-    activation still held, so recomputing that block adds to the peak; a wrapped block met later is
-    recomputed after the unwrapped block above it has freed as much."""
-    return any(k % 2 == 1 for k in _module_sizes(max(1, layers), virtual_stages))
 
 
 def layer_activation_bytes(
@@ -179,14 +172,19 @@ def device_memory(
     shard: int,
     accumulate: bool = False,
     dtype: str = "bf16",
-    wrapped: float = 0.5,
-    wraps_last: bool = True,
     microbatches: int = 1,
     virtual_stages: int = 1,
+    modules: Sequence[int] | None = None,
 ) -> MemoryBreakdown:
-    """Peak memory of one device of one pipeline rank (``wrapped``: the share of its blocks that
-    every-other-block selective recomputation wraps, :func:`alternate_share`; ``wraps_last``:
-    whether it wraps the last block of a stage module, :func:`alternate_wraps_last`)."""
+    """Peak memory of one device of one pipeline rank. ``modules``: the blocks of each of its stage
+    modules (default: ``layers`` split evenly over ``virtual_stages``), what every-other-block
+    recomputation goes by: it wraps blocks 0, 2, ... of each module (:func:`alternate_share`)."""
+    sizes = list(modules) if modules is not None else _module_sizes(max(1, layers), virtual_stages)
+    wrapped = sum((k + 1) // 2 for k in sizes) / max(1, layers)
+    # Backward starts at a module's last block with every stored activation held: recomputing it
+    # (a module with an odd count) adds to the peak; a wrapped block met later is recomputed after
+    # the unwrapped block above it has freed as much.
+    wraps_last = any(k % 2 == 1 for k in sizes)
     params = stage_params(args, layers, first, last, pp) / tp
     w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp)
     full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype)
@@ -209,7 +207,7 @@ def device_memory(
     if pp > 1 and runtime.pp_recv_buffers:
         # torch pipelining keeps a receive buffer per microbatch for each stage module's input (but
         # the first's) and its output's gradient (but the last's), allocated once and kept.
-        ends = 2 * virtual_stages - int(first) - int(last)
+        ends = 2 * len(sizes) - int(first) - int(last)
         transient += ends * microbatches * layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, dtype)
     if shard > 1 and zero_stage == 3 and pp == 1:
         transient += 2 * (layer_matmul_params(args) / tp) * runtime.weight_bytes  # this and the prefetched block

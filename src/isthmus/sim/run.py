@@ -173,11 +173,9 @@ def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
         shard=lay.shard_degree,
         accumulate=lay.microbatches > 1,
         dtype=work.dtype,
-        # Each simulated stage module wraps blocks 0, 2, ... of its own, as the runtime does.
-        wrapped=sum((o.layers + 1) // 2 for o in plan.stages.values()) / max(1, layers),
-        wraps_last=any(o.layers % 2 == 1 for o in plan.stages.values()),
         microbatches=lay.microbatches,
-        virtual_stages=len(plan.stages),
+        # Each simulated stage module wraps blocks 0, 2, ... of its own, as the runtime does.
+        modules=[o.layers for o in plan.stages.values()],
     )
 
 
