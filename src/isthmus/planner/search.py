@@ -277,10 +277,15 @@ _FIXED_FLAGS = (
 def _has_valid_layout(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, dtype: str) -> bool:
     """Whether any layout passes the runtime's rules and the space's fixed values (memory aside)."""
     for _, core, _ in _core_layouts(args, topo, space, runtime, dtype):
-        cut = core.datacenters if core.dc_axis == "dp" else 1
-        if any(_zero_choices(core, shard, space) for shard in _fix(divisors(core.dp // cut), space.dp_shard)):
+        if any(_zero_choices(core, shard, space) for shard in _shard_choices(core, space)):
             return True
     return False
+
+
+def _shard_choices(core: LayoutSpec, space: SearchSpace) -> list[int]:
+    """The dp_shard degrees a core's data parallelism inside one datacenter allows, as the space fixes them."""
+    cut = core.datacenters if core.dc_axis == "dp" else 1
+    return _fix(divisors(core.dp // cut), space.dp_shard)
 
 
 def _name_the_fixed_value(
@@ -381,21 +386,20 @@ def _prepare(
     result: SearchResult,
 ) -> _Core | None:
     """Memory floor and a compute-only bound of a core layout; None when no variant of it can fit."""
-    p, dp = core.pp, core.dp
-    cut = core.datacenters if core.dc_axis == "dp" else 1
+    shards = _shard_choices(core, space)
+    if not shards:
+        # The fixed dp_shard does not divide this core's data parallelism: no variant, and not a
+        # matter of memory (counted as one, it showed an unsharded "closest" below the limit).
+        return None
+    p = core.pp
     # Memory floor: the first rank (most microbatches in flight) with at least its share of layers
     # less one; activations do not depend on the dp split, model state does, cheaply.
     layers = max(core.pp_virtual_stages, work.args.n_layers // p - (1 if p > 1 else 0))
     first_params = stage_params(work.args, layers, True, p == 1, p) / core.tp
     first_mem = rank_memory(work, core, runtime, 0, layers)
     first_act = first_mem.activations + first_mem.transient
-    shards = _fix(divisors(dp // cut), space.dp_shard)
-    widest = max(shards, default=1) * core.cp
+    widest = max(shards) * core.cp
     state = model_state_bytes(first_params, 3, widest, runtime, False, 1)
-    if not shards:
-        # The fixed dp_shard does not divide this core's data parallelism: no variant, and not a
-        # matter of memory (counted as one, it showed an unsharded "closest" below the limit).
-        return None
     if sum(state) + first_act > usable:
         result.considered += 1
         result.over_memory(MemoryBreakdown(*state, first_mem.activations, first_mem.transient))
