@@ -21,7 +21,7 @@ from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.explain import explain, format_table, result_json
 from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.placement import runnable
-from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SearchSpace, search
+from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SPACE_FLAGS, SearchSpace, search
 from isthmus.planner.topology import Topology, load_topology
 
 SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
@@ -33,22 +33,15 @@ SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
     ("vocab_size", int),
 )
 _POSITIVE = {
-    "batch_size": "--train.batch_size",
-    "seq_len": "--train.seq_len",
-    "micro_batch": "--micro-batch",
+    **{key: SPACE_FLAGS[key] for key in ("batch_size", "seq_len", "micro_batch")},
     "top": "--top",
     "gpus": "--gpus",
     "nodes": "--nodes",
-    "tp": "--parallel.tp",
-    "pp": "--parallel.pp",
-    "cp": "--parallel.cp",
-    "dp_shard": "--parallel.dp_shard",
-    "pp_virtual_stages": "--parallel.pp_virtual_stages",
-    "inner_steps": "--geo.inner_steps",
-    "fragments": "--geo.fragments",
-    "overlap_steps": "--geo.overlap_steps",
-    "datacenters": "--geo.datacenters",
-    "max_batch_tokens": "--max-batch-tokens",
+    **{
+        key: SPACE_FLAGS[key]
+        for key in ("tp", "pp", "cp", "dp_shard", "pp_virtual_stages")
+        + ("inner_steps", "fragments", "overlap_steps", "datacenters", "max_batch_tokens")
+    },
 }
 
 

@@ -85,6 +85,28 @@ class SearchSpace:
     """TCP connections per cross-datacenter transfer (geo.wan_streams), for every layout."""
 
 
+SPACE_FLAGS: dict[str, str] = {
+    "batch_size": "--train.batch_size",
+    "seq_len": "--train.seq_len",
+    "micro_batch": "--micro-batch",
+    "activation_checkpoint": "--parallel.activation_checkpoint",
+    "tp": "--parallel.tp",
+    "pp": "--parallel.pp",
+    "cp": "--parallel.cp",
+    "dp_shard": "--parallel.dp_shard",
+    "zero_stage": "--parallel.zero_stage",
+    "pp_schedule": "--parallel.pp_schedule",
+    "pp_virtual_stages": "--parallel.pp_virtual_stages",
+    "dc_axis": "--geo.dc_axis",
+    "inner_steps": "--geo.inner_steps",
+    "fragments": "--geo.fragments",
+    "overlap_steps": "--geo.overlap_steps",
+    "datacenters": "--geo.datacenters",
+    "max_batch_tokens": "--max-batch-tokens",
+}
+"""The flag of `isthmus plan` / `simulate` that sets each SearchSpace field: errors name the flag."""
+
+
 @dataclass
 class SearchResult:
     ranked: list[Estimate]
@@ -150,16 +172,20 @@ def search(
     """The ``top`` best layouts that fit in memory; ConfigError when none does."""
     if space.activation_checkpoint == "selective" and runtime.selective is None:
         raise ConfigError(
-            "--parallel.activation_checkpoint", "selective", f"runtime {runtime.name} has no selective recomputation"
+            SPACE_FLAGS["activation_checkpoint"], "selective", f"runtime {runtime.name} has no selective recomputation"
         )
     if space.datacenters is not None and not 1 <= space.datacenters <= len(topo.datacenters):
         raise ConfigError(
-            "--geo.datacenters", space.datacenters, f"topology {topo.name!r} has {len(topo.datacenters)} datacenter(s)"
+            SPACE_FLAGS["datacenters"],
+            space.datacenters,
+            f"topology {topo.name!r} has {len(topo.datacenters)} datacenter(s)",
         )
     if not _placements(topo, space):
         if space.datacenters is not None:
-            raise ConfigError("--geo.datacenters", space.datacenters, f"does not go with --geo.dc_axis {space.dc_axis}")
-        raise ConfigError("--geo.dc_axis", space.dc_axis, f"topology {topo.name!r} has one datacenter; use none")
+            raise ConfigError(
+                SPACE_FLAGS["datacenters"], space.datacenters, f"does not go with --geo.dc_axis {space.dc_axis}"
+            )
+        raise ConfigError(SPACE_FLAGS["dc_axis"], space.dc_axis, f"topology {topo.name!r} has one datacenter; use none")
     heap: list[tuple[float, int, Estimate]] = []
     result = SearchResult([])
     counter = 0
@@ -259,18 +285,18 @@ def _core_layouts(
                                         yield work, core, usable
 
 
-# A value the user fixed, and the flag it came from, in the order a message names them.
-_FIXED_FLAGS = (
-    ("tp", "--parallel.tp"),
-    ("cp", "--parallel.cp"),
-    ("pp", "--parallel.pp"),
-    ("dp_shard", "--parallel.dp_shard"),
-    ("zero_stage", "--parallel.zero_stage"),
-    ("pp_schedule", "--parallel.pp_schedule"),
-    ("pp_virtual_stages", "--parallel.pp_virtual_stages"),
-    ("micro_batch", "--micro-batch"),
-    ("batch_size", "--train.batch_size"),
-    ("seq_len", "--train.seq_len"),
+# The fixed values that can rule out every layout, in the order a message names them.
+_FIXED = (
+    "tp",
+    "cp",
+    "pp",
+    "dp_shard",
+    "zero_stage",
+    "pp_schedule",
+    "pp_virtual_stages",
+    "micro_batch",
+    "batch_size",
+    "seq_len",
 )
 
 
@@ -294,8 +320,8 @@ def _name_the_fixed_value(
     """When no layout is valid, raise for the fixed value that rules them all out, if one does alone:
     the user learns which flag to change, not only that the combination fails."""
     culprits = [
-        (flag, getattr(space, name))
-        for name, flag in _FIXED_FLAGS
+        (SPACE_FLAGS[name], getattr(space, name))
+        for name in _FIXED
         if getattr(space, name) is not None
         and _has_valid_layout(args, topo, replace(space, **{name: None}), runtime, dtype)  # type: ignore[arg-type]
     ]
