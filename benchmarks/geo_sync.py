@@ -629,8 +629,8 @@ def across_seeds(ns: argparse.Namespace) -> None:
     print("|---|" + "---:|" * (len(seeds) + 3))
     for i, first in enumerate(by_seed[seeds[0]]):
         gaps = [by_seed[s][i].final_val / by_seed[s][0].final_val - 1 for s in seeds]
-        flat, this = by_seed[seeds[0]][0], first
-        ratio = f"{flat.wan_bytes / this.wan_bytes:,.0f}x" if this.wan_bytes else "-"
+        flat = by_seed[seeds[0]][0]
+        ratio = f"{flat.wan_bytes / first.wan_bytes:,.0f}x" if first.wan_bytes else "-"
         cells = [f"{100 * g:+.2f}%" for g in gaps]
         mean, worst = sum(gaps) / len(gaps), max(gaps)
         print(f"| {first.label} | " + " | ".join(cells) + f" | {100 * mean:+.2f}% | {100 * worst:+.2f}% | {ratio} |")

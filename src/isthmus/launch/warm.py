@@ -26,11 +26,12 @@ import multiprocessing.forkserver
 import os
 import runpy
 import sys
+from typing import Final
 
 from isthmus.config import JobConfig
 from isthmus.launch.environ import launcher_world
 
-START_METHOD = "forkserver"
+START_METHOD: Final = "forkserver"
 RANK_MODULES = ("isthmus.launch.local", "isthmus.cli.main")
 """What a rank runs (`run_rank`, or the `isthmus` command) and everything it imports: torch,
 torch.distributed, the trainer."""
@@ -44,7 +45,7 @@ def starts_local_ranks(cfg: JobConfig) -> bool:
 
 def rank_context() -> multiprocessing.context.ForkServerContext:
     """Processes forked from this process's server (its ``Process``, queues, events)."""
-    return multiprocessing.get_context("forkserver")
+    return multiprocessing.get_context(START_METHOD)
 
 
 def start_rank_server(modules: tuple[str, ...] = RANK_MODULES) -> None:
