@@ -1,6 +1,7 @@
 """The planner's memory per device against what local ranks really allocate, layout by layout.
 
     python benchmarks/peak_memory.py [--markdown] [--only 1,9] [--flavor small]
+    python benchmarks/peak_memory.py --block      # what one block keeps per token, by precision
 
 For every layout, N gloo ranks build ``Trainer(cfg)`` exactly as ``isthmus train`` would (``small``,
 16 x 128 tokens per step, fp32, the default data), run two steps (AdamW's state exists after the
@@ -169,12 +170,69 @@ def print_table(rows: list[Row], markdown: bool) -> None:
     print(f"\nplanned peak vs measured, {len(errors)} stages: median |error| {median:.1%}, max {max(errors):.1%}")
 
 
+def block_bytes(flavor: str, batch: int, precision: str) -> int:
+    """Bytes autograd keeps for backward in one block of ``flavor`` at ``batch`` x SEQ tokens (each
+    storage once, the block's parameters left out), in fp32, bf16 autocast over fp32 weights
+    (isthmus's mixed precision) or bf16 throughout (FSDP mixed precision's compute)."""
+    from isthmus.models.llama import TransformerBlock, rope_cos_sin
+
+    args = get_flavor(flavor)
+    block = TransformerBlock(args)
+    x = torch.randn(batch, SEQ, args.dim, requires_grad=True)
+    if precision == "bf16":
+        block = block.to(torch.bfloat16)
+        x = x.detach().to(torch.bfloat16).requires_grad_()
+    cos, sin = rope_cos_sin(torch.arange(SEQ), args.head_dim, args.rope_theta)
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast-bf16"),
+    ):
+        block(x, cos, sin)
+    return sum(kept.values())
+
+
+def print_block(flavor: str) -> None:
+    """Per precision, what one block keeps per token (the growth from batch 4 to 8) and per block
+    (the rest: weight copies, rotary tables), against the planner's per-token accounting."""
+    from isthmus.planner.layout import RUNTIMES
+    from isthmus.planner.memory import layer_activation_bytes
+
+    args = get_flavor(flavor)
+    print(f"{flavor}, one block at {SEQ} tokens per sequence, batch 4 and 8 (saved-tensor hooks)\n")
+    print("| precision | kept per token, B | kept per block, KiB | planned per token, B (runtime) | kept / planned |")
+    print("|---|---:|---:|---:|---:|")
+    for precision, runtime, dtype in (
+        ("fp32", local_runtime(), "fp32"),
+        ("autocast-bf16", RUNTIMES["isthmus"], "bf16"),
+        ("bf16", RUNTIMES["isthmus"], "bf16"),
+    ):
+        four, eight = block_bytes(flavor, 4, precision), block_bytes(flavor, 8, precision)
+        per_token = (eight - four) / (4 * SEQ)
+        fixed = four - 4 * SEQ * per_token
+        planned = layer_activation_bytes(args, 1, 1, 1, 1, False, runtime, dtype)
+        cells = [precision, f"{per_token:,.0f}", f"{fixed / 1024:,.0f}", f"{planned:,.0f} ({runtime.name})"]
+        print("| " + " | ".join(cells) + f" | {per_token / planned:.2f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flavor", default="small")
     ap.add_argument("--only", default="", help="comma-separated row numbers (1-based) of the layouts to run")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--block", action="store_true", help="what one block keeps per token, by precision")
     ns = ap.parse_args(argv)
+    if ns.block:
+        print_block(ns.flavor)
+        return 0
     start_rank_server()  # every rank of every layout forks from it (isthmus.launch.warm)
     picked = [LAYOUTS[int(i) - 1] for i in ns.only.split(",")] if ns.only else LAYOUTS
     picked = picked[: 1 if max_steps_override() else len(picked)]  # ISTHMUS_MAX_STEPS: a smoke run, one layout
