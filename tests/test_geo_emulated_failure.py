@@ -59,8 +59,8 @@ def _namespace(prefix_of: str) -> str:
     return hits[0]
 
 
-def _kill_workers(namespace: str) -> int:
-    """SIGKILL every training rank in ``namespace`` (not its torchrun agent, which restarts them).
+def _workers(namespace: str) -> list[int]:
+    """The training ranks in ``namespace`` (not its torchrun agent, which restarts them).
 
     The agent forks its ranks from a forkserver it started (`isthmus.launch.warm`): a rank is a
     process whose parent is that server (the server's own parent is the agent)."""
@@ -78,13 +78,23 @@ def _kill_workers(namespace: str) -> int:
         except (OSError, IndexError, ValueError):
             return 0
 
-    killed = 0
-    for pid in map(int, pids):
-        server = parent(pid)
-        if b"multiprocessing.forkserver" in cmdline(server) and b"isthmus.launch.agent" in cmdline(parent(server)):
-            os.kill(pid, signal.SIGKILL)
-            killed += 1
-    return killed
+    return [
+        pid
+        for pid in map(int, pids)
+        if b"multiprocessing.forkserver" in cmdline(parent(pid))
+        and b"isthmus.launch.agent" in cmdline(parent(parent(pid)))
+    ]
+
+
+def _kill_workers(namespace: str, n: int, wait_s: float = 30) -> None:
+    """SIGKILL the ``n`` training ranks of ``namespace`` at once, waiting until all ``n`` are up (a
+    rank forked a moment late, or restarted, is not left out of the kill)."""
+    deadline = time.monotonic() + wait_s
+    while len(pids := _workers(namespace)) != n:
+        assert time.monotonic() < deadline, f"{namespace} has ranks {pids}, not {n}"
+        time.sleep(0.05)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +161,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             assert time.monotonic() < deadline, "the datacenters did not train a round together"
             time.sleep(0.02)
         killed_at = _records(dc1)[-1]["step"]
-        assert _kill_workers(_namespace("dc1")) == 2
+        _kill_workers(_namespace("dc1"), 2)
         out, _ = proc.communicate(timeout=260)  # past emulate's own --timeout: its teardown runs first
     finally:
         if proc.poll() is None:

@@ -64,6 +64,7 @@ from isthmus.geo.diloco import DiLoCoSync, _Transfer
 from isthmus.geo.groups import GeoGroups
 from isthmus.geo.strategy import copy_state
 from isthmus.log import get_logger
+from isthmus.rendezvous import store_address
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -236,7 +237,7 @@ class FaultTolerantDiLoCo(DiLoCoSync):
     def _store_address(self) -> tuple[str, int]:
         """The datacenter's TCPStore (torchrun's, or one of our own when it runs one rank alone)."""
         if dist.is_initialized():
-            return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+            return store_address()
         self._own_store = dist.TCPStore(self.job.address, 0, is_master=True, wait_for_workers=False)
         return self.job.address, self._own_store.port
 

@@ -58,6 +58,7 @@ from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
 from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
 from isthmus.launch.warm import START_METHOD, start_rank_server, starts_local_ranks
 from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
+from isthmus.rendezvous import STORE_ENV
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.train.device import resolve_device
 from isthmus.train.trainer import Progress, TrainResult, init_distributed, train
@@ -77,20 +78,20 @@ LOOPBACK_IFNAME = "lo0" if sys.platform == "darwin" else "lo"
 
 
 @contextmanager
-def loopback_store_server(port: int = 0) -> Iterator[int]:
-    """Serve a TCPStore on 127.0.0.1:``port`` (0: a free port) in this process while the block runs; yields the port.
+def loopback_store_server() -> Iterator[int]:
+    """Serve a TCPStore on a free port of 127.0.0.1 in this process while the block runs; yields the port.
 
     Why by hand: torch's TCPStore server listens on every interface, IPv4 and IPv6, whatever host it
     is given; only a socket bound beforehand and handed over as ``master_listen_fd`` keeps it on
-    loopback. torch creates its stores itself (the agent's c10d rendezvous store, rank 0's env://
-    store), each with ``multi_tenant=True``: a multi-tenant TCPStore on a port this process already
-    serves shares that server instead of starting one of its own, so torch's code runs unchanged.
+    loopback. torch's agent creates its c10d rendezvous store itself, with ``multi_tenant=True``: a
+    multi-tenant TCPStore on a port this process already serves shares that server instead of
+    starting one of its own, so torch's code runs unchanged.
     """
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((LOOPBACK, port))
+        sock.bind((LOOPBACK, 0))
         sock.listen()
         port = sock.getsockname()[1]
     except OSError:
@@ -113,16 +114,14 @@ def _threads_per_rank(cfg: JobConfig, local_world: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world))
 
 
-def run_rank(
-    cfg: JobConfig, launched_at: float | None = None, loopback: bool = False, environ: dict[str, str] | None = None
-) -> TrainResult:
+def run_rank(cfg: JobConfig, launched_at: float | None = None, environ: dict[str, str] | None = None) -> TrainResult:
     """The body of one rank: logging (console on rank 0 only), threads, heartbeat, then training.
 
     ``launched_at`` (a ``time.time()``) is when the launch began: a restarted rank resumes only from
     checkpoints committed since then, never from those an earlier run left in the directory.
-    ``loopback`` (the local launcher's ranks): rank 0 hosts the ranks' store (MASTER_PORT) on
-    127.0.0.1 instead of every interface. ``environ``: what the local launcher set for its ranks (a
-    rank forked from `isthmus.launch.warm`'s server has the environment the server started with).
+    ``environ``: what the local launcher set for its ranks (a rank forked from
+    `isthmus.launch.warm`'s server has the environment the server started with), its store's
+    address among it (`isthmus.rendezvous`).
     """
     os.environ.update(environ or {})
     rank = int(os.environ.get("RANK", "0"))
@@ -153,11 +152,7 @@ def run_rank(
     # From the signal on, this rank's lines go to its log file only: the launcher prints the one line.
     with stop_on_signals(on_stop=silence_console) as stop:
         try:
-            if loopback and rank == 0:
-                with loopback_store_server(int(os.environ["MASTER_PORT"])):
-                    result = train(cfg, progress)
-            else:
-                result = train(cfg, progress)
+            result = train(cfg, progress)
             write_rank_done(error_dir, rank, progress.step)
             return result
         except BaseException as e:
@@ -321,8 +316,8 @@ def launch(cfg: JobConfig, config_name: str = "default") -> TrainResult:
     ``{config}`` in ``train.run_dir``.
 
     The local ranks listen on loopback only: this process serves the c10d rendezvous store on
-    127.0.0.1, rank 0 serves the ranks' store there (MASTER_ADDR is 127.0.0.1, not the hostname),
-    and gloo binds the loopback interface. Under torchrun or the emulator the launcher's own
+    127.0.0.1 and the ranks' groups use it too (`isthmus.rendezvous`; MASTER_ADDR is 127.0.0.1, not
+    the hostname), and gloo binds the loopback interface. Under torchrun or the emulator the launcher's own
     addresses stand.
     """
     if launched_externally():
@@ -427,11 +422,12 @@ def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
     # A little in the past: the clock of a checkpoint's mtime may be coarser than time.time().
     launched_at = time.time() - 1.0
     start_rank_server()  # (started already by `isthmus train`, to import beside this process)
-    env = {LAUNCH_DIR_ENV: str(launch_dir), **_loopback_environ()}
     monitor = StallMonitor(launch_dir, cfg.parallel.timeout_s)
     monitor.start()
     try:
-        with loopback_store_server() as rdzv_port, environ(env):
+        # One store on loopback serves the agents' rendezvous and the ranks' groups (`isthmus.rendezvous`).
+        with loopback_store_server() as rdzv_port:
+            env = {LAUNCH_DIR_ENV: str(launch_dir), STORE_ENV: f"{LOOPBACK}:{rdzv_port}", **_loopback_environ()}
             config = LaunchConfig(
                 min_nodes=1,
                 max_nodes=1,
@@ -448,7 +444,8 @@ def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
                 start_method=START_METHOD,
                 logs_specs=DefaultLogsSpecs(log_dir=str(launch_dir / "elastic")),
             )
-            return elastic_launch(config, run_rank)(cfg, launched_at, True, env)[0]
+            with environ(env):
+                return elastic_launch(config, run_rank)(cfg, launched_at, env)[0]
     except SignalException as e:
         raise Interrupted(int(e.sigval), _interrupted(cfg, int(e.sigval), launch_dir)) from None
     except ChildFailedError as e:
@@ -465,9 +462,8 @@ def _loopback_environ() -> dict[str, str]:
     """What the agent and the workers of a run on one machine need to listen on loopback only."""
     return {
         # The agent would host the workers' store itself, on every interface (torch offers no
-        # setting for that server's address). Without sharing, rank 0 hosts it: `run_rank` binds it
-        # to loopback. It also gives each restart a store of its own: a shared one keeps the dead
-        # ranks' gloo addresses, which the restarted ranks would read (pytorch/pytorch#135712).
+        # setting for that server's address); the ranks use the launcher's loopback store instead
+        # (STORE_ENV), keyed per restart.
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         # gloo binds the address the hostname resolves to (and waits for a name that resolves
         # nowhere); on one machine the ranks need only loopback.

@@ -32,6 +32,7 @@ from isthmus.models.llama import build_model
 from isthmus.models.resolve import resolve_model_args
 from isthmus.parallel.dims import ParallelDims, check_layout
 from isthmus.parallel.parallelize import ParallelModel, apply_layout
+from isthmus.rendezvous import group_store_args
 from isthmus.train.bubbles import BubbleRun, build_bubble_run
 from isthmus.train.checkpoint import Checkpointer, ResumePoint, TrainState
 from isthmus.train.checkpoint_manifest import checkpoint_key, resume_note
@@ -104,7 +105,7 @@ def init_distributed(backend: str, device: torch.device) -> tuple[int, bool]:
     if world > 1 and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **group_store_args(world))
         return world, True
     return world, False
 
