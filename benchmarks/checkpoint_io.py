@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from isthmus.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
 from isthmus.train.short_run import capped
 
 BLOCKS = ("none", "sync", "async")
@@ -162,24 +163,17 @@ def _rank(rank: int, opts: argparse.Namespace, port: int, root: str, out: str) -
         WORLD_SIZE=str(opts.nproc),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(opts.nproc),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
+        **served_store_environ(port),
     )
     torch.set_num_threads(opts.threads or 1)  # ranks share the cores
-    dist.init_process_group("gloo", rank=rank, world_size=opts.nproc)
+    dist.init_process_group("gloo", **group_store_args(opts.nproc, rank))
     result = measure(opts, root)
     if rank == 0:
         torch.save(result, out)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:
@@ -202,7 +196,8 @@ def main() -> None:
             res = measure(opts, root)
         else:
             out = f"{root}/result.pt"
-            mp.start_processes(_rank, args=(opts, _free_port(), root, out), nprocs=opts.nproc, start_method="spawn")
+            with loopback_store_server() as port:  # bound before the ranks start (`isthmus.rendezvous`)
+                mp.start_processes(_rank, args=(opts, port, root, out), nprocs=opts.nproc, start_method="spawn")
             res = torch.load(out, weights_only=False)
     finally:
         shutil.rmtree(root, ignore_errors=True)

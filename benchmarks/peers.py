@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import peers_common as pc  # noqa: E402
+from isthmus.rendezvous import LOOPBACK, loopback_store_server, served_store_environ  # noqa: E402
 from isthmus.train.short_run import capped, max_steps_override  # noqa: E402
 
 SYSTEMS = ("isthmus", "torch", "colossalai")
@@ -326,18 +327,24 @@ def colossal_python(log: Path) -> tuple[str | None, str]:
 
 def free_port() -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
-def launch_pair(python: str, script: Path, opts: argparse.Namespace, root: str, log: Path) -> list[subprocess.Popen]:
-    port = free_port()
+def launch_pair(
+    python: str, script: Path, opts: argparse.Namespace, root: str, log: Path, served: int | None
+) -> list[subprocess.Popen]:
+    """Start the two ranks of one system. ``served``: the port of a store this process serves for them
+    (`isthmus.rendezvous`); None for Colossal-AI, whose launcher makes its group on a free MASTER_PORT
+    itself."""
+    port = free_port() if served is None else served
     procs = []
     for rank in range(pc.WORLD):
         env = {
             **os.environ,
             **dict(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2"),
-            **dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
+            **dict(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), OMP_NUM_THREADS="1"),
+            **(served_store_environ(served) if served is not None else {}),
             # Both venvs import isthmus's model and batch sampler from this checkout.
             "PYTHONPATH": os.pathsep.join([str(HERE.parent / "src"), str(HERE)]),
         }
@@ -364,16 +371,21 @@ def run_rounds(opts: argparse.Namespace, root: str, colossal_py: str | None) -> 
         pairs["colossal"] = (colossal_py, HERE / "peers_colossal.py")
     procs: dict[str, list[subprocess.Popen]] = {}
     logs: dict[str, Path] = {}
-    for name, (python, script) in pairs.items():
-        logs[name] = Path(root) / f"{name}.log"
-        procs[name] = launch_pair(python, script, opts, root, logs[name])
-    try:
-        return hand_out_turns(opts, root, procs, logs)
-    finally:
-        for p in (p for ps in procs.values() for p in ps):
-            if p.poll() is None:  # interrupted, or a pair left waiting for a turn that never comes
-                p.kill()
-                p.wait()
+    with loopback_store_server() as served:
+        try:
+            for name, (python, script) in pairs.items():
+                logs[name] = Path(root) / f"{name}.log"
+                procs[name] = launch_pair(python, script, opts, root, logs[name], served if name == "project" else None)
+            return hand_out_turns(opts, root, procs, logs)
+        finally:
+            _stop(procs)
+
+
+def _stop(procs: dict[str, list[subprocess.Popen]]) -> None:
+    for p in (p for ps in procs.values() for p in ps):
+        if p.poll() is None:  # interrupted, or a pair left waiting for a turn that never comes
+            p.kill()
+            p.wait()
 
 
 def hand_out_turns(opts: argparse.Namespace, root: str, procs: dict, logs: dict[str, Path]) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -24,6 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from isthmus.launch.warm import START_METHOD, start_rank_server
+from isthmus.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
 from isthmus.train.short_run import capped
 
 # (label, overrides given dp degree N): plain DDP is the baseline every ZeRO stage is read against.
@@ -138,12 +138,13 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
+        **served_store_environ(port),
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", **group_store_args(world, rank))
         result: Any = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - shown by the parent
         result = ("error", traceback.format_exc())
@@ -157,10 +158,8 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """Run ``fn(*args)`` on ``world`` gloo ranks; each rank's return value, by rank. The ranks fork
     from one server that imported torch and the trainer once, for every world (isthmus.launch.warm)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
+    # The ranks' store is served here, bound before they start (`isthmus.rendezvous`).
+    with tempfile.TemporaryDirectory() as out_dir, loopback_store_server() as port:
         ctx = mp.start_processes(
             _entry, args=(world, port, fn, args, out_dir), nprocs=world, join=False, start_method=START_METHOD
         )

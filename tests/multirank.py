@@ -1,7 +1,7 @@
 """Run a function on N real processes joined by a real gloo process group (for tests).
 
-Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like under torchrun,
-a gloo default group, and one intra-op thread (the machine has 2 cores; more would oversubscribe).
+Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like under torchrun (the
+port that of a store this process serves, `isthmus.rendezvous`), a gloo default group, and one intra-op thread (the machine has 2 cores; more would oversubscribe).
 The function's return value (anything picklable) comes back as a list indexed by rank; an
 exception on any rank fails the call with that rank's traceback, at once.
 
@@ -31,10 +31,13 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
+
+from isthmus.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
 
 START_METHOD = "forkserver"
 PRELOAD = ["isthmus.launch.local", "isthmus.api"]
@@ -49,8 +52,10 @@ def _context() -> Any:
 
 
 def free_port() -> int:
+    """A port free now, for a command that binds it itself (torchrun's rendezvous endpoint); ranks this
+    module starts use a store served before they exist instead (`isthmus.rendezvous`)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 
 
@@ -66,11 +71,12 @@ def _join_world(rank: int, world: int, port: int, environ: dict[str, str]) -> No
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
+        **served_store_environ(port),
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", **group_store_args(world, rank))
 
 
 def _entry(
@@ -135,7 +141,9 @@ class RankPool:
         self.world = world
         self.conns: list[multiprocessing.connection.Connection] = []
         self.procs: list[Any] = []
-        port = free_port()
+        # The ranks' store, served here (bound before they start) for the pool's life.
+        self.store = ExitStack()
+        port = self.store.enter_context(loopback_store_server())
         for rank in range(world):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(rank, world, port, child, dict(os.environ)), daemon=True)
@@ -195,6 +203,7 @@ class RankPool:
             proc.join()
         for conn in self.conns:
             conn.close()
+        self.store.close()
 
 
 class _Pools:
@@ -227,11 +236,11 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 3
         finally:
             if not pool.alive():
                 POOLS.by_world.pop(world, None)
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as out_dir, loopback_store_server() as port:
         _context()
         ctx = mp.start_processes(
             _entry,
-            args=(world, free_port(), fn, args, out_dir, dict(os.environ)),
+            args=(world, port, fn, args, out_dir, dict(os.environ)),
             nprocs=world,
             join=False,
             start_method=START_METHOD,

@@ -27,6 +27,7 @@ import pickle
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch
 from isthmus.config import GeoConfig, JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError, IsthmusError
 from isthmus.geo.fault import RoundRecord, check_config, job_from_env, layout_world, start_lighthouse
-from multirank import free_port
+from isthmus.rendezvous import LOOPBACK, loopback_store_server, served_store_environ
 
 STEPS, H = 15, 3
 KILL_BEFORE = 5  # dc1 is killed while waiting to run step 5 (rounds after steps 3, 6, 9, 12, 15)
@@ -134,8 +135,9 @@ def _rank(
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(ranks),
         LOCAL_WORLD_SIZE=str(ranks),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
+        **served_store_environ(port),
     )
     torch.set_num_threads(1)
     control, me = root / "control", f"{tag}.{rank}"
@@ -198,6 +200,7 @@ def _context() -> Any:
 
 
 def _start(
+    stores: ExitStack,
     dc: int,
     ranks: int,
     lighthouse: str,
@@ -207,8 +210,9 @@ def _start(
     pause_in_round: int | None = None,
     streaming: bool = False,
 ) -> list[Any]:
-    """Every rank of datacenter ``dc``, joined by their own gloo group (their own store and port)."""
-    port = free_port()
+    """Every rank of datacenter ``dc``, joined by their own gloo group (their own store, served here
+    while ``stores`` is open)."""
+    port = stores.enter_context(loopback_store_server())
     args = (dc, ranks, port, lighthouse, root, tag, pause_before, pause_in_round, streaming)
     procs = [_context().Process(target=_rank, args=(args[0], j, *args[1:]), daemon=True) for j in range(ranks)]
     for p in procs:
@@ -235,12 +239,14 @@ def _scenario(root: Path, ranks: int, rejoin: bool, in_round: bool = False, stre
     # 1 s of silence drops a datacenter: the survivor's next round waits about that long.
     lighthouse = start_lighthouse(heartbeat_timeout_ms=1000, join_timeout_ms=5000)
     dcs: dict[str, list[Any]] = {}
+    stores = ExitStack()
     try:
         dcs["dc0"] = _start(
-            0, ranks, lighthouse.address, root, "dc0", REJOIN_BEFORE if rejoin else None, streaming=streaming
+            stores, 0, ranks, lighthouse.address, root, "dc0", REJOIN_BEFORE if rejoin else None, streaming=streaming
         )
         # dc1 dies between outer rounds (waiting to run step 5), or inside the round at step 6.
         dcs["dc1"] = _start(
+            stores,
             1,
             ranks,
             lighthouse.address,
@@ -264,7 +270,7 @@ def _scenario(root: Path, ranks: int, rejoin: bool, in_round: bool = False, stre
         if rejoin:
             # After dc0's round at step 6 (alone), so the restart cannot slip into that one.
             _wait_for(control / f"dc0.0-at-{REJOIN_BEFORE}")
-            dcs["dc1b"] = _start(1, ranks, lighthouse.address, root, "dc1b", None, streaming=streaming)
+            dcs["dc1b"] = _start(stores, 1, ranks, lighthouse.address, root, "dc1b", None, streaming=streaming)
             for j in range(ranks):
                 _wait_for(control / f"dc1b.{j}-joining")
             time.sleep(1.0)  # its quorum request reaches the lighthouse before dc0's
@@ -281,6 +287,7 @@ def _scenario(root: Path, ranks: int, rejoin: bool, in_round: bool = False, stre
                 if p.is_alive():
                     p.kill()
         lighthouse.shutdown()
+        stores.close()
 
 
 @pytest.fixture(scope="module")

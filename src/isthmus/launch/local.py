@@ -33,19 +33,15 @@ import json
 import logging
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
 import torch
 import torch.distributed as dist
-from torch.distributed import TCPStore
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -58,7 +54,7 @@ from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
 from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
 from isthmus.launch.warm import START_METHOD, start_rank_server, starts_local_ranks
 from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
-from isthmus.rendezvous import STORE_ENV
+from isthmus.rendezvous import LOOPBACK, loopback_store_server, served_store_environ
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.train.device import resolve_device
 from isthmus.train.trainer import Progress, TrainResult, init_distributed, train
@@ -72,39 +68,8 @@ def launched_externally() -> bool:
     return launcher_world() is not None
 
 
-LOOPBACK = "127.0.0.1"
 LOOPBACK_IFNAME = "lo0" if sys.platform == "darwin" else "lo"
 """The loopback interface, where gloo binds for a run on one machine (GLOO_SOCKET_IFNAME)."""
-
-
-@contextmanager
-def loopback_store_server() -> Iterator[int]:
-    """Serve a TCPStore on a free port of 127.0.0.1 in this process while the block runs; yields the port.
-
-    Why by hand: torch's TCPStore server listens on every interface, IPv4 and IPv6, whatever host it
-    is given; only a socket bound beforehand and handed over as ``master_listen_fd`` keeps it on
-    loopback. torch's agent creates its c10d rendezvous store itself, with ``multi_tenant=True``: a
-    multi-tenant TCPStore on a port this process already serves shares that server instead of
-    starting one of its own, so torch's code runs unchanged.
-    """
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((LOOPBACK, 0))
-        sock.listen()
-        port = sock.getsockname()[1]
-    except OSError:
-        sock.close()
-        raise
-    # The server owns the socket from here on and closes it when the last store using it goes.
-    server = TCPStore(
-        LOOPBACK, port, is_master=True, multi_tenant=True, wait_for_workers=False, master_listen_fd=sock.detach()
-    )
-    try:
-        yield port
-    finally:
-        del server
 
 
 def _threads_per_rank(cfg: JobConfig, local_world: int) -> int:
@@ -427,7 +392,7 @@ def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
     try:
         # One store on loopback serves the agents' rendezvous and the ranks' groups (`isthmus.rendezvous`).
         with loopback_store_server() as rdzv_port:
-            env = {LAUNCH_DIR_ENV: str(launch_dir), STORE_ENV: f"{LOOPBACK}:{rdzv_port}", **_loopback_environ()}
+            env = {LAUNCH_DIR_ENV: str(launch_dir), **served_store_environ(rdzv_port), **_loopback_environ()}
             config = LaunchConfig(
                 min_nodes=1,
                 max_nodes=1,
