@@ -213,7 +213,7 @@ def print_block(flavor: str) -> None:
     for precision, runtime, dtype in (
         ("fp32", local_runtime(), "fp32"),
         ("autocast-bf16", RUNTIMES["isthmus"], "bf16"),
-        ("bf16", RUNTIMES["isthmus"], "bf16"),
+        ("bf16", RUNTIMES["torchtitan"], "bf16"),
     ):
         four, eight = block_bytes(flavor, 4, precision), block_bytes(flavor, 8, precision)
         per_token = (eight - four) / (4 * SEQ)

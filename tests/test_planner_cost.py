@@ -16,7 +16,12 @@ from isthmus.planner.compute import gemm_fraction, gemm_time, head_ops, layer_op
 from isthmus.planner.cost import estimate
 from isthmus.planner.geo import cross_dc_all_reduce
 from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
-from isthmus.planner.memory import layer_activation_bytes, layer_input_bytes, model_state_bytes
+from isthmus.planner.memory import (
+    autocast_weight_copy_bytes,
+    layer_activation_bytes,
+    layer_input_bytes,
+    model_state_bytes,
+)
 from isthmus.planner.pipeline import in_flight, partition_layers, pipeline_time
 from isthmus.planner.topology import Link, device_kinds, load_topology, parse_topology
 
@@ -116,14 +121,17 @@ def test_korthikanti_activation_formulas_exact() -> None:
         )
     assert layer_input_bytes(args, b, s, 8, 1, False) == 2 * sbh
     # Fused attention and no dropout drop the 5as/h term and the masks.
-    assert layer_activation_bytes(args, b, s, 1, 1, False, ISTH) == pytest.approx(sbh * 32)
-    # isthmus's eager RMSNorms (CPU ranks) each keep x * rsqrt(mean(x^2)) too: two more 2-byte sbh.
-    assert layer_activation_bytes(args, b, s, 1, 1, False, local_runtime()) == pytest.approx(sbh * 36)
+    assert layer_activation_bytes(args, b, s, 1, 1, False, RUNTIMES["torchtitan"]) == pytest.approx(sbh * 32)
+    # isthmus's eager RMSNorms (CPU ranks, fp32) each keep x * rsqrt(mean(x^2)) too: two more sbh.
+    assert layer_activation_bytes(args, b, s, 1, 1, False, local_runtime(), "fp32") == pytest.approx(sbh * 72)
 
 
-def test_a_block_keeps_what_the_cpu_runtime_counts() -> None:
+@pytest.mark.parametrize("precision", ["fp32", "autocast-bf16"])
+def test_a_block_keeps_what_the_runtime_counts(precision: str) -> None:
     """Every tensor autograd saves in one real `small` block (GQA: 4 query heads, 2 KV heads), each
-    storage once and parameters left out, is exactly what the CPU runtime's accounting says in fp32."""
+    storage once and parameters left out, is exactly what isthmus's accounting says: the CPU
+    runtime's in fp32; under bf16 autocast over fp32 weights (isthmus's mixed precision, CPU or GPU)
+    the activations and the bf16 copies of the block's weights."""
     args = replace(get_flavor("small"), vocab_size=256)
     block = TransformerBlock(args)
     b, s = 4, 64
@@ -139,9 +147,18 @@ def test_a_block_keeps_what_the_cpu_runtime_counts() -> None:
             kept[storage.data_ptr()] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    autocast = precision == "autocast-bf16"
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
+    ):
         block(x, cos, sin)
-    assert sum(kept.values()) == layer_activation_bytes(args, b, s, 1, 1, False, local_runtime(), "fp32")
+    if autocast:
+        rt = RUNTIMES["isthmus"]
+        planned = layer_activation_bytes(args, b, s, 1, 1, False, rt) + autocast_weight_copy_bytes(args, 1, rt, "bf16")
+    else:
+        planned = layer_activation_bytes(args, b, s, 1, 1, False, local_runtime(), "fp32")
+    assert sum(kept.values()) == planned
 
 
 def test_zero_stages_shard_state() -> None:

@@ -76,7 +76,7 @@ def test_recomputed_pointwise_results_leave_what_matmuls_and_attention_read() ->
     SwiGLU's two projections; eager storage adds the norms' outputs, the SiLU and the gated product."""
     a, s, t = get_flavor("llama3-405b"), 8192, 8
     h, q, kv, f = a.dim, a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim, a.ffn_dim
-    lean, eager = RUNTIMES["llama3"], RUNTIMES["isthmus"]
+    lean, eager = RUNTIMES["llama3"], RUNTIMES["torchtitan"]
     assert lean.pointwise_recompute and not eager.pointwise_recompute
     kept = 2 * s * (2 * h + 2 * q + 2 * kv + 2 * f) / t
     assert layer_activation_bytes(a, 1, s, t, 1, True, lean) == pytest.approx(kept)

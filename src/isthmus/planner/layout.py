@@ -77,12 +77,22 @@ class Runtime:
     block, torch.profiler's memory events per rank: benchmarks/peak_memory.py): each RMSNorm keeps its
     normalised input before the weight besides its input and output (three tensors of the hidden
     size, not two), K and V repeated to the query heads before attention are kept at that size, and
-    under torch's sequence-parallel plans the matmuls keep the all-gathered norm outputs. Off for
-    GPUs: under bf16 the kept tensors' widths differ (an fp32 norm input, bf16 matmul inputs), no GPU
-    was measured here, and the published runs bound it from both sides: torchtitan's Llama 3.1 8B on
+    under torch's sequence-parallel plans the matmuls keep the all-gathered norm outputs. Under bf16
+    autocast (``autocast``) the widths differ and that accounting applies instead. Off for the
+    `torchtitan` runtime (bf16 throughout), whose published runs bound it from both sides: torchtitan's Llama 3.1 8B on
     H100 96GB reported 82.4 GiB (88.5 GB), which the leaner accounting puts at 85.1 GB and this one at
     92.6 GB, over the 91.2 GB a plan may fill; its Llama 2 13B without recomputation ran on A100 80GB,
     71.6 GB lean, 78.3 GB here, over 76 GB. Both would be refused though they ran."""
+    autocast: bool = False
+    """bf16 runs compute under ``torch.autocast`` over fp32 weights (isthmus's mixed precision), and
+    a block then keeps what autocast's autograd keeps, measured on one block (saved-tensor hooks,
+    ``benchmarks/peak_memory.py --block``, exact to the byte but each norm's rsqrt and attention's
+    log-sum-exp): each RMSNorm's fp32 input and normalised value, a bf16 copy of its output for every
+    matmul that reads it (wq, wk and wv each cast their own; under sequence parallelism of the
+    gathered output), bf16 Q, K and V repeated to the query heads, and a bf16 copy of every weight
+    the block multiplies by, per microbatch in flight. False: the block computes in the run's dtype
+    throughout (FSDP's mixed precision, Megatron's fp16/bf16 modules), what the published runs
+    describe. Only for dtype bf16; an fp32 run keeps what ``eager_llama_block`` says."""
     pp_recv_buffers: bool = False
     """torch pipelining's stages keep one receive buffer per microbatch for their input and for their
     output's gradient, allocated once and held between steps (measured: benchmarks/peak_memory.py)."""
@@ -114,6 +124,23 @@ RUNTIMES: dict[str, Runtime] = {
     # reduction with backward, pipelining isend/irecv, fp32 parameters under bf16 autocast.
     "isthmus": Runtime(
         "isthmus",
+        attention="flash",
+        dropout=False,
+        dp_overlap=True,
+        p2p_async=True,
+        scatter_gather=False,
+        weight_bytes=4,
+        grad_bytes=4,
+        optimizer_bytes=8,
+        autocast=True,
+        pp_recv_buffers=True,
+    ),
+    # torchtitan (2024) as its published runs used it: FSDP2 with bf16 mixed precision (blocks compute
+    # in bf16 throughout, fp32 sharded master weights and reductions), SDPA flash attention, torch
+    # pipelining, every-other-block selective recomputation; its published memory (Llama 3.1 8B on
+    # H100 96GB at 82.4 GiB; Llama 2 13B without recomputation on A100 80GB) bounds the leaner storage.
+    "torchtitan": Runtime(
+        "torchtitan",
         attention="flash",
         dropout=False,
         dp_overlap=True,

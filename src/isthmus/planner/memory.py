@@ -75,6 +75,8 @@ def layer_activation_bytes(
 ) -> float:
     """Bytes one block keeps for backward, for one microbatch, without recomputation (``scores=False``:
     without the attention core's S x S tensors, which attention-core selective recomputation drops)."""
+    if runtime.autocast and dtype == "bf16":
+        return _autocast_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, scores)
     e = ELEM_BYTES[dtype]
     sb = micro_batch * seq_len / cp
     h, hd, f = args.dim, args.head_dim, args.ffn_dim
@@ -102,6 +104,39 @@ def layer_activation_bytes(
         square = micro_batch * args.n_heads * (seq_len / cp) * seq_len
         inside += square * (e + (e + 1) * mask)  # softmax output; dropout mask and output
     return outside / (tp if sp else 1) + gathered + inside / tp
+
+
+def _autocast_activation_bytes(
+    args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool, runtime: Runtime, scores: bool
+) -> float:
+    """What a block keeps per microbatch under bf16 autocast over fp32 weights (``Runtime.autocast``),
+    its weights' bf16 copies left to :func:`autocast_weight_copy_bytes`."""
+    sb = micro_batch * seq_len / cp
+    h, hd, f = args.dim, args.head_dim, args.ffn_dim
+    q = args.n_heads * hd
+    # Outside the tensor-parallel regions: each norm's fp32 input and normalised value.
+    norms = 2 * 2 * 4 * sb * h
+    # A bf16 copy of a norm's output per matmul reading it (wq, wk, wv; w1 and w3, or fc1), each
+    # made by that matmul's own cast; under sequence parallelism of the all-gathered output.
+    readers = 3 + (2 if args.mlp == "swiglu" else 1)
+    copies = readers * 2 * sb * h
+    # Inside (split over tp): Q, K and V repeated to the query heads, the attention output, and the
+    # MLP's projections, SiLU and product (GELU's input and output), all bf16.
+    mlp = (2 if args.mlp == "swiglu" else 1) * 2 * 2 * sb * f
+    inside = 2 * sb * 4 * q + mlp
+    if runtime.attention == "materialized" and scores:
+        square = micro_batch * args.n_heads * (seq_len / cp) * seq_len
+        inside += square * 2
+    return norms / (tp if sp else 1) + copies + inside / tp
+
+
+def autocast_weight_copy_bytes(args: ModelArgs, tp: int, runtime: Runtime, dtype: str) -> float:
+    """The bf16 copies of one block's weights that autocast's matmuls keep for backward, per
+    microbatch in flight (0 unless ``runtime.autocast`` and bf16). Under FSDP they are copies of
+    the gathered weights: ZeRO-3 does not shard them."""
+    if not (runtime.autocast and dtype == "bf16"):
+        return 0.0
+    return 2 * layer_matmul_params(args) / tp
 
 
 def layer_input_bytes(
@@ -187,8 +222,12 @@ def device_memory(
     wraps_last = any(k % 2 == 1 for k in sizes)
     params = stage_params(args, layers, first, last, pp) / tp
     w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp)
+    # A block that is not recomputed also keeps autocast's bf16 copies of its weights.
     full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype)
-    kept = layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, dtype)
+    full += autocast_weight_copy_bytes(args, tp, runtime, dtype)
+    # The residual stream (a block's input, what travels between stages) stays fp32 under autocast.
+    residual = "fp32" if runtime.autocast else dtype
+    kept = layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, residual)
     if activation_checkpoint == "full":
         per_layer = kept
     elif activation_checkpoint == "selective" and runtime.selective == "attention_core":
@@ -208,11 +247,11 @@ def device_memory(
         # torch pipelining keeps a receive buffer per microbatch for each stage module's input (but
         # the first's) and its output's gradient (but the last's), allocated once and kept.
         ends = 2 * len(sizes) - int(first) - int(last)
-        transient += ends * microbatches * layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, dtype)
+        transient += ends * microbatches * kept
     if shard > 1 and zero_stage == 3 and pp == 1:
         transient += 2 * (layer_matmul_params(args) / tp) * runtime.weight_bytes  # this and the prefetched block
     if first:
-        activations += e * micro_batch * seq_len / cp * args.dim * in_flight / (tp if sp else 1)
+        activations += ELEM_BYTES[residual] * micro_batch * seq_len / cp * args.dim * in_flight / (tp if sp else 1)
     if last:
         transient += (e + 8) * micro_batch * seq_len / cp * args.vocab_size / tp  # logits, fp32 softmax and grad
     return MemoryBreakdown(w, g, o, activations, transient)
