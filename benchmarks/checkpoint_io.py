@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from isthmus.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
+from isthmus.parallel.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
 from isthmus.train.short_run import capped
 
 BLOCKS = ("none", "sync", "async")
@@ -196,7 +196,7 @@ def main() -> None:
             res = measure(opts, root)
         else:
             out = f"{root}/result.pt"
-            with loopback_store_server() as port:  # bound before the ranks start (`isthmus.rendezvous`)
+            with loopback_store_server() as port:  # bound before the ranks start (`isthmus.parallel.rendezvous`)
                 mp.start_processes(_rank, args=(opts, port, root, out), nprocs=opts.nproc, start_method="spawn")
             res = torch.load(out, weights_only=False)
     finally:

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import peers_common as pc  # noqa: E402
-from isthmus.rendezvous import LOOPBACK, loopback_store_server, served_store_environ  # noqa: E402
+from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_store_environ  # noqa: E402
 from isthmus.train.short_run import capped, max_steps_override  # noqa: E402
 
 SYSTEMS = ("isthmus", "torch", "colossalai")
@@ -335,7 +335,7 @@ def launch_pair(
     python: str, script: Path, opts: argparse.Namespace, root: str, log: Path, served: int | None
 ) -> list[subprocess.Popen]:
     """Start the two ranks of one system. ``served``: the port of a store this process serves for them
-    (`isthmus.rendezvous`); None for Colossal-AI, whose launcher makes its group on a free MASTER_PORT
+    (`isthmus.parallel.rendezvous`); None for Colossal-AI, whose launcher makes its group on a free MASTER_PORT
     itself."""
     port = free_port() if served is None else served
     procs = []

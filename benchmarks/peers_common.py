@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from isthmus.rendezvous import group_store_args
+from isthmus.parallel.rendezvous import group_store_args
 
 # torchtitan's debug model: Llama, dim 256, 6 layers, 16 heads (16 KV heads), SwiGLU FFN 768,
 # vocab 2048, untied head. isthmus names it the "debug" flavor.
@@ -75,7 +75,7 @@ def random_tokens(n: int, seed: int = SEED) -> np.ndarray:
 def init_gloo(rank: int) -> None:
     """One thread per rank (2 ranks on 2 cores) and a gloo group over the env's rendezvous."""
     torch.set_num_threads(1)
-    # The store the driver serves for this pair (`isthmus.rendezvous`), else env:// on MASTER_PORT.
+    # The store the driver serves for this pair (`isthmus.parallel.rendezvous`), else env:// on MASTER_PORT.
     group = group_store_args(WORLD, rank) or {"rank": rank, "world_size": WORLD}
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=300), **group)
 

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from isthmus.launch.warm import START_METHOD, start_rank_server
-from isthmus.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
+from isthmus.parallel.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
 from isthmus.train.short_run import capped
 
 # (label, overrides given dp degree N): plain DDP is the baseline every ZeRO stage is read against.
@@ -158,7 +158,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """Run ``fn(*args)`` on ``world`` gloo ranks; each rank's return value, by rank. The ranks fork
     from one server that imported torch and the trainer once, for every world (isthmus.launch.warm)."""
-    # The ranks' store is served here, bound before they start (`isthmus.rendezvous`).
+    # The ranks' store is served here, bound before they start (`isthmus.parallel.rendezvous`).
     with tempfile.TemporaryDirectory() as out_dir, loopback_store_server() as port:
         ctx = mp.start_processes(
             _entry, args=(world, port, fn, args, out_dir), nprocs=world, join=False, start_method=START_METHOD

@@ -1,7 +1,7 @@
 """Run a function on N real processes joined by a real gloo process group (for tests).
 
 Each rank gets RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT like under torchrun (the
-port that of a store this process serves, `isthmus.rendezvous`), a gloo default group, and one intra-op thread (the machine has 2 cores; more would oversubscribe).
+port that of a store this process serves, `isthmus.parallel.rendezvous`), a gloo default group, and one intra-op thread (the machine has 2 cores; more would oversubscribe).
 The function's return value (anything picklable) comes back as a list indexed by rank; an
 exception on any rank fails the call with that rank's traceback, at once.
 
@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from isthmus.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
+from isthmus.parallel.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
 
 START_METHOD = "forkserver"
 PRELOAD = ["isthmus.launch.local", "isthmus.api"]
@@ -53,7 +53,7 @@ def _context() -> Any:
 
 def free_port() -> int:
     """A port free now, for a command that binds it itself (torchrun's rendezvous endpoint); ranks this
-    module starts use a store served before they exist instead (`isthmus.rendezvous`)."""
+    module starts use a store served before they exist instead (`isthmus.parallel.rendezvous`)."""
     with socket.socket() as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]

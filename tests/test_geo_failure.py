@@ -37,7 +37,7 @@ import torch
 from isthmus.config import GeoConfig, JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError, IsthmusError
 from isthmus.geo.fault import RoundRecord, check_config, job_from_env, layout_world, start_lighthouse
-from isthmus.rendezvous import LOOPBACK, loopback_store_server, served_store_environ
+from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_store_environ
 
 STEPS, H = 15, 3
 KILL_BEFORE = 5  # dc1 is killed while waiting to run step 5 (rounds after steps 3, 6, 9, 12, 15)

@@ -64,7 +64,7 @@ from isthmus.geo.diloco import DiLoCoSync, _Transfer
 from isthmus.geo.groups import GeoGroups
 from isthmus.geo.strategy import copy_state
 from isthmus.log import get_logger
-from isthmus.rendezvous import store_address
+from isthmus.parallel.rendezvous import store_address
 
 if TYPE_CHECKING:
     from torchft import Manager

@@ -54,7 +54,7 @@ from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
 from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
 from isthmus.launch.warm import START_METHOD, start_rank_server, starts_local_ranks
 from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
-from isthmus.rendezvous import LOOPBACK, loopback_store_server, served_store_environ
+from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_store_environ
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.train.device import resolve_device
 from isthmus.train.trainer import Progress, TrainResult, init_distributed, train
@@ -86,7 +86,7 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None, environ: dict[str
     checkpoints committed since then, never from those an earlier run left in the directory.
     ``environ``: what the local launcher set for its ranks (a rank forked from
     `isthmus.launch.warm`'s server has the environment the server started with), its store's
-    address among it (`isthmus.rendezvous`).
+    address among it (`isthmus.parallel.rendezvous`).
     """
     os.environ.update(environ or {})
     rank = int(os.environ.get("RANK", "0"))
@@ -281,7 +281,7 @@ def launch(cfg: JobConfig, config_name: str = "default") -> TrainResult:
     ``{config}`` in ``train.run_dir``.
 
     The local ranks listen on loopback only: this process serves the c10d rendezvous store on
-    127.0.0.1 and the ranks' groups use it too (`isthmus.rendezvous`; MASTER_ADDR is 127.0.0.1, not
+    127.0.0.1 and the ranks' groups use it too (`isthmus.parallel.rendezvous`; MASTER_ADDR is 127.0.0.1, not
     the hostname), and gloo binds the loopback interface. Under torchrun or the emulator the launcher's own
     addresses stand.
     """
@@ -390,7 +390,7 @@ def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
     monitor = StallMonitor(launch_dir, cfg.parallel.timeout_s)
     monitor.start()
     try:
-        # One store on loopback serves the agents' rendezvous and the ranks' groups (`isthmus.rendezvous`).
+        # One store on loopback serves the agents' rendezvous and the ranks' groups (`isthmus.parallel.rendezvous`).
         with loopback_store_server() as rdzv_port:
             env = {LAUNCH_DIR_ENV: str(launch_dir), **served_store_environ(rdzv_port), **_loopback_environ()}
             config = LaunchConfig(

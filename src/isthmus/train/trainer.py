@@ -32,7 +32,7 @@ from isthmus.models.llama import build_model
 from isthmus.models.resolve import resolve_model_args
 from isthmus.parallel.dims import ParallelDims, check_layout
 from isthmus.parallel.parallelize import ParallelModel, apply_layout
-from isthmus.rendezvous import group_store_args
+from isthmus.parallel.rendezvous import group_store_args
 from isthmus.train.bubbles import BubbleRun, build_bubble_run
 from isthmus.train.checkpoint import Checkpointer, ResumePoint, TrainState
 from isthmus.train.checkpoint_manifest import checkpoint_key, resume_note
