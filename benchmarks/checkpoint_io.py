@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from isthmus.parallel.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
+from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_group_args
 from isthmus.train.short_run import capped
 
 BLOCKS = ("none", "sync", "async")
@@ -165,10 +165,9 @@ def _rank(rank: int, opts: argparse.Namespace, port: int, root: str, out: str) -
         LOCAL_WORLD_SIZE=str(opts.nproc),
         MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
-        **served_store_environ(port),
     )
     torch.set_num_threads(opts.threads or 1)  # ranks share the cores
-    dist.init_process_group("gloo", **group_store_args(opts.nproc, rank))
+    dist.init_process_group("gloo", **served_group_args(port, rank, opts.nproc))
     result = measure(opts, root)
     if rank == 0:
         torch.save(result, out)

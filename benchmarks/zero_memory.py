@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from isthmus.launch.warm import START_METHOD, start_rank_server
-from isthmus.parallel.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
+from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_group_args
 from isthmus.train.short_run import capped
 
 # (label, overrides given dp degree N): plain DDP is the baseline every ZeRO stage is read against.
@@ -140,11 +140,10 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., Any], args: tuple
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
-        **served_store_environ(port),
     )
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", **group_store_args(world, rank))
+        dist.init_process_group("gloo", **served_group_args(port, rank, world))
         result: Any = ("ok", fn(*args))
     except BaseException:  # noqa: BLE001 - shown by the parent
         result = ("error", traceback.format_exc())

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from isthmus.parallel.rendezvous import LOOPBACK, group_store_args, loopback_store_server, served_store_environ
+from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_group_args
 
 START_METHOD = "forkserver"
 PRELOAD = ["isthmus.launch.local", "isthmus.api"]
@@ -73,10 +73,9 @@ def _join_world(rank: int, world: int, port: int, environ: dict[str, str]) -> No
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
-        **served_store_environ(port),
     )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", **group_store_args(world, rank))
+    dist.init_process_group("gloo", **served_group_args(port, rank, world))
 
 
 def _entry(

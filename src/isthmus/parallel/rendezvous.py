@@ -79,10 +79,12 @@ def group_store_args(world: int, rank: int | None = None) -> dict[str, Any]:
     if not os.environ.get(STORE_ENV):
         return {}
     host, port = store_address()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return served_group_args(port, int(os.environ["RANK"]) if rank is None else rank, world, host, attempt)
+
+
+def served_group_args(port: int, rank: int, world: int, host: str = LOOPBACK, attempt: int = 0) -> dict[str, Any]:
+    """Keyword arguments for ``init_process_group`` joining the store served on ``host:port``, keyed
+    under ``attempt`` (a restart's own keys)."""
     store = dist.TCPStore(host, port, is_master=False, timeout=default_pg_timeout)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return {
-        "store": dist.PrefixStore(f"isthmus/attempt{attempt}/", store),
-        "rank": int(os.environ["RANK"]) if rank is None else rank,
-        "world_size": world,
-    }
+    return {"store": dist.PrefixStore(f"isthmus/attempt{attempt}/", store), "rank": rank, "world_size": world}

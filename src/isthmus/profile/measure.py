@@ -55,6 +55,7 @@ from isthmus.api import clip_grad_norm, parallelize, shard_batch, step
 from isthmus.layout.dims import ParallelDims
 from isthmus.models.flavors import get_flavor
 from isthmus.models.llama import build_model, init_weights
+from isthmus.parallel.rendezvous import loopback_store_server, served_group_args
 from isthmus.planner.autoplan import local_runtime
 from isthmus.planner.compute import layer_times
 from isthmus.planner.cost import estimate
@@ -121,7 +122,7 @@ def _gloo_worker(
     [flavor, batch, seq, seconds] to time a block while the other rank does the same."""
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", **served_group_args(port, rank, 2))
     times = []
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
@@ -204,7 +205,7 @@ def _mechanism_worker(
     with 1 and with 3 blocks under each of :data:`MECHANISMS`, as isthmus.api lays it out."""
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", **served_group_args(port, rank, 2))
     args = get_flavor(flavor)
     times: dict[str, list[float]] = {}
     for name, values in MECHANISMS.items():
@@ -261,11 +262,9 @@ def _two_ranks(worker: Callable[..., None], worker_args: Any, timeout_s: float, 
     profile` starts it with this module preloaded): the gloo pair and the mechanisms' pair start
     without importing torch again; each worker sets its one thread itself."""
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = multiprocessing.get_context("forkserver")  # the server `isthmus profile` started
-    with tempfile.TemporaryDirectory() as tmp:
+    # The pair's store is served here, bound before they start (`isthmus.parallel.rendezvous`).
+    with tempfile.TemporaryDirectory() as tmp, loopback_store_server() as port:
         out = os.path.join(tmp, "result.json")
         procs = [ctx.Process(target=worker, args=(rank, *worker_args(port, out))) for rank in range(2)]
         for p in procs:
