@@ -9,7 +9,7 @@ can describe isthmus itself and the Megatron-LM of 2021 that published Table 1.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from isthmus.layout.spec import LayoutSpec
@@ -119,38 +119,29 @@ class Runtime:
         return dict(self.quality).get(geo, 1.0)
 
 
+# isthmus on torch 2.13: SDPA (flash on GPU), no dropout, FSDP2/DDP overlap gradient
+# reduction with backward, pipelining isend/irecv, fp32 parameters under bf16 autocast.
+_ISTHMUS = Runtime(
+    "isthmus",
+    attention="flash",
+    dropout=False,
+    dp_overlap=True,
+    p2p_async=True,
+    scatter_gather=False,
+    weight_bytes=4,
+    grad_bytes=4,
+    optimizer_bytes=8,
+    autocast=True,
+    pp_recv_buffers=True,
+)
+
 RUNTIMES: dict[str, Runtime] = {
-    # isthmus on torch 2.13: SDPA (flash on GPU), no dropout, FSDP2/DDP overlap gradient
-    # reduction with backward, pipelining isend/irecv, fp32 parameters under bf16 autocast.
-    "isthmus": Runtime(
-        "isthmus",
-        attention="flash",
-        dropout=False,
-        dp_overlap=True,
-        p2p_async=True,
-        scatter_gather=False,
-        weight_bytes=4,
-        grad_bytes=4,
-        optimizer_bytes=8,
-        autocast=True,
-        pp_recv_buffers=True,
-    ),
+    "isthmus": _ISTHMUS,
     # torchtitan (2024) as its published runs used it: FSDP2 with bf16 mixed precision (blocks compute
     # in bf16 throughout, fp32 sharded master weights and reductions), SDPA flash attention, torch
     # pipelining, every-other-block selective recomputation; its published memory (Llama 3.1 8B on
     # H100 96GB at 82.4 GiB; Llama 2 13B without recomputation on A100 80GB) bounds the leaner storage.
-    "torchtitan": Runtime(
-        "torchtitan",
-        attention="flash",
-        dropout=False,
-        dp_overlap=True,
-        p2p_async=True,
-        scatter_gather=False,
-        weight_bytes=4,
-        grad_bytes=4,
-        optimizer_bytes=8,
-        pp_recv_buffers=True,
-    ),
+    "torchtitan": replace(_ISTHMUS, name="torchtitan", autocast=False),
     # Megatron-LM as in Narayanan et al. 2021: fp16 with fused softmax over a materialised score
     # matrix, dropout 0.1, gradient all-reduce after the last backward, blocking p2p with the
     # scatter/gather optimisation, ZeRO-paper state accounting (2 + 2 + 12 bytes per parameter).
