@@ -529,11 +529,18 @@ def _variants(
             if len(schedules) > 1 and max((n for _, n, wan in pl.boundary_links if wan), default=1) == 1:
                 schedules = schedules[:1]
             fair_step: float | None = None
+            # Memory depends on neither the strategy nor the WAN schedule: once one of them does not
+            # fit, none does, and the rest are counted as refused without timing them.
+            refused: MemoryBreakdown | None = None
             for geo, wan_schedule in ((g, w) for g in _geos(core, space) for w in schedules):
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
                 if wan_schedule != schedules[0] and fair_step is None:
                     continue  # the fair variant did not fit
+                if refused is not None:
+                    result.considered += 1
+                    result.over_memory(refused)
+                    continue
                 lay = LayoutSpec(
                     **fields,
                     dp_replicate=per_dc // shard,
@@ -552,6 +559,7 @@ def _variants(
                 result.considered += 1
                 if not est.fits:
                     result.over_memory(est.memory)
+                    refused = est.memory
                     continue
                 if wan_schedule == schedules[0]:
                     fair_step = est.step_time_s
