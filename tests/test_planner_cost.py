@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 from isthmus.models.flavors import get_flavor, gpt3
-from isthmus.models.flops import forward_flops_per_token
+from isthmus.models.flops import forward_flops_per_token, layer_matmul_params
 from isthmus.models.llama import TransformerBlock, rope_cos_sin
 from isthmus.planner import comm
 from isthmus.planner.autoplan import local_runtime
@@ -155,10 +157,40 @@ def test_a_block_keeps_what_the_runtime_counts(precision: str) -> None:
         block(x, cos, sin)
     if autocast:
         rt = RUNTIMES["isthmus"]
-        planned = layer_activation_bytes(args, b, s, 1, 1, False, rt) + autocast_weight_copy_bytes(args, 1, rt, "bf16")
+        planned = layer_activation_bytes(args, b, s, 1, 1, False, rt)
+        planned += autocast_weight_copy_bytes(args, 1, False, 1, rt, "bf16")
     else:
         planned = layer_activation_bytes(args, b, s, 1, 1, False, local_runtime(), "fp32")
     assert sum(kept.values()) == planned
+
+
+def test_autocast_holds_every_weight_copy_for_the_step_even_when_recomputed() -> None:
+    """Under bf16 autocast the cast cache keeps a bf16 copy of each weight until the region ends, so
+    a forward through four fully recomputed `small` blocks (whose activations go) still holds all
+    four blocks' copies: what the isthmus runtime counts once per rank (torch.profiler's memory
+    events, as benchmarks/peak_memory.py measures a step)."""
+    from torch.utils.checkpoint import checkpoint
+
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from peak_memory import step_peak_bytes  # the benchmark's measure, not a second one
+
+    args = replace(get_flavor("small"), vocab_size=256)
+    blocks = [TransformerBlock(args) for _ in range(4)]
+    s = 8
+    x = torch.randn(1, s, args.dim, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(s), args.head_dim, args.rope_theta)
+    kept: list[torch.Tensor] = []
+
+    def forward() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            h = x
+            for block in blocks:
+                h = checkpoint(block, h, cos, sin, use_reentrant=False)
+            kept.append(h)
+
+    copies = autocast_weight_copy_bytes(args, 4, False, 1, RUNTIMES["isthmus"], "bf16")
+    assert copies == 4 * 2 * layer_matmul_params(args)
+    assert step_peak_bytes(forward) == pytest.approx(copies, rel=0.05)
 
 
 def test_zero_stages_shard_state() -> None:

@@ -111,11 +111,6 @@ def _geo_invariants(topo, est) -> None:  # type: ignore[no-untyped-def]
         assert not any(wan for _, _, wan in pl.boundary_links)
 
 
-# GPT-3 175B without recomputation fits these layouts when blocks compute in bf16 throughout; under
-# isthmus's autocast (fp32 weights, bf16 copies kept per block) only deep pipelines would.
-TITAN = RUNTIMES["torchtitan"]
-
-
 def _geo_picks(runtime: Runtime) -> list[tuple[float, str, str, float]]:
     base = load_topology("geo-3dc-h100")
     space = SearchSpace(batch_size=1536, seq_len=2048, micro_batch=1, activation_checkpoint="none")
@@ -135,7 +130,7 @@ def _geo_picks(runtime: Runtime) -> list[tuple[float, str, str, float]]:
 def test_geo_keeps_per_layer_traffic_local_and_adapts_to_wan_bandwidth() -> None:
     """Streaming DiLoCo's measured quality (1.0): its overlapped int4 fragments win from a fast WAN
     down to 3 GB/s; at 0.3 GB/s a fragment's transfer outlasts many steps and one datacenter wins."""
-    crossings = [(axis, geo) for _, axis, geo, _ in _geo_picks(TITAN)]
+    crossings = [(axis, geo) for _, axis, geo, _ in _geo_picks(ISTH)]
     assert crossings[:-1] == [("dp", "streaming_diloco")] * 4, crossings
     assert crossings[-1] == ("none", "none")
 
@@ -143,7 +138,7 @@ def test_geo_keeps_per_layer_traffic_local_and_adapts_to_wan_bandwidth() -> None
 def test_geo_with_a_lossy_streaming_diloco_sends_activations_over_a_fast_wan() -> None:
     """Were Streaming DiLoCo 10% worse per token (the factor assumed before it was measured), a fast
     WAN carries pipeline activations instead, then streaming wins, then one datacenter."""
-    picks = _geo_picks(replace(TITAN, quality=(("compressed", 0.98), ("diloco", 0.9), ("streaming_diloco", 0.9))))
+    picks = _geo_picks(replace(ISTH, quality=(("compressed", 0.98), ("diloco", 0.9), ("streaming_diloco", 0.9))))
     crossings = [(axis, geo) for _, axis, geo, _ in picks]
     assert len(set(crossings)) >= 3, f"the WAN choice should change with bandwidth: {picks}"
     assert crossings[0] == ("pp", "none")  # fast WAN: only activations cross

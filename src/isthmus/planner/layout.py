@@ -89,8 +89,9 @@ class Runtime:
     ``benchmarks/peak_memory.py --block``, exact to the byte but each norm's rsqrt and attention's
     log-sum-exp): each RMSNorm's fp32 input and normalised value, a bf16 copy of its output for every
     matmul that reads it (wq, wk and wv each cast their own; under sequence parallelism of the
-    gathered output), bf16 Q, K and V repeated to the query heads, and a bf16 copy of every weight
-    the block multiplies by, per microbatch in flight. False: the block computes in the run's dtype
+    gathered output) and bf16 Q, K and V repeated to the query heads; and autocast's cast cache holds
+    a bf16 copy of every weight the rank multiplies by for the whole step, recomputed blocks' too
+    (measured with torch.profiler's memory events). False: the block computes in the run's dtype
     throughout (FSDP's mixed precision, Megatron's fp16/bf16 modules), what the published runs
     describe. Only for dtype bf16; an fp32 run keeps what ``eager_llama_block`` says."""
     pp_recv_buffers: bool = False

@@ -39,8 +39,9 @@ class MemoryBreakdown:
     optimizer: float
     activations: float
     transient: float
-    """Gathered ZeRO-3 / FSDP parameters, the recomputed block, logits of the last stage, and torch
-    pipelining's receive buffers (one per microbatch and stage module: many microbatches cost here)."""
+    """Gathered ZeRO-3 / FSDP parameters, the recomputed block, logits of the last stage, torch
+    pipelining's receive buffers (one per microbatch and stage module: many microbatches cost here),
+    and under bf16 autocast the cached bf16 copies of the rank's weights."""
 
     @property
     def total(self) -> float:
@@ -130,13 +131,19 @@ def _autocast_activation_bytes(
     return norms / (tp if sp else 1) + copies + inside / tp
 
 
-def autocast_weight_copy_bytes(args: ModelArgs, tp: int, runtime: Runtime, dtype: str) -> float:
-    """The bf16 copies of one block's weights that autocast's matmuls keep for backward, per
-    microbatch in flight (0 unless ``runtime.autocast`` and bf16). Under FSDP they are copies of
-    the gathered weights: ZeRO-3 does not shard them."""
+def autocast_weight_copy_bytes(
+    args: ModelArgs, layers: int, last: bool, tp: int, runtime: Runtime, dtype: str
+) -> float:
+    """The bf16 copies of a rank's matmul weights (its blocks', and the head's on the last stage) that
+    autocast's cast cache holds from the first forward of an autocast region to its end: isthmus runs
+    each microbatch's forward and backward, or a pipeline schedule's whole step, in one region, so
+    the rank holds one copy for the step whatever its recomputation or microbatches in flight
+    (every microbatch's matmuls save the same cached tensor; a recomputed block's copy stays cached
+    though its activations go). Under FSDP they are copies of the gathered weights: ZeRO-3 does not
+    shard them. 0 unless ``runtime.autocast`` and bf16."""
     if not (runtime.autocast and dtype == "bf16"):
         return 0.0
-    return 2 * layer_matmul_params(args) / tp
+    return 2 * (layers * layer_matmul_params(args) + (args.vocab_size * args.dim if last else 0)) / tp
 
 
 def layer_input_bytes(
@@ -222,9 +229,7 @@ def device_memory(
     wraps_last = any(k % 2 == 1 for k in sizes)
     params = stage_params(args, layers, first, last, pp) / tp
     w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp)
-    # A block that is not recomputed also keeps autocast's bf16 copies of its weights.
     full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype)
-    full += autocast_weight_copy_bytes(args, tp, runtime, dtype)
     # The residual stream (a block's input, what travels between stages) stays fp32 under autocast.
     residual = "fp32" if runtime.autocast else dtype
     kept = layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, residual)
@@ -243,6 +248,7 @@ def device_memory(
         activation_checkpoint == "selective" and (runtime.selective == "attention_core" or wraps_last)
     )
     transient = full if recomputes_on_top else 0.0
+    transient += autocast_weight_copy_bytes(args, layers, last, tp, runtime, dtype)
     if pp > 1 and runtime.pp_recv_buffers:
         # torch pipelining keeps a receive buffer per microbatch for each stage module's input (but
         # the first's) and its output's gradient (but the last's), allocated once and kept.
