@@ -76,59 +76,44 @@ def layer_activation_bytes(
 ) -> float:
     """Bytes one block keeps for backward, for one microbatch, without recomputation (``scores=False``:
     without the attention core's S x S tensors, which attention-core selective recomputation drops)."""
-    if runtime.autocast and dtype == "bf16":
-        return _autocast_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, scores)
     e = ELEM_BYTES[dtype]
     sb = micro_batch * seq_len / cp
     h, hd, f = args.dim, args.head_dim, args.ffn_dim
     q, kv = args.n_heads * hd, args.n_kv_heads * hd
     mask = 1 if runtime.dropout else 0
-    # Outside the tensor-parallel regions (replicated over tp unless sequence-parallel):
-    # two norm inputs, the QKV and fc1 inputs (the norms' outputs), two dropout masks; an eager
-    # RMSNorm also keeps x * rsqrt(mean(x^2)), the operand of its weight's multiply.
-    per_norm = 1 if runtime.pointwise_recompute else 3 if runtime.eager_llama_block else 2
-    outside = sb * h * (2 * per_norm * e + 2 * mask)
+    autocast = runtime.autocast and dtype == "bf16"
+    eager = (runtime.eager_llama_block or autocast) and not runtime.pointwise_recompute
     gathered = 0.0
-    if sp and tp > 1 and runtime.eager_llama_block and not runtime.pointwise_recompute:
-        # torch's sequence-parallel plans all-gather each norm's output for the matmuls after it,
-        # which keep the gathered copy (Megatron keeps the shard and gathers again in backward).
-        outside -= 2 * sb * h * e
-        gathered = 2 * sb * h * e
+    if autocast:
+        # Under bf16 autocast over fp32 weights (``Runtime.autocast``): each norm's fp32 input and
+        # normalised value outside the tensor-parallel regions, and a bf16 copy of its output per
+        # matmul reading it (wq, wk, wv; w1 and w3, or fc1), each made by that matmul's own cast,
+        # under sequence parallelism of the all-gathered output. The weights' bf16 copies are
+        # :func:`autocast_weight_copy_bytes`.
+        outside = sb * h * (2 * 2 * ELEM_BYTES["fp32"] + 2 * mask)
+        gathered = (3 + (2 if args.mlp == "swiglu" else 1)) * e * sb * h
+    else:
+        # Outside the tensor-parallel regions (replicated over tp unless sequence-parallel):
+        # two norm inputs, the QKV and fc1 inputs (the norms' outputs), two dropout masks; an eager
+        # RMSNorm also keeps x * rsqrt(mean(x^2)), the operand of its weight's multiply.
+        per_norm = 1 if runtime.pointwise_recompute else 3 if eager else 2
+        outside = sb * h * (2 * per_norm * e + 2 * mask)
+        if sp and tp > 1 and eager:
+            # torch's sequence-parallel plans all-gather each norm's output for the matmuls after
+            # it, which keep the gathered copy (Megatron keeps the shard and gathers again in backward).
+            outside -= 2 * sb * h * e
+            gathered = 2 * sb * h * e
     # Inside (split over tp): Q, K, V, attention output (proj input), MLP activations: SwiGLU's two
     # projections, the SiLU and the product (the fc2 input); GELU's input and output. Recomputing
-    # pointwise results keeps only what the matmuls produced. K and V repeated to the query heads
-    # before attention are kept at that size.
+    # pointwise results keeps only what the matmuls produced. Eager blocks keep K and V repeated to
+    # the query heads before attention at that size.
     mlp = (2 if args.mlp == "swiglu" else 1) * (1 if runtime.pointwise_recompute else 2) * e * sb * f
-    kv_kept = q if runtime.eager_llama_block and not runtime.pointwise_recompute else kv
+    kv_kept = q if eager else kv
     inside = e * sb * (q + 2 * kv_kept + q) + mlp
     if runtime.attention == "materialized" and scores:
         square = micro_batch * args.n_heads * (seq_len / cp) * seq_len
         inside += square * (e + (e + 1) * mask)  # softmax output; dropout mask and output
     return outside / (tp if sp else 1) + gathered + inside / tp
-
-
-def _autocast_activation_bytes(
-    args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool, runtime: Runtime, scores: bool
-) -> float:
-    """What a block keeps per microbatch under bf16 autocast over fp32 weights (``Runtime.autocast``),
-    its weights' bf16 copies left to :func:`autocast_weight_copy_bytes`."""
-    sb = micro_batch * seq_len / cp
-    h, hd, f = args.dim, args.head_dim, args.ffn_dim
-    q = args.n_heads * hd
-    # Outside the tensor-parallel regions: each norm's fp32 input and normalised value.
-    norms = 2 * 2 * 4 * sb * h
-    # A bf16 copy of a norm's output per matmul reading it (wq, wk, wv; w1 and w3, or fc1), each
-    # made by that matmul's own cast; under sequence parallelism of the all-gathered output.
-    readers = 3 + (2 if args.mlp == "swiglu" else 1)
-    copies = readers * 2 * sb * h
-    # Inside (split over tp): Q, K and V repeated to the query heads, the attention output, and the
-    # MLP's projections, SiLU and product (GELU's input and output), all bf16.
-    mlp = (2 if args.mlp == "swiglu" else 1) * 2 * 2 * sb * f
-    inside = 2 * sb * 4 * q + mlp
-    if runtime.attention == "materialized" and scores:
-        square = micro_batch * args.n_heads * (seq_len / cp) * seq_len
-        inside += square * 2
-    return norms / (tp if sp else 1) + copies + inside / tp
 
 
 def autocast_weight_copy_bytes(
