@@ -147,8 +147,9 @@ class BubbleRun:
 
     def end_step(self, step: int) -> dict[str, Any]:
         """This step's busy fraction of every rank, and the prefill tokens served in its bubbles
-        (summed over ranks). A collective, every rank calls it once per step; its wait is filled
-        like the step's own, and counts towards the next step's window."""
+        (summed over ranks). A collective, every rank calls it once per step; its wait counts towards
+        the next step's window but is not filled: a request served in it would be served after its
+        step's tokens were counted, and after the last step never counted at all."""
         start, end = self._window_start, time.perf_counter()
         assert start is not None, "end_step without begin_step"
         self._window_start = end
@@ -161,7 +162,8 @@ class BubbleRun:
             every = [torch.zeros_like(mine) for _ in range(self.world)]
             work = dist.all_gather(every, mine, async_op=True)
             assert work is not None
-            self.wait(work, "all-gather busy")
+            with self.timeline.span("all-gather busy", "wait"):
+                work.wait()
         else:
             every = [mine]
         out: dict[str, Any] = {"busy": [round(float(t[0]), 4) for t in every]}
