@@ -85,6 +85,54 @@ def test_dp_shard_matches_single_process() -> None:
         assert rank_norm == pytest.approx(norm, rel=1e-5)
 
 
+def _bf16_step(world: int, dp_rank: int) -> dict[str, object]:
+    """One bf16 forward/backward through ``isthmus.parallelize(..., dtype="bf16")``: the dtypes that
+    block 0's wq multiplied with and produced, and what the optimizer will see."""
+    dims = isthmus.ParallelDims(dp_replicate=1, dp_shard=world, cp=1, tp=1, pp=1, world_size=world)
+    model = isthmus.build_model(get_flavor("tiny"), "meta")
+    pm = isthmus.parallelize(model, dims, device="cpu", seed=3, dtype="bf16")
+    seen: dict[str, object] = {}
+    wq = pm.model.layers["0"].attention.wq
+
+    def record(module: torch.nn.Module, _: object, out: torch.Tensor) -> None:
+        seen.update(weight=module.weight.dtype, output=out.dtype)
+
+    wq.register_forward_hook(record)
+    inputs, targets = (t.chunk(world)[dp_rank] for t in _batch())
+    loss = step(pm, inputs, targets)
+    assert loss is not None
+    params = pm.parameters()
+    return {
+        **seen,
+        "autocast": pm.autocast,
+        "loss": float(loss),
+        "masters": {p.dtype for p in params},
+        "grads": {p.grad.dtype for p in params if p.grad is not None},
+    }
+
+
+def _bf16_sharded_rank() -> dict[str, object]:
+    import torch.distributed as dist
+
+    return _bf16_step(2, dist.get_rank())
+
+
+@pytest.mark.slow
+def test_bf16_computes_under_fsdp_mixed_precision_where_fsdp_holds_the_weights() -> None:
+    # One process: fp32 weights under autocast (its cast makes the bf16 copy, wq's output is bf16).
+    alone = _bf16_step(1, 0)
+    assert alone["autocast"] is True and alone["weight"] == torch.float32 and alone["output"] == torch.bfloat16
+    # FSDP (ZeRO-3 over 2 ranks): no autocast; FSDP gathers bf16 weights over fp32 shards, and the
+    # optimizer steps fp32 masters with fp32 (reduced) gradients.
+    results = run_ranks(_bf16_sharded_rank, 2, timeout=120)
+    for r in results:
+        assert r["autocast"] is False and r["weight"] == torch.bfloat16 and r["output"] == torch.bfloat16
+        assert r["masters"] == {torch.float32} and r["grads"] == {torch.float32}
+    # Both bf16 computations of the same batch: the residual stream is bf16 under FSDP, fp32 under
+    # autocast, so the mean loss agrees to bf16's rounding, not exactly (measured: 5.5e-5 relative).
+    assert sum(float(r["loss"]) for r in results) / 2 == pytest.approx(float(alone["loss"]), rel=1e-3)
+
+
 def test_weights_of_a_real_model_are_reinitialised_from_seed() -> None:
     dims = isthmus.ParallelDims(1, 1, 1, 1, 1, world_size=1)
     real = isthmus.build_model(get_flavor("tiny"), "cpu")

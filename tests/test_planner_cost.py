@@ -128,12 +128,13 @@ def test_korthikanti_activation_formulas_exact() -> None:
     assert layer_activation_bytes(args, b, s, 1, 1, False, local_runtime(), "fp32") == pytest.approx(sbh * 72)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "autocast-bf16", "fsdp-bf16"])
 def test_a_block_keeps_what_the_runtime_counts(precision: str) -> None:
     """Every tensor autograd saves in one real `small` block (GQA: 4 query heads, 2 KV heads), each
     storage once and parameters left out, is exactly what isthmus's accounting says: the CPU
-    runtime's in fp32; under bf16 autocast over fp32 weights (isthmus's mixed precision, CPU or GPU)
-    the activations and the bf16 copies of the block's weights."""
+    runtime's in fp32; under bf16 autocast over fp32 weights (isthmus's mixed precision where no
+    FSDP, CPU or GPU) the activations and the bf16 copies of the block's weights; under FSDP2's
+    mixed precision (bf16 weights and inputs) the activations, each norm's fp32 input among them."""
     args = replace(get_flavor("small"), vocab_size=256)
     block = TransformerBlock(args)
     b, s = 4, 64
@@ -150,12 +151,18 @@ def test_a_block_keeps_what_the_runtime_counts(precision: str) -> None:
         return t
 
     autocast = precision == "autocast-bf16"
+    if precision == "fsdp-bf16":  # what FSDP2's mixed precision computes with: bf16 weights and input
+        block = block.to(torch.bfloat16)
+        x = x.detach().to(torch.bfloat16).requires_grad_()
+        params = {p.untyped_storage().data_ptr() for p in block.parameters()}
     with (
         torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast),
     ):
         block(x, cos, sin)
-    if autocast:
+    if precision == "fsdp-bf16":
+        planned = layer_activation_bytes(args, b, s, 1, 1, False, RUNTIMES["isthmus"], "bf16", fsdp=True)
+    elif autocast:
         rt = RUNTIMES["isthmus"]
         planned = layer_activation_bytes(args, b, s, 1, 1, False, rt)
         planned += autocast_weight_copy_bytes(args, 1, False, 1, rt, "bf16")

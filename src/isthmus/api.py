@@ -15,6 +15,7 @@ pipeline schedule. They call the same functions as `isthmus.train.trainer`.
 from __future__ import annotations
 
 import os
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ def parallelize(
     loss_fn: LossFn | None = None,
     device: torch.device | str | None = None,
     mesh: Meshes | None = None,
+    dtype: str = "fp32",
 ) -> ParallelModel:
     """This rank's part of ``model`` laid out as ``layout`` says, with its local shards initialised.
 
@@ -64,6 +66,9 @@ def parallelize(
     - ``loss_fn(logits, targets)``, the mean over its batch, is what the pipeline schedule computes
       on its last stage (pp > 1 only; default: next-token cross-entropy).
     - ``device``: default CUDA device ``LOCAL_RANK`` when there is a GPU, else the CPU.
+    - ``dtype`` (``train.dtype``): "fp32", or "bf16": FSDP layouts then compute through FSDP2's
+      mixed precision (bf16 weights gathered over fp32 masters, fp32 reductions), the others under
+      ``torch.autocast``, which :func:`step` applies (``result.autocast``).
 
     With pp > 1 the result's ``schedule`` runs the stages in ``modules``; run it with :func:`step`.
     """
@@ -71,6 +76,8 @@ def parallelize(
         raise ConfigError(
             "model", type(model).__name__, "isthmus.parallelize takes an isthmus Transformer (isthmus.build_model)"
         )
+    if dtype not in ("fp32", "bf16"):
+        raise ConfigError("dtype", dtype, "must be fp32 or bf16")
     spec = layout if isinstance(layout, LayoutSpec) else _spec_of(layout)
     if spec.sync != "none":
         raise ConfigError(
@@ -113,6 +120,7 @@ def parallelize(
         seed=seed,
         seq_len=checked_len,
         loss_fn=loss_fn or _step.cross_entropy,
+        dtype=dtype,
     )
 
 
@@ -140,7 +148,7 @@ loss_context = _step.loss_context
 def step(
     pm: ParallelModel, inputs: torch.Tensor, targets: torch.Tensor, loss_fn: LossFn | None = None
 ) -> torch.Tensor | None:
-    """Forward and backward of one local batch; gradients are left in ``.grad``.
+    """Forward and backward of one local batch (under bf16 autocast when ``pm.autocast``); gradients are left in ``.grad``.
 
     Returns the detached loss (a plain tensor) of this rank's batch (the mean over its micro-batches under pp), or
     None on a pipeline rank without the last stage. ``loss_fn`` defaults to next-token
@@ -150,7 +158,9 @@ def step(
     if pm.schedule is not None and loss_fn is not None and loss_fn is not pm.schedule._loss_fn:
         name = getattr(loss_fn, "__name__", loss_fn)
         raise ConfigError("loss_fn", name, "under pp the schedule computes the loss: give it to parallelize, None here")
-    loss = _step.forward_backward(pm, inputs, targets, loss_fn=loss_fn or _step.cross_entropy)
+    cast = torch.autocast(inputs.device.type, dtype=torch.bfloat16) if pm.autocast else nullcontext()
+    with cast:
+        loss = _step.forward_backward(pm, inputs, targets, loss_fn=loss_fn or _step.cross_entropy)
     return None if loss is None else _plain(loss)
 
 

@@ -42,7 +42,7 @@ from isthmus.layout.choices import (
     WanSchedule,
 )
 from isthmus.layout.dims import ParallelDims
-from isthmus.layout.rules import shard_degree
+from isthmus.layout.rules import DataParallelKind, data_parallel_kind, shard_degree
 from isthmus.layout.sections import LayoutConfig
 
 __all__ = [
@@ -156,6 +156,13 @@ class LayoutSpec:
     def shard_degree(self) -> int:
         """Ranks one FSDP/ZeRO shard group spans (see :func:`isthmus.layout.rules.shard_degree`)."""
         return shard_degree(self.dp_shard, self.cp, self.tp, self.pp)
+
+    @property
+    def data_parallel_kind(self) -> DataParallelKind:
+        """What keeps the replicas in step (see :func:`isthmus.layout.rules.data_parallel_kind`)."""
+        return data_parallel_kind(
+            self.dp_shard, self.cp, self.tp, self.pp, self.replicas, self.zero_stage, self.sync != "none"
+        )
 
     @property
     def grad_sync_degree(self) -> int:

@@ -8,13 +8,21 @@
 | dp_shard, zero_stage 3               | FSDP2, parameters re-sharded after forward          |
 | dp_replicate x dp_shard (HSDP)       | FSDP2 on the 2-D (replicate, shard) mesh            |
 | any dp/cp with tp or pp              | FSDP2 (DDP holds neither DTensors nor pipeline stages) |
+
+Under bf16 (``train.dtype``) FSDP2's own mixed precision computes: the sharded fp32 parameters stay
+the optimizer's master copy, each block is gathered in bf16 and its gradients reduced in fp32
+(``MixedPrecisionPolicy``, torchtitan's way). DDP and single-process layouts compute under
+``torch.autocast`` instead, which needs no wrapper. Why not autocast everywhere: its cast cache keeps
+a bf16 copy of every gathered weight until the autocast region ends (a microbatch's forward and
+backward), which undoes ZeRO-3's sharding, and FSDP would gather fp32 weights, twice the bytes.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from isthmus.layout import rules
@@ -36,16 +44,27 @@ def fsdp_mesh(mesh: Meshes, dims: ParallelDims, geo_sync: bool = False) -> Devic
     return mesh["dp_shard_cp"]
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, reshard_root: bool = True) -> nn.Module:
+def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
+    """FSDP2's policy for ``train.dtype``: bf16 compute weights over fp32 masters, fp32 reductions
+    (a bf16 reduce-scatter would round every rank's gradient before the sum); fp32 casts nothing."""
+    if dtype == "bf16":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def apply_fsdp(
+    model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, reshard_root: bool = True, dtype: str = "fp32"
+) -> nn.Module:
     """Shard each transformer block, then the root (embedding, final norm, head) as one group.
 
     Per-block groups let FSDP2 gather one block's parameters while the previous block computes.
     """
 
     reshard = zero_stage == 3
+    policy = mixed_precision(dtype)
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard and reshard_root)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard and reshard_root, mp_policy=policy)
     return model
 
 

@@ -45,6 +45,9 @@ class ParallelModel:
     has_last_stage: bool = True
     loss_parallel: bool = False
     """Logits are vocab-sharded DTensors: compute the loss under `torch.distributed.tensor.parallel.loss_parallel`."""
+    autocast: bool = False
+    """Run forward and backward under ``torch.autocast`` (bf16): the weights are fp32 and nothing
+    casts them (DDP, one process); False under FSDP's mixed precision or in fp32."""
 
     @property
     def model(self) -> nn.Module:
@@ -83,6 +86,7 @@ def _shard_stage(
     p: ParallelConfig,
     dp_kind: DataParallelKind,
     geo_sync: bool = False,
+    dtype: str = "fp32",
 ) -> Transformer:
     """Steps 2-5 on one module (the whole model, or one pipeline stage)."""
     if dims.tp_enabled:
@@ -95,7 +99,7 @@ def _shard_stage(
     apply_ac(module, p.activation_checkpoint)
     if dp_kind == "fsdp":
         assert mesh is not None
-        apply_fsdp(module, fsdp_mesh(mesh, dims, geo_sync), p.zero_stage)
+        apply_fsdp(module, fsdp_mesh(mesh, dims, geo_sync), p.zero_stage, dtype=dtype)
     return module
 
 
@@ -110,6 +114,7 @@ def apply_layout(
     seq_len: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     geo_sync: bool = False,
+    dtype: str = "fp32",
 ) -> ParallelModel:
     """Apply ``parallel``'s layout to ``model`` (built on meta) on this rank; see the module doc for the order.
 
@@ -119,13 +124,16 @@ def apply_layout(
     ``loss_fn(logits, targets)`` (mean over its micro-batch) is needed only for pp > 1, where the
     schedule computes the loss on the last stage. With ``geo_sync`` no data-parallel wrapper is
     applied: the cross-datacenter strategy (`isthmus.geo`) averages gradients or parameters itself.
+    ``dtype`` ("fp32" or "bf16", ``train.dtype``): under bf16, FSDP layouts compute through FSDP2's
+    mixed precision, the others under autocast (the result's ``autocast``).
     """
     args = model.args
     dp_kind = data_parallel_kind(dims, parallel.zero_stage, geo_sync)
     loss_parallel = dims.tp_enabled
+    autocast = dtype == "bf16" and dp_kind != "fsdp"
 
     def materialise(module: Transformer) -> Transformer:
-        module = _shard_stage(module, mesh, dims, parallel, dp_kind, geo_sync)
+        module = _shard_stage(module, mesh, dims, parallel, dp_kind, geo_sync, dtype)
         module.to_empty(device=device)
         init_weights(module, seed, args)
         return module
@@ -148,10 +156,10 @@ def apply_layout(
             prepare_stage=materialise,
             seed=seed,
         )
-        return ParallelModel(list(stages), dims, dp_kind, schedule, has_first, has_last, loss_parallel)
+        return ParallelModel(list(stages), dims, dp_kind, schedule, has_first, has_last, loss_parallel, autocast)
 
     module: nn.Module = materialise(model)
     if dp_kind in ("ddp", "zero1"):
         assert mesh is not None
         module = apply_ddp(module, mesh["dp_cp"])
-    return ParallelModel([module], dims, dp_kind, loss_parallel=loss_parallel)
+    return ParallelModel([module], dims, dp_kind, loss_parallel=loss_parallel, autocast=autocast)

@@ -304,7 +304,11 @@ def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placemen
     return worst
 
 
-def rank_memory(work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, layers: int) -> MemoryBreakdown:
+def rank_memory(
+    work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, layers: int, fsdp: bool | None = None
+) -> MemoryBreakdown:
+    """Rank ``r``'s peak memory holding ``layers`` blocks; ``fsdp`` overrides whether FSDP2 holds
+    the weights (default: the layout's data-parallel kind)."""
     return device_memory(
         work.args,
         runtime,
@@ -325,6 +329,7 @@ def rank_memory(work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, la
         dtype=work.dtype,
         microbatches=layout.microbatches,
         virtual_stages=layout.pp_virtual_stages,
+        fsdp=layout.data_parallel_kind == "fsdp" if fsdp is None else fsdp,
     )
 
 

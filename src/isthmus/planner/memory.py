@@ -73,16 +73,21 @@ def layer_activation_bytes(
     runtime: Runtime,
     dtype: str = "bf16",
     scores: bool = True,
+    fsdp: bool = False,
 ) -> float:
     """Bytes one block keeps for backward, for one microbatch, without recomputation (``scores=False``:
-    without the attention core's S x S tensors, which attention-core selective recomputation drops)."""
+    without the attention core's S x S tensors, which attention-core selective recomputation drops).
+    ``fsdp``: the layout's data parallelism is FSDP2, whose mixed precision isthmus computes bf16
+    under instead of autocast (:func:`fsdp_mixed_precision`)."""
     e = ELEM_BYTES[dtype]
     sb = micro_batch * seq_len / cp
     h, hd, f = args.dim, args.head_dim, args.ffn_dim
     q, kv = args.n_heads * hd, args.n_kv_heads * hd
     mask = 1 if runtime.dropout else 0
-    autocast = runtime.autocast and dtype == "bf16"
-    eager = (runtime.eager_llama_block or autocast) and not runtime.pointwise_recompute
+    fsdp_mp = fsdp_mixed_precision(runtime, dtype, fsdp)
+    autocast = runtime.autocast and dtype == "bf16" and not fsdp_mp
+    # isthmus's own block, whatever its precision, keeps what eager autograd keeps.
+    eager = (runtime.eager_llama_block or runtime.autocast) and not runtime.pointwise_recompute
     gathered = 0.0
     if autocast:
         # Under bf16 autocast over fp32 weights (``Runtime.autocast``): each norm's fp32 input and
@@ -98,6 +103,9 @@ def layer_activation_bytes(
         # RMSNorm also keeps x * rsqrt(mean(x^2)), the operand of its weight's multiply.
         per_norm = 1 if runtime.pointwise_recompute else 3 if eager else 2
         outside = sb * h * (2 * per_norm * e + 2 * mask)
+        if fsdp_mp:
+            # isthmus's RMSNorm normalises an fp32 copy of its bf16 input (x.float()), which it keeps.
+            outside += 2 * sb * h * (ELEM_BYTES["fp32"] - e)
         if sp and tp > 1 and eager:
             # torch's sequence-parallel plans all-gather each norm's output for the matmuls after
             # it, which keep the gathered copy (Megatron keeps the shard and gathers again in backward).
@@ -116,8 +124,15 @@ def layer_activation_bytes(
     return outside / (tp if sp else 1) + gathered + inside / tp
 
 
+def fsdp_mixed_precision(runtime: Runtime, dtype: str, fsdp: bool) -> bool:
+    """Whether the runtime computes this bf16 layout through FSDP2's mixed precision: isthmus
+    (``Runtime.autocast``) does wherever FSDP2 holds the weights (bf16 copies gathered over fp32
+    sharded masters, fp32 reductions, no autocast: ``isthmus.parallel.data_parallel``)."""
+    return runtime.autocast and dtype == "bf16" and fsdp
+
+
 def autocast_weight_copy_bytes(
-    args: ModelArgs, layers: int, last: bool, tp: int, runtime: Runtime, dtype: str
+    args: ModelArgs, layers: int, last: bool, tp: int, runtime: Runtime, dtype: str, fsdp: bool = False
 ) -> float:
     """The bf16 copies of a rank's matmul weights (its blocks', and the head's on the last stage) that
     autocast's cast cache holds from the first forward of an autocast region to its end: isthmus runs
@@ -125,8 +140,8 @@ def autocast_weight_copy_bytes(
     the rank holds one copy for the step whatever its recomputation or microbatches in flight
     (every microbatch's matmuls save the same cached tensor; a recomputed block's copy stays cached
     though its activations go). Under FSDP they are copies of the gathered weights: ZeRO-3 does not
-    shard them. 0 unless ``runtime.autocast`` and bf16."""
-    if not (runtime.autocast and dtype == "bf16"):
+    shard them. 0 unless ``runtime.autocast`` and bf16, and under FSDP's mixed precision."""
+    if not (runtime.autocast and dtype == "bf16") or fsdp:
         return 0.0
     return 2 * (layers * layer_matmul_params(args) + (args.vocab_size * args.dim if last else 0)) / tp
 
@@ -160,6 +175,7 @@ def model_state_bytes(
     runtime: Runtime,
     accumulate: bool = False,
     pp: int = 1,
+    gathered_bytes: float | None = None,
 ) -> tuple[float, float, float]:
     """(weights, grads, optimizer) bytes on one device holding ``params`` (after tp), sharded over ``shard``.
 
@@ -167,8 +183,17 @@ def model_state_bytes(
     runs them: gradients accumulated over several microbatches stay unsharded until the last one
     (``set_requires_gradient_sync(False)``), ZeRO-2 keeps the weights gathered from forward to
     backward, and under a pipeline schedule the weights stay gathered across microbatches.
+    ``gathered_bytes``: under FSDP2's mixed precision, the bytes per element of the gathered compute
+    copy (2 for bf16), kept beside the fp32 shard when the weights stay gathered (at any shard
+    size: FSDP2 over one rank casts a copy too); accumulated gradients stay fp32 (FSDP2 upcasts them
+    to the reduce dtype).
     """
     w, g, o = (params * runtime.weight_bytes, params * runtime.grad_bytes, params * runtime.optimizer_bytes)
+    if gathered_bytes is not None:
+        shard = max(1, shard)
+        held = zero_stage != 3 or pp > 1
+        weights = w / shard + (params * gathered_bytes if held else 0.0)
+        return weights, (g if accumulate else g / shard), o / shard
     if shard <= 1:
         return w, g, o
     if zero_stage == 1:
@@ -202,10 +227,13 @@ def device_memory(
     microbatches: int = 1,
     virtual_stages: int = 1,
     modules: Sequence[int] | None = None,
+    fsdp: bool = False,
 ) -> MemoryBreakdown:
     """Peak memory of one device of one pipeline rank. ``modules``: the blocks of each of its stage
     modules (default: ``layers`` split evenly over ``virtual_stages``), what every-other-block
-    recomputation goes by: it wraps blocks 0, 2, ... of each module (:func:`alternate_share`)."""
+    recomputation goes by: it wraps blocks 0, 2, ... of each module (:func:`alternate_share`).
+    ``fsdp``: FSDP2 holds the weights (``LayoutSpec.data_parallel_kind``), with its mixed precision
+    under bf16 where the runtime uses it (:func:`fsdp_mixed_precision`)."""
     sizes = list(modules) if modules is not None else _module_sizes(max(1, layers), virtual_stages)
     wrapped = sum((k + 1) // 2 for k in sizes) / max(1, layers)
     # Backward starts at a module's last block with every stored activation held: recomputing it
@@ -213,15 +241,19 @@ def device_memory(
     # the unwrapped block above it has freed as much.
     wraps_last = any(k % 2 == 1 for k in sizes)
     params = stage_params(args, layers, first, last, pp) / tp
-    w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp)
-    full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype)
+    fsdp_mp = fsdp_mixed_precision(runtime, dtype, fsdp)
+    gathered = ELEM_BYTES[dtype] if fsdp_mp else None
+    w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp, gathered)
+    full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype, fsdp=fsdp)
     # The residual stream (a block's input, what travels between stages) stays fp32 under autocast.
-    residual = "fp32" if runtime.autocast else dtype
+    residual = "fp32" if runtime.autocast and not fsdp_mp else dtype
     kept = layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, residual)
     if activation_checkpoint == "full":
         per_layer = kept
     elif activation_checkpoint == "selective" and runtime.selective == "attention_core":
-        per_layer = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype, scores=False)
+        per_layer = layer_activation_bytes(
+            args, micro_batch, seq_len, tp, cp, sp, runtime, dtype, scores=False, fsdp=fsdp
+        )
     elif activation_checkpoint == "selective":  # isthmus: every other block fully recomputed
         per_layer = wrapped * kept + (1 - wrapped) * full
     else:
@@ -233,14 +265,15 @@ def device_memory(
         activation_checkpoint == "selective" and (runtime.selective == "attention_core" or wraps_last)
     )
     transient = full if recomputes_on_top else 0.0
-    transient += autocast_weight_copy_bytes(args, layers, last, tp, runtime, dtype)
+    transient += autocast_weight_copy_bytes(args, layers, last, tp, runtime, dtype, fsdp_mp)
     if pp > 1 and runtime.pp_recv_buffers:
         # torch pipelining keeps a receive buffer per microbatch for each stage module's input (but
         # the first's) and its output's gradient (but the last's), allocated once and kept.
         ends = 2 * len(sizes) - int(first) - int(last)
         transient += ends * microbatches * kept
-    if shard > 1 and zero_stage == 3 and pp == 1:
-        transient += 2 * (layer_matmul_params(args) / tp) * runtime.weight_bytes  # this and the prefetched block
+    if (shard > 1 or gathered is not None) and zero_stage == 3 and pp == 1:
+        gathered_w = gathered if gathered is not None else runtime.weight_bytes
+        transient += 2 * (layer_matmul_params(args) / tp) * gathered_w  # this and the prefetched block
     if first:
         activations += ELEM_BYTES[residual] * micro_batch * seq_len / cp * args.dim * in_flight / (tp if sp else 1)
     if last:

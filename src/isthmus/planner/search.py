@@ -38,7 +38,13 @@ from isthmus.planner.cost import (
     stage_costs,
 )
 from isthmus.planner.layout import Runtime, Workload
-from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, model_state_bytes, stage_params
+from isthmus.planner.memory import (
+    USABLE_FRACTION,
+    MemoryBreakdown,
+    fsdp_mixed_precision,
+    model_state_bytes,
+    stage_params,
+)
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
 from isthmus.planner.placement import Placement, choose_dcs, place
 from isthmus.planner.topology import Datacenter, Topology
@@ -419,10 +425,15 @@ def _prepare(
         return None
     p = core.pp
     # Memory floor: the first rank (most microbatches in flight) with at least its share of layers
-    # less one; activations do not depend on the dp split, model state does, cheaply.
+    # less one; activations do not depend on the dp split but through whether FSDP2 holds the
+    # weights (isthmus's bf16 then computes under FSDP's mixed precision, not autocast): the lesser.
     layers = max(core.pp_virtual_stages, work.args.n_layers // p - (1 if p > 1 else 0))
     first_params = stage_params(work.args, layers, True, p == 1, p) / core.tp
-    first_mem = rank_memory(work, core, runtime, 0, layers)
+    kinds = (False, True) if fsdp_mixed_precision(runtime, work.dtype, True) else (None,)
+    first_mem = min(
+        (rank_memory(work, core, runtime, 0, layers, fsdp) for fsdp in kinds),
+        key=lambda m: m.activations + m.transient,
+    )
     first_act = first_mem.activations + first_mem.transient
     widest = max(shards) * core.cp
     state = model_state_bytes(first_params, 3, widest, runtime, False, 1)
@@ -518,7 +529,14 @@ def _variants(
         pl = None
         for zero in _zero_choices(core, shard, space):
             probe = LayoutSpec(**fields, dp_replicate=per_dc // shard, dp_shard=shard, zero_stage=zero)
-            state = model_state_bytes(cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p)
+            gathered = (
+                ELEM_BYTES[work.dtype]
+                if fsdp_mixed_precision(runtime, work.dtype, probe.data_parallel_kind == "fsdp")
+                else None
+            )
+            state = model_state_bytes(
+                cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p, gathered
+            )
             if sum(state) + cand.first_act > cand.usable:
                 result.considered += 1  # its variants are not enumerated: counted once, as refused
                 result.over_memory(MemoryBreakdown(*state, cand.first_act, 0.0))

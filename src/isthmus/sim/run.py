@@ -176,6 +176,7 @@ def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
         microbatches=lay.microbatches,
         # Each simulated stage module wraps blocks 0, 2, ... of its own, as the runtime does.
         modules=[o.layers for o in plan.stages.values()],
+        fsdp=lay.data_parallel_kind == "fsdp",
     )
 
 

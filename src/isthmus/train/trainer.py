@@ -153,6 +153,7 @@ class Trainer:
             seq_len=t.seq_len,
             loss_fn=cross_entropy,
             geo_sync=cfg.geo.sync != "none",
+            dtype=t.dtype,
         )
         if pretrained is not None:
             load_weights(self.pm.modules, pretrained)
@@ -286,7 +287,7 @@ class Trainer:
             dist.barrier()
 
     def _autocast(self) -> AbstractContextManager[Any]:
-        if self.cfg.train.dtype == "bf16":
+        if self.pm.autocast:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
