@@ -174,7 +174,7 @@ def print_table(rows: list[Row], markdown: bool) -> None:
 def block_bytes(flavor: str, batch: int, precision: str) -> int:
     """Bytes autograd keeps for backward in one block of ``flavor`` at ``batch`` x SEQ tokens (each
     storage once, the block's parameters left out), in fp32, bf16 autocast over fp32 weights
-    (isthmus's mixed precision) or bf16 throughout (FSDP mixed precision's compute)."""
+    (isthmus's mixed precision where no FSDP) or bf16 throughout (FSDP2's mixed precision)."""
     from isthmus.models.llama import TransformerBlock, rope_cos_sin
 
     args = get_flavor(flavor)
@@ -211,16 +211,19 @@ def print_block(flavor: str) -> None:
     print(f"{flavor}, one block at {SEQ} tokens per sequence, batch 4 and 8 (saved-tensor hooks)\n")
     print("| precision | kept per token, B | kept per block, KiB | planned per token, B (runtime) | kept / planned |")
     print("|---|---:|---:|---:|---:|")
-    for precision, runtime, dtype in (
-        ("fp32", local_runtime(), "fp32"),
-        ("autocast-bf16", RUNTIMES["isthmus"], "bf16"),
-        ("bf16", RUNTIMES["torchtitan"], "bf16"),
+    # (what the block computes in, the runtime counting it, its dtype, whether FSDP2 holds the weights)
+    for precision, runtime, dtype, fsdp in (
+        ("fp32", local_runtime(), "fp32", False),
+        ("autocast-bf16", RUNTIMES["isthmus"], "bf16", False),
+        ("bf16", RUNTIMES["isthmus"], "bf16", True),
+        ("bf16", RUNTIMES["torchtitan"], "bf16", True),
     ):
         four, eight = block_bytes(flavor, 4, precision), block_bytes(flavor, 8, precision)
         per_token = (eight - four) / (4 * SEQ)
         fixed = four - 4 * SEQ * per_token
-        planned = layer_activation_bytes(args, 1, 1, 1, 1, False, runtime, dtype)
-        cells = [precision, f"{per_token:,.0f}", f"{fixed / 1024:,.0f}", f"{planned:,.0f} ({runtime.name})"]
+        planned = layer_activation_bytes(args, 1, 1, 1, 1, False, runtime, dtype, fsdp=fsdp)
+        name = runtime.name + (", FSDP" if runtime.autocast and fsdp else "")
+        cells = [precision, f"{per_token:,.0f}", f"{fixed / 1024:,.0f}", f"{planned:,.0f} ({name})"]
         print("| " + " | ".join(cells) + f" | {per_token / planned:.2f} |")
 
 

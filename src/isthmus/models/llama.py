@@ -39,8 +39,10 @@ INIT_STD = 0.02
 
 
 def causal_sdpa(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    """Default attention kernel: causal softmax attention over [B, H, S, Dh] tensors."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    """Default attention kernel: causal softmax attention over [B, H, S, Dh] tensors. K and V may have
+    fewer heads (grouped-query attention): SDPA shares each among its query heads itself, so autograd
+    keeps them at their own size rather than repeated to the query heads' (flash kernels, CPU and CUDA)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -142,11 +144,11 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
             out = cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-        n_rep = q.shape[2] // k.shape[2]
-        # Repeat k/v explicitly so any replacement kernel (ring, Ulysses) sees
-        # equal head counts and need not know about GQA.
-        k = k.repeat_interleave(n_rep, dim=2)
-        v = v.repeat_interleave(n_rep, dim=2)
+        if self.sdpa is not causal_sdpa:
+            # A replacement kernel (ring, Ulysses) sees equal head counts and need not know about GQA.
+            n_rep = q.shape[2] // k.shape[2]
+            k = k.repeat_interleave(n_rep, dim=2)
+            v = v.repeat_interleave(n_rep, dim=2)
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 

@@ -76,24 +76,28 @@ class Runtime:
     """What isthmus's eager Llama block keeps in fp32, as measured on CPU ranks (saved-tensor hooks per
     block, torch.profiler's memory events per rank: benchmarks/peak_memory.py): each RMSNorm keeps its
     normalised input before the weight besides its input and output (three tensors of the hidden
-    size, not two), K and V repeated to the query heads before attention are kept at that size, and
-    under torch's sequence-parallel plans the matmuls keep the all-gathered norm outputs. Under bf16
-    autocast (``autocast``) the widths differ and that accounting applies instead. Off for the
+    size, not two), under context parallelism K and V repeated to the query heads for its kernels
+    are kept at that size (SDPA takes them grouped otherwise), and under torch's sequence-parallel
+    plans the matmuls keep the all-gathered norm outputs. Under bf16 (``autocast``) the widths differ
+    and that accounting applies instead. Off for the
     `torchtitan` runtime (bf16 throughout), whose published runs bound it from both sides: torchtitan's Llama 3.1 8B on
     H100 96GB reported 82.4 GiB (88.5 GB), which the leaner accounting puts at 85.1 GB and this one at
     92.6 GB, over the 91.2 GB a plan may fill; its Llama 2 13B without recomputation ran on A100 80GB,
     71.6 GB lean, 78.3 GB here, over 76 GB. Both would be refused though they ran."""
     autocast: bool = False
-    """bf16 runs compute under ``torch.autocast`` over fp32 weights (isthmus's mixed precision), and
-    a block then keeps what autocast's autograd keeps, measured on one block (saved-tensor hooks,
-    ``benchmarks/peak_memory.py --block``, exact to the byte but each norm's rsqrt and attention's
-    log-sum-exp): each RMSNorm's fp32 input and normalised value, a bf16 copy of its output for every
-    matmul that reads it (wq, wk and wv each cast their own; under sequence parallelism of the
-    gathered output) and bf16 Q, K and V repeated to the query heads; and autocast's cast cache holds
-    a bf16 copy of every weight the rank multiplies by for the whole step, recomputed blocks' too
-    (measured with torch.profiler's memory events). False: the block computes in the run's dtype
-    throughout (FSDP's mixed precision, Megatron's fp16/bf16 modules), what the published runs
-    describe. Only for dtype bf16; an fp32 run keeps what ``eager_llama_block`` says."""
+    """isthmus's mixed precision, what its eager block keeps in bf16, measured on one block
+    (saved-tensor hooks, ``benchmarks/peak_memory.py --block``, exact to the byte but each norm's
+    rsqrt and attention's log-sum-exp). Where FSDP2 holds the weights, bf16 computes through its
+    mixed precision (bf16 weights gathered over fp32 shards): each RMSNorm keeps its fp32 input
+    (``x.float()``), normalised value and output, and the gathered bf16 weights sit beside the fp32
+    shards. Elsewhere (one process, DDP, ZeRO-1) under ``torch.autocast`` over fp32 weights: each
+    RMSNorm's fp32 input and normalised value, a bf16 copy of its output for every matmul that
+    reads it (wq, wk and wv each cast their own; under sequence parallelism of the gathered output),
+    an fp32 residual stream; and autocast's cast cache holds a bf16 copy of every weight the rank
+    multiplies by for the whole step, recomputed blocks' too (measured with torch.profiler's memory
+    events). False: the block computes in the run's dtype throughout with a lean norm (torchtitan's
+    and Megatron's published runs). Only for dtype bf16; an fp32 run keeps what
+    ``eager_llama_block`` says."""
     pp_recv_buffers: bool = False
     """torch pipelining's stages keep one receive buffer per microbatch for their input and for their
     output's gradient, allocated once and held between steps (measured: benchmarks/peak_memory.py)."""
@@ -121,7 +125,7 @@ class Runtime:
 
 
 # isthmus on torch 2.13: SDPA (flash on GPU), no dropout, FSDP2/DDP overlap gradient
-# reduction with backward, pipelining isend/irecv, fp32 parameters under bf16 autocast.
+# reduction with backward, pipelining isend/irecv, bf16 through FSDP2's mixed precision or autocast.
 _ISTHMUS = Runtime(
     "isthmus",
     attention="flash",
