@@ -104,6 +104,34 @@ def cached_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
+class _RMSNormFunction(torch.autograd.Function):
+    """``(x / rms(x)).type_as(x) * weight``, normalised in fp32, keeping for backward only the input
+    and the per-token reciprocal RMS.
+
+    Written by hand because torch's ``rms_norm`` off CUDA, like the same expression in eager ops,
+    decomposes into steps autograd saves one by one: an fp32 copy of the input and the normalised
+    value besides it (three tensors of the hidden size per norm with its output, which the next
+    matmul keeps). Here backward recomputes the normalised value from the input, as fused kernels
+    do. The ops are plain tensor ops, so DTensor inputs (sequence parallelism) run through them."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return (xf * rstd).type_as(x) * weight
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        grad_weight = (grad * normed.type_as(x)).sum(dim=tuple(range(grad.dim() - 1)))
+        # d/dx of x * rstd(x): rstd * (g - normed * mean(g * normed)), with g the gradient of normed.
+        g = (grad * weight).float()
+        grad_x = rstd * (g - normed * (g * normed).mean(-1, keepdim=True))
+        return grad_x.type_as(x), grad_weight, None
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale ``weight``."""
 
@@ -113,9 +141,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):

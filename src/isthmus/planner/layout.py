@@ -73,17 +73,15 @@ class Runtime:
     product) from the tensors they came from, as a compiled block does (torch.compile's partitioner
     keeps only what matmuls and attention read); False: eager autograd stores each of them."""
     eager_llama_block: bool = False
-    """What isthmus's eager Llama block keeps in fp32, as measured on CPU ranks (saved-tensor hooks per
-    block, torch.profiler's memory events per rank: benchmarks/peak_memory.py): each RMSNorm keeps its
-    normalised input before the weight besides its input and output (three tensors of the hidden
-    size, not two), under context parallelism K and V repeated to the query heads for its kernels
-    are kept at that size (SDPA takes them grouped otherwise), and under torch's sequence-parallel
-    plans the matmuls keep the all-gathered norm outputs. Under bf16 (``autocast``) the widths differ
-    and that accounting applies instead. Off for the
-    `torchtitan` runtime (bf16 throughout), whose published runs bound it from both sides: torchtitan's Llama 3.1 8B on
-    H100 96GB reported 82.4 GiB (88.5 GB), which the leaner accounting puts at 85.1 GB and this one at
-    92.6 GB, over the 91.2 GB a plan may fill; its Llama 2 13B without recomputation ran on A100 80GB,
-    71.6 GB lean, 78.3 GB here, over 76 GB. Both would be refused though they ran."""
+    """What isthmus's eager Llama block keeps in fp32 beyond the lean accounting, as measured on CPU
+    ranks (saved-tensor hooks per block, torch.profiler's memory events per rank:
+    benchmarks/peak_memory.py): under context parallelism K and V repeated to the query heads for
+    its kernels are kept at that size (SDPA takes them grouped otherwise), and under torch's
+    sequence-parallel plans the matmuls keep the all-gathered norm outputs. (Its RMSNorm keeps the
+    input and the per-token rsqrt alone, as a fused kernel: two tensors of the hidden size per norm
+    with its output.) isthmus's own runtime counts the same block under bf16 (``autocast``). Off for
+    the `torchtitan` runtime, its published runs' own model, which the lean accounting fits
+    (Llama 3.1 8B on H100 96GB reported 82.4 GiB, 88.5 GB, counted 85.1 GB)."""
     autocast: bool = False
     """isthmus's mixed precision, what its eager block keeps in bf16, measured on one block
     (saved-tensor hooks, ``benchmarks/peak_memory.py --block``, exact to the byte but each norm's

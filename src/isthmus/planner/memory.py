@@ -90,22 +90,18 @@ def layer_activation_bytes(
     eager = (runtime.eager_llama_block or runtime.autocast) and not runtime.pointwise_recompute
     gathered = 0.0
     if autocast:
-        # Under bf16 autocast over fp32 weights (``Runtime.autocast``): each norm's fp32 input and
-        # normalised value outside the tensor-parallel regions, and a bf16 copy of its output per
-        # matmul reading it (wq, wk, wv; w1 and w3, or fc1), each made by that matmul's own cast,
-        # under sequence parallelism of the all-gathered output. The weights' bf16 copies are
-        # :func:`autocast_weight_copy_bytes`.
-        outside = sb * h * (2 * 2 * ELEM_BYTES["fp32"] + 2 * mask)
+        # Under bf16 autocast over fp32 weights (``Runtime.autocast``): each norm's fp32 input
+        # outside the tensor-parallel regions (isthmus's RMSNorm keeps no more), and a bf16 copy of
+        # its fp32 output per matmul reading it (wq, wk, wv; w1 and w3, or fc1), each made by that
+        # matmul's own cast, under sequence parallelism of the all-gathered output. The weights'
+        # bf16 copies are :func:`autocast_weight_copy_bytes`.
+        outside = sb * h * (2 * ELEM_BYTES["fp32"] + 2 * mask)
         gathered = (3 + (2 if args.mlp == "swiglu" else 1)) * e * sb * h
     else:
         # Outside the tensor-parallel regions (replicated over tp unless sequence-parallel):
-        # two norm inputs, the QKV and fc1 inputs (the norms' outputs), two dropout masks; an eager
-        # RMSNorm also keeps x * rsqrt(mean(x^2)), the operand of its weight's multiply.
-        per_norm = 1 if runtime.pointwise_recompute else 3 if eager else 2
+        # two norm inputs, the QKV and fc1 inputs (the norms' outputs), two dropout masks.
+        per_norm = 1 if runtime.pointwise_recompute else 2
         outside = sb * h * (2 * per_norm * e + 2 * mask)
-        if fsdp_mp:
-            # isthmus's RMSNorm normalises an fp32 copy of its bf16 input (x.float()), which it keeps.
-            outside += 2 * sb * h * (ELEM_BYTES["fp32"] - e)
         if sp and tp > 1 and eager:
             # torch's sequence-parallel plans all-gather each norm's output for the matmuls after
             # it, which keep the gathered copy (Megatron keeps the shard and gathers again in backward).
