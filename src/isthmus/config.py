@@ -103,7 +103,8 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-steps per optimizer step (gradient accumulation)."""
     dtype: Literal["fp32", "bf16"] = "fp32"
-    """Compute dtype: fp32, or bf16 autocast (parameters stay fp32)."""
+    """Compute dtype: fp32, or bf16 over fp32 parameters: FSDP2's mixed precision where FSDP holds the
+    weights (bf16 gathered, fp32 reductions), torch.autocast elsewhere."""
     val_every: int = 50
     """Validate every N steps (0 = only at the end)."""
     val_batches: int = 8

@@ -426,13 +426,13 @@ def _prepare(
     p = core.pp
     # Memory floor: the first rank (most microbatches in flight) with at least its share of layers
     # less one; activations do not depend on the dp split but through whether FSDP2 holds the
-    # weights (isthmus's bf16 then computes under FSDP's mixed precision, not autocast): the lesser.
+    # weights: isthmus's bf16 then computes under FSDP's mixed precision, whose block keeps less
+    # than autocast's (bf16 norm inputs and residual, no per-matmul casts, no cached weight
+    # copies), so the FSDP figure is the floor for every split.
     layers = max(core.pp_virtual_stages, work.args.n_layers // p - (1 if p > 1 else 0))
     first_params = stage_params(work.args, layers, True, p == 1, p) / core.tp
-    kinds = (False, True) if fsdp_mixed_precision(runtime, work.dtype, True) else (None,)
-    first_mem = min(
-        (rank_memory(work, core, runtime, 0, layers, fsdp) for fsdp in kinds),
-        key=lambda m: m.activations + m.transient,
+    first_mem = rank_memory(
+        work, core, runtime, 0, layers, True if fsdp_mixed_precision(runtime, work.dtype, True) else None
     )
     first_act = first_mem.activations + first_mem.transient
     widest = max(shards) * core.cp
