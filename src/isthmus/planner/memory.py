@@ -137,7 +137,8 @@ def autocast_weight_copy_bytes(
     the rank holds one copy for the step whatever its recomputation or microbatches in flight
     (every microbatch's matmuls save the same cached tensor; a recomputed block's copy stays cached
     though its activations go). Under FSDP they are copies of the gathered weights: ZeRO-3 does not
-    shard them. 0 unless ``runtime.autocast`` and bf16, and under FSDP's mixed precision."""
+    shard them. 0 unless ``runtime.autocast`` and bf16, and where FSDP2 holds the weights (``fsdp``:
+    isthmus then computes through FSDP's mixed precision, without autocast)."""
     if not (runtime.autocast and dtype == "bf16") or fsdp:
         return 0.0
     return 2 * (layers * layer_matmul_params(args) + (args.vocab_size * args.dim if last else 0)) / tp
@@ -262,7 +263,7 @@ def device_memory(
         activation_checkpoint == "selective" and (runtime.selective == "attention_core" or wraps_last)
     )
     transient = full if recomputes_on_top else 0.0
-    transient += autocast_weight_copy_bytes(args, layers, last, tp, runtime, dtype, fsdp_mp)
+    transient += autocast_weight_copy_bytes(args, layers, last, tp, runtime, dtype, fsdp)
     if pp > 1 and runtime.pp_recv_buffers:
         # torch pipelining keeps a receive buffer per microbatch for each stage module's input (but
         # the first's) and its output's gradient (but the last's), allocated once and kept.
