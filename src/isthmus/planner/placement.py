@@ -236,3 +236,31 @@ def place(topo: Topology, layout: LayoutSpec) -> Placement:
         else:
             links.append((sites[a].pp_link, 1, False))
     return Placement(tuple(order), tuple(sites), stage_sites, tuple(links))
+
+
+class PlacementCache:
+    """:func:`place` on one topology, each placement computed once.
+
+    A placement reads only the degrees, the datacenters and the WAN streams of a layout (the key
+    below), and a search meets the same ones under many microbatch counts, schedules and
+    recomputations: plan_speed's free search placed 13,693 layouts, 1,030 of them distinct."""
+
+    def __init__(self, topo: Topology) -> None:
+        self.topo = topo
+        self._placed: dict[tuple[object, ...], Placement] = {}
+
+    def __call__(self, layout: LayoutSpec) -> Placement:
+        key = (
+            layout.datacenters,
+            layout.dc_axis,
+            layout.dp_replicate,
+            layout.dp_shard,
+            layout.tp,
+            layout.cp,
+            layout.pp,
+            layout.wan_streams,
+        )
+        placed = self._placed.get(key)
+        if placed is None:
+            placed = self._placed[key] = place(self.topo, layout)
+        return placed

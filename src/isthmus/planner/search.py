@@ -46,7 +46,7 @@ from isthmus.planner.memory import (
     stage_params,
 )
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
-from isthmus.planner.placement import Placement, choose_dcs, place
+from isthmus.planner.placement import Placement, PlacementCache, choose_dcs
 from isthmus.planner.topology import Datacenter, Topology
 
 DEFAULT_SEQ_LENS = (2048, 4096, 8192)
@@ -203,13 +203,14 @@ def search(
     # Best bound first, so the top k fills early; a core is evaluated while its bound may still enter
     # the top k or beat the best layout of its kind of WAN crossing (for the explanation).
     cores.sort(key=lambda c: -c.bound)
+    placed = PlacementCache(topo)
     for cand in cores:
         if _hopeless(cand, heap, top, result, len(topo.datacenters)):
             continue
-        _tighten(cand, topo, runtime, space)
+        _tighten(cand, placed, runtime, space)
         if _hopeless(cand, heap, top, result, len(topo.datacenters)):
             continue
-        counter = _variants(cand, topo, runtime, space, heap, top, result, counter)
+        counter = _variants(cand, topo, placed, runtime, space, heap, top, result, counter)
     if not heap:
         n = count_params(args)
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
@@ -472,11 +473,11 @@ def _prepare(
     return _Core(work, core, work.tokens_per_step / floor * best_q, shards, first_params, first_act, usable)
 
 
-def _tighten(cand: _Core, topo: Topology, runtime: Runtime, space: SearchSpace) -> None:
+def _tighten(cand: _Core, placed: PlacementCache, runtime: Runtime, space: SearchSpace) -> None:
     """Stage costs (shared by every variant: they depend on tp, cp, pp and microbatching only) and the
     bound of the pipeline phase with free data parallelism."""
     core, work = cand.core, cand.work
-    cand.placement = place(topo, core)
+    cand.placement = placed(core)
     cand.stages = stage_costs(work, core, runtime, cand.placement)
     busy = [s.total for s in cand.stages]
     t_floor, _ = pipeline_time(
@@ -514,6 +515,7 @@ def _geos(core: LayoutSpec, space: SearchSpace) -> list[str]:
 def _variants(
     cand: _Core,
     topo: Topology,
+    placed: PlacementCache,
     runtime: Runtime,
     space: SearchSpace,
     heap: list[tuple[float, int, Estimate]],
@@ -541,7 +543,7 @@ def _variants(
                 result.considered += 1  # its variants are not enumerated: counted once, as refused
                 result.over_memory(MemoryBreakdown(*state, cand.first_act, 0.0))
                 continue
-            pl = pl or place(topo, probe)
+            pl = pl or placed(probe)
             # Time slots matter only where several transfers share a WAN link; they change no memory.
             schedules = _wan_schedules(core.dc_axis, space)
             if len(schedules) > 1 and max((n for _, n, wan in pl.boundary_links if wan), default=1) == 1:
