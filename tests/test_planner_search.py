@@ -144,3 +144,21 @@ def test_geo_with_a_lossy_streaming_diloco_sends_activations_over_a_fast_wan() -
     assert crossings[0] == ("pp", "none")  # fast WAN: only activations cross
     assert ("dp", "streaming_diloco") in crossings[1:-1]
     assert crossings[-1] == ("none", "none")
+
+
+def test_a_placement_is_computed_once_per_the_fields_it_reads() -> None:
+    from isthmus.layout.spec import LayoutSpec
+    from isthmus.planner.placement import PlacementCache
+
+    topo = load_topology("geo-3dc-h100")
+    placed = PlacementCache(topo)
+    base = LayoutSpec(tp=8, pp=32, dp_shard=16, datacenters=3, dc_axis="dp", sync="streaming_diloco")
+    # Microbatching, schedule, recomputation, ZeRO stage and the WAN schedule do not move any rank.
+    for other in (
+        base.with_(microbatches=64, pp_schedule="zero_bubble", pp_virtual_stages=2),
+        base.with_(activation_checkpoint="full", zero_stage=3, wan_schedule="time_shared"),
+    ):
+        assert placed(other) is placed(base) and placed(other) == place(topo, other)
+    # The degrees do: another split of the same ranks places differently.
+    other = base.with_(dp_replicate=2, dp_shard=8)
+    assert placed(other) == place(topo, other) != placed(base)
