@@ -134,10 +134,13 @@ def test_replaceable_sdpa() -> None:
     model = make()
     x = tokens()
     base = model(x)
-    calls: list[tuple[int, ...]] = []
+    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
     def manual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        calls.append(tuple(q.shape))
+        calls.append((tuple(q.shape), tuple(k.shape)))
+        # A kernel gets K and V grouped (grouped-query attention) and shares each among its query heads.
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
         return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
@@ -145,7 +148,8 @@ def test_replaceable_sdpa() -> None:
     for layer in model.layers.values():
         layer.attention.sdpa = manual
     torch.testing.assert_close(model(x), base, atol=1e-5, rtol=1e-5)
-    assert calls == [(2, TINY.n_heads, 16, TINY.head_dim)] * TINY.n_layers
+    shapes = ((2, TINY.n_heads, 16, TINY.head_dim), (2, TINY.n_kv_heads, 16, TINY.head_dim))
+    assert TINY.n_kv_heads < TINY.n_heads and calls == [shapes] * TINY.n_layers
 
 
 def test_pipeline_split_matches_full() -> None:

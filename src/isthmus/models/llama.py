@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from isthmus.models.args import ModelArgs, check_args
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+"""``(q, k, v) -> out`` over [B, H, S, Dh]; k and v may have fewer heads than q (grouped-query attention)."""
 
 # Name components added by wrappers (activation checkpointing, torch.compile, DDP,
 # FSDP1); dropping them gives the name the parameter has in the bare model.
@@ -170,11 +171,8 @@ class Attention(nn.Module):
             k, v = k.repeat_interleave(n_rep, dim=2), v.repeat_interleave(n_rep, dim=2)
             out = cached_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
             return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-        if self.sdpa is not causal_sdpa:
-            # A replacement kernel (ring, Ulysses) sees equal head counts and need not know about GQA.
-            n_rep = q.shape[2] // k.shape[2]
-            k = k.repeat_interleave(n_rep, dim=2)
-            v = v.repeat_interleave(n_rep, dim=2)
+        # Every kernel takes K and V grouped (fewer heads than Q): SDPA shares them itself, and the
+        # context-parallel kernels send the grouped heads and share them locally.
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 

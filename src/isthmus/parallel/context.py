@@ -8,7 +8,8 @@ Layout. With ``cp`` ranks the sequence is cut into ``2 * cp`` equal chunks and r
 ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``. Under a causal mask an early chunk
 is cheap and a late one expensive; pairing them gives every rank the same work.
 
-Two kernels replace ``Attention.sdpa`` (both take q, k, v as [B, H, S_local, Dh]):
+Two kernels replace ``Attention.sdpa`` (both take q as [B, H, S_local, Dh] and k, v as
+[B, Hkv, S_local, Dh], grouped-query attention's fewer heads, which travel as they are):
 
 * ring: q stays put, k/v blocks travel around the ring, partial results are merged
   with an online softmax (log-sum-exp, fp32). Backward recomputes each block and
@@ -238,9 +239,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: dist.ProcessGroup)
     if heads % size:
         raise ConfigError("parallel.cp", size, f"ulysses needs cp to divide the attention heads ({heads})")
     q, k, v = (_SwapShard.apply(t, group, True) for t in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     return _SwapShard.apply(out, group, False)
 
 

@@ -75,11 +75,10 @@ class Runtime:
     eager_llama_block: bool = False
     """What isthmus's eager Llama block keeps in fp32 beyond the lean accounting, as measured on CPU
     ranks (saved-tensor hooks per block, torch.profiler's memory events per rank:
-    benchmarks/peak_memory.py): under context parallelism K and V repeated to the query heads for
-    its kernels are kept at that size (SDPA takes them grouped otherwise), and under torch's
-    sequence-parallel plans the matmuls keep the all-gathered norm outputs. (Its RMSNorm keeps the
-    input and the per-token rsqrt alone, as a fused kernel: two tensors of the hidden size per norm
-    with its output.) isthmus's own runtime counts the same block under bf16 (``autocast``). Off for
+    benchmarks/peak_memory.py): under torch's sequence-parallel plans the matmuls keep the
+    all-gathered norm outputs. (Its RMSNorm keeps the input and the per-token rsqrt alone, as a
+    fused kernel: two tensors of the hidden size per norm with its output; its attention kernels,
+    SDPA and the context-parallel ones, take K and V grouped, at their own size.) isthmus's own runtime counts the same block under bf16 (``autocast``). Off for
     the `torchtitan` runtime, its published runs' own model, which the lean accounting fits
     (Llama 3.1 8B on H100 96GB reported 82.4 GiB, 88.5 GB, counted 85.1 GB)."""
     autocast: bool = False

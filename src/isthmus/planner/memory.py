@@ -109,12 +109,10 @@ def layer_activation_bytes(
             gathered = 2 * sb * h * e
     # Inside (split over tp): Q, K, V, attention output (proj input), MLP activations: SwiGLU's two
     # projections, the SiLU and the product (the fc2 input); GELU's input and output. Recomputing
-    # pointwise results keeps only what the matmuls produced. SDPA takes grouped K and V as they are
-    # (enable_gqa); isthmus's context-parallel kernels (ring, Ulysses) take them repeated to the query
-    # heads, and an eager block keeps them at that size.
+    # pointwise results keeps only what the matmuls produced. Every attention kernel of isthmus takes
+    # grouped K and V as they are (SDPA's enable_gqa, the context-parallel kernels' own grouping).
     mlp = (2 if args.mlp == "swiglu" else 1) * (1 if runtime.pointwise_recompute else 2) * e * sb * f
-    kv_kept = q if eager and cp > 1 else kv
-    inside = e * sb * (q + 2 * kv_kept + q) + mlp
+    inside = e * sb * (q + 2 * kv + q) + mlp
     if runtime.attention == "materialized" and scores:
         square = micro_batch * args.n_heads * (seq_len / cp) * seq_len
         inside += square * (e + (e + 1) * mask)  # softmax output; dropout mask and output
