@@ -78,23 +78,23 @@ class Runtime:
     benchmarks/peak_memory.py): under torch's sequence-parallel plans the matmuls keep the
     all-gathered norm outputs. (Its RMSNorm keeps the input and the per-token rsqrt alone, as a
     fused kernel: two tensors of the hidden size per norm with its output; its attention kernels,
-    SDPA and the context-parallel ones, take K and V grouped, at their own size.) isthmus's own runtime counts the same block under bf16 (``autocast``). Off for
-    the `torchtitan` runtime, its published runs' own model, which the lean accounting fits
-    (Llama 3.1 8B on H100 96GB reported 82.4 GiB, 88.5 GB, counted 85.1 GB)."""
+    SDPA and the context-parallel ones, take K and V grouped, at their own size.) isthmus's own
+    runtime counts the same block under bf16 (``autocast``). Off for the `torchtitan` runtime, its
+    published runs' own model, which the lean accounting fits (Llama 3.1 8B on H100 96GB reported
+    82.4 GiB, 88.5 GB, counted 85.1 GB)."""
     autocast: bool = False
-    """isthmus's mixed precision, what its eager block keeps in bf16, measured on one block
-    (saved-tensor hooks, ``benchmarks/peak_memory.py --block``, exact to the byte but each norm's
-    rsqrt and attention's log-sum-exp). Where FSDP2 holds the weights, bf16 computes through its
-    mixed precision (bf16 weights gathered over fp32 shards): each RMSNorm keeps its fp32 input
-    (``x.float()``), normalised value and output, and the gathered bf16 weights sit beside the fp32
-    shards. Elsewhere (one process, DDP, ZeRO-1) under ``torch.autocast`` over fp32 weights: each
-    RMSNorm's fp32 input and normalised value, a bf16 copy of its output for every matmul that
-    reads it (wq, wk and wv each cast their own; under sequence parallelism of the gathered output),
-    an fp32 residual stream; and autocast's cast cache holds a bf16 copy of every weight the rank
-    multiplies by for the whole step, recomputed blocks' too (measured with torch.profiler's memory
-    events). False: the block computes in the run's dtype throughout with a lean norm (torchtitan's
-    and Megatron's published runs). Only for dtype bf16; an fp32 run keeps what
-    ``eager_llama_block`` says."""
+    """isthmus's mixed precision, what its block keeps in bf16, measured on one block (saved-tensor
+    hooks, ``benchmarks/peak_memory.py --block``, exact to the byte but each norm's rsqrt and
+    attention's log-sum-exp). Where FSDP2 holds the weights, bf16 computes through its mixed
+    precision (bf16 weights gathered over fp32 shards): the block keeps the lean accounting's
+    tensors in bf16, and the gathered bf16 weights sit beside the fp32 shards. Elsewhere (one
+    process, DDP, ZeRO-1) under ``torch.autocast`` over fp32 weights: each RMSNorm's fp32 input, a
+    bf16 copy of its output for every matmul that reads it (wq, wk and wv each cast their own; under
+    sequence parallelism of the gathered output), an fp32 residual stream; and autocast's cast
+    cache holds a bf16 copy of every weight the rank multiplies by for the whole step, recomputed
+    blocks' too (measured with torch.profiler's memory events). False: the block computes in the
+    run's dtype throughout (torchtitan's and Megatron's published runs). Only for dtype bf16; an
+    fp32 run keeps what ``eager_llama_block`` says."""
     pp_recv_buffers: bool = False
     """torch pipelining's stages keep one receive buffer per microbatch for their input and for their
     output's gradient, allocated once and held between steps (measured: benchmarks/peak_memory.py)."""
