@@ -15,7 +15,6 @@ pipeline schedule. They call the same functions as `isthmus.train.trainer`.
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -158,8 +157,7 @@ def step(
     if pm.schedule is not None and loss_fn is not None and loss_fn is not pm.schedule._loss_fn:
         name = getattr(loss_fn, "__name__", loss_fn)
         raise ConfigError("loss_fn", name, "under pp the schedule computes the loss: give it to parallelize, None here")
-    cast = torch.autocast(inputs.device.type, dtype=torch.bfloat16) if pm.autocast else nullcontext()
-    with cast:
+    with pm.compute_precision(inputs.device.type):
         loss = _step.forward_backward(pm, inputs, targets, loss_fn=loss_fn or _step.cross_entropy)
     return None if loss is None else _plain(loss)
 

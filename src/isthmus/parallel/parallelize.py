@@ -15,6 +15,7 @@ Order, fixed (each step needs the one before it):
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,13 @@ class ParallelModel:
         """The single module of a non-pipelined run."""
         assert len(self.modules) == 1 and self.schedule is None
         return self.modules[0]
+
+    def compute_precision(self, device_type: str) -> AbstractContextManager[Any]:
+        """What forward and backward run under: bf16 autocast where ``autocast``, else nothing (fp32,
+        or FSDP's mixed precision, which casts by itself)."""
+        if self.autocast:
+            return torch.autocast(device_type, dtype=torch.bfloat16)
+        return nullcontext()
 
     def parameters(self) -> list[nn.Parameter]:
         seen: dict[int, nn.Parameter] = {}

@@ -286,11 +286,6 @@ class Trainer:
         if self.world > 1:
             dist.barrier()
 
-    def _autocast(self) -> AbstractContextManager[Any]:
-        if self.pm.autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
-
     def _local_batch(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's sequence chunks (context parallel), on the device."""
         inputs, targets = shard_batch(self.pm, inputs, targets, self.cp_rank)
@@ -326,7 +321,7 @@ class Trainer:
         losses: list[torch.Tensor] = []
         chunks = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
         for i, (x, y) in enumerate(chunks):
-            with self._grad_sync(i == len(chunks) - 1), self._autocast():
+            with self._grad_sync(i == len(chunks) - 1), self.pm.compute_precision(self.device.type):
                 # Equal-sized micro-batches, each loss scaled by 1/accum: the accumulated gradient is
                 # the gradient of the mean loss over the whole batch, exactly as without accumulation.
                 scale = 1.0 if self.pm.schedule is not None else 1.0 / t.grad_accum
@@ -360,7 +355,7 @@ class Trainer:
         losses = []
         for x, y in val_batches(self.data.val, t.seq_len, t.batch_size, t.val_batches, self.dp_rank, self.dims.dp):
             x, y = self._local_batch(x, y)
-            with loss_context(self.pm), self._autocast():
+            with loss_context(self.pm), self.pm.compute_precision(self.device.type):
                 if self.pm.schedule is not None:
                     from isthmus.parallel.pipeline import pipeline_eval
 
