@@ -126,6 +126,12 @@ def fsdp_mixed_precision(runtime: Runtime, dtype: str, fsdp: bool) -> bool:
     return runtime.autocast and dtype == "bf16" and fsdp
 
 
+def gathered_weight_bytes(runtime: Runtime, dtype: str, fsdp: bool) -> float | None:
+    """Bytes per element of the weights FSDP2 gathers to compute with under its mixed precision
+    (``model_state_bytes``'s ``gathered_bytes``), or None where the runtime does not use it."""
+    return ELEM_BYTES[dtype] if fsdp_mixed_precision(runtime, dtype, fsdp) else None
+
+
 def autocast_weight_copy_bytes(
     args: ModelArgs, layers: int, last: bool, tp: int, runtime: Runtime, dtype: str, fsdp: bool = False
 ) -> float:
@@ -237,8 +243,8 @@ def device_memory(
     # the unwrapped block above it has freed as much.
     wraps_last = any(k % 2 == 1 for k in sizes)
     params = stage_params(args, layers, first, last, pp) / tp
-    fsdp_mp = fsdp_mixed_precision(runtime, dtype, fsdp)
-    gathered = ELEM_BYTES[dtype] if fsdp_mp else None
+    gathered = gathered_weight_bytes(runtime, dtype, fsdp)
+    fsdp_mp = gathered is not None
     w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp, gathered)
     full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype, fsdp=fsdp)
     # The residual stream (a block's input, what travels between stages) stays fp32 under autocast.

@@ -42,6 +42,7 @@ from isthmus.planner.memory import (
     USABLE_FRACTION,
     MemoryBreakdown,
     fsdp_mixed_precision,
+    gathered_weight_bytes,
     model_state_bytes,
     stage_params,
 )
@@ -531,11 +532,7 @@ def _variants(
         pl = None
         for zero in _zero_choices(core, shard, space):
             probe = LayoutSpec(**fields, dp_replicate=per_dc // shard, dp_shard=shard, zero_stage=zero)
-            gathered = (
-                ELEM_BYTES[work.dtype]
-                if fsdp_mixed_precision(runtime, work.dtype, probe.data_parallel_kind == "fsdp")
-                else None
-            )
+            gathered = gathered_weight_bytes(runtime, work.dtype, probe.data_parallel_kind == "fsdp")
             state = model_state_bytes(
                 cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p, gathered
             )
