@@ -166,6 +166,11 @@ def _rank_exit(
             silence_console()
             get_logger().error("%s", e)
             return SystemExit(e.exit_code)
+    elif launch_dir is not None:
+        # torch's elastic wrapper keeps an unexpected error's traceback only in its error file, inside
+        # the launch directory, which is removed: the launcher's line points at this log, so it goes here.
+        silence_console()
+        get_logger().error("rank %d failed", rank, exc_info=e)
     return e
 
 
