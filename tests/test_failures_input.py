@@ -50,6 +50,18 @@ def test_activations_that_cannot_fit_are_refused(args: list[str], key: str, caps
     )
 
 
+def test_compile_without_a_cpp_compiler_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # inductor looks at CXX first; one that does not exist is a machine without its compiler.
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert main(["train", "--model.flavor", "tiny", "--train.compile", "true", "--print-config"]) == 2
+    assert _one_line(capsys) == (
+        "isthmus: error: train.compile = True: needs a C++ compiler on CPU (inductor builds its kernels with one): "
+        "install g++ or set CXX"
+    )
+
+
 def test_ids_of_a_bin_file_must_fit_the_vocabulary_and_memory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

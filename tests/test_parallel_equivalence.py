@@ -192,6 +192,18 @@ CASES: list[tuple[str, int, list[str]]] = [
             "hierarchical",
         ],
     ),
+    # train.compile: the blocks (and, outside tensor parallelism, the loss) through torch.compile,
+    # against the same eager single-process reference and tolerances.
+    (
+        "compile_dp_shard2_zero3_ac",
+        2,
+        ["--train.compile", "true", "--parallel.dp_shard", "2", "--parallel.activation_checkpoint", "full"],
+    ),
+    (
+        "compile_pp2_1f1b",
+        2,
+        ["--train.compile", "true", "--parallel.pp", "2", "--parallel.microbatches", "2"],
+    ),
     (
         "dp2_tp2_pp2",
         8,

@@ -70,6 +70,10 @@ def preflight(cfg: JobConfig) -> ModelArgs:
     _check_bubbles(cfg, vocab)
     if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
         _check_fits_in_memory(cfg, args, dims, bin_ids)
+        if cfg.train.compile:
+            from isthmus.parallel.compile import check_toolchain  # loads torch: only for a compiled run
+
+            check_toolchain("cpu")
 
     # The key signs checkpoints and the final model: an unreadable or short one stops here, before any process starts.
     checkpoint_key(cfg.checkpoint.key_file)

@@ -5,6 +5,7 @@ Order, fixed (each step needs the one before it):
 2. tensor + sequence parallel (tp): DTensor plans on each stage;
 3. context parallel (cp): the attention kernel becomes ring or Ulysses attention;
 4. activation checkpointing: wraps blocks, after TP so recomputation replays the sharded ops;
+   then, under ``train.compile``, each block is compiled (`isthmus.parallel.compile`);
 5. FSDP2 (dp_shard, HSDP, or replication next to tp/pp): wraps blocks, after AC so each
    block's gather/reshard brackets its recomputation too;
 6. materialise only the local shards (`to_empty`) and initialise them to exactly the values of
@@ -25,6 +26,7 @@ from torch import nn
 from isthmus.config import ParallelConfig
 from isthmus.models.llama import Transformer, init_weights
 from isthmus.parallel.ac import apply_ac
+from isthmus.parallel.compile import compile_blocks
 from isthmus.parallel.context import apply_cp, cp_positions
 from isthmus.parallel.data_parallel import DataParallelKind, apply_ddp, apply_fsdp, data_parallel_kind, fsdp_mesh
 from isthmus.parallel.dims import Meshes, ParallelDims
@@ -95,6 +97,7 @@ def _shard_stage(
     dp_kind: DataParallelKind,
     geo_sync: bool = False,
     dtype: str = "fp32",
+    compile: bool = False,
 ) -> Transformer:
     """Steps 2-5 on one module (the whole model, or one pipeline stage)."""
     if dims.tp_enabled:
@@ -105,6 +108,8 @@ def _shard_stage(
         apply_cp(module, mesh["cp"].get_group(), p.cp_impl)
         _inject_cp_positions(module, mesh["cp"].get_local_rank(), dims.cp)
     apply_ac(module, p.activation_checkpoint)
+    if compile:
+        compile_blocks(module)
     if dp_kind == "fsdp":
         assert mesh is not None
         apply_fsdp(module, fsdp_mesh(mesh, dims, geo_sync), p.zero_stage, dtype=dtype)
@@ -123,6 +128,7 @@ def apply_layout(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     geo_sync: bool = False,
     dtype: str = "fp32",
+    compile: bool = False,
 ) -> ParallelModel:
     """Apply ``parallel``'s layout to ``model`` (built on meta) on this rank; see the module doc for the order.
 
@@ -133,7 +139,8 @@ def apply_layout(
     schedule computes the loss on the last stage. With ``geo_sync`` no data-parallel wrapper is
     applied: the cross-datacenter strategy (`isthmus.geo`) averages gradients or parameters itself.
     ``dtype`` ("fp32" or "bf16", ``train.dtype``): under bf16, FSDP layouts compute through FSDP2's
-    mixed precision, the others under autocast (the result's ``autocast``).
+    mixed precision, the others under autocast (the result's ``autocast``). ``compile``
+    (``train.compile``) compiles each block with torch.compile.
     """
     args = model.args
     dp_kind = data_parallel_kind(dims, parallel.zero_stage, geo_sync)
@@ -141,7 +148,7 @@ def apply_layout(
     autocast = dtype == "bf16" and dp_kind != "fsdp"
 
     def materialise(module: Transformer) -> Transformer:
-        module = _shard_stage(module, mesh, dims, parallel, dp_kind, geo_sync, dtype)
+        module = _shard_stage(module, mesh, dims, parallel, dp_kind, geo_sync, dtype, compile)
         module.to_empty(device=device)
         init_weights(module, seed, args)
         return module

@@ -26,6 +26,15 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
 
 
+def loss_function(compiled: bool, loss_parallel: bool) -> LossFn:
+    """The trainer's loss: `cross_entropy`, compiled under ``train.compile`` (one fused kernel over
+    the logits instead of a log-softmax kept for backward), except where tensor parallelism leaves
+    vocab-sharded logits: loss-parallel's DTensor rules run eager."""
+    if compiled and not loss_parallel:
+        return torch.compile(cross_entropy)
+    return cross_entropy
+
+
 def loss_context(pm: ParallelModel) -> AbstractContextManager[Any]:
     """Tensor parallelism leaves vocab-sharded logits, which need torch's loss-parallel
     cross-entropy around the loss and its backward; a no-op for every other layout."""

@@ -43,7 +43,7 @@ from isthmus.train.init_from import load_weights, open_weights
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
 from isthmus.train.short_run import max_steps_override
-from isthmus.train.step import cross_entropy, forward_backward, loss_context, shard_batch
+from isthmus.train.step import forward_backward, loss_context, loss_function, shard_batch
 from isthmus.train.step_sum import StepSum
 
 
@@ -143,6 +143,7 @@ class Trainer:
         if cfg.model.init_from and resume is None:
             pretrained = open_weights(cfg.model.init_from, a, checkpoint_key(cfg.checkpoint.key_file))
         self._write_run_files(resume)
+        self.loss_fn = loss_function(t.compile, self.dims.tp_enabled)
         self.pm: ParallelModel = apply_layout(
             build_model(a, device="meta"),
             self.dims,
@@ -151,9 +152,10 @@ class Trainer:
             device=self.device,
             seed=t.seed,
             seq_len=t.seq_len,
-            loss_fn=cross_entropy,
+            loss_fn=self.loss_fn,
             geo_sync=cfg.geo.sync != "none",
             dtype=t.dtype,
+            compile=t.compile,
         )
         if pretrained is not None:
             load_weights(self.pm.modules, pretrained)
@@ -326,7 +328,7 @@ class Trainer:
                 # the gradient of the mean loss over the whole batch, exactly as without accumulation.
                 scale = 1.0 if self.pm.schedule is not None else 1.0 / t.grad_accum
                 with self._span("forward+backward"):
-                    loss = forward_backward(self.pm, x, y, scale)
+                    loss = forward_backward(self.pm, x, y, scale, self.loss_fn)
             if loss is not None:
                 losses.append(loss)
         if self.pm.schedule is not None and t.grad_accum > 1:
@@ -361,7 +363,7 @@ class Trainer:
 
                     loss = pipeline_eval(self.pm.schedule, x, y, self.pm.has_first_stage, self.pm.has_last_stage)
                 else:
-                    loss = cross_entropy(self.pm.model(x), y)
+                    loss = self.loss_fn(self.pm.model(x), y)
             losses.append(self._mean_over_ranks(loss))
         for m in self.pm.modules:
             m.train()
