@@ -13,12 +13,17 @@ generator: a step's throughput does not depend on what the ids mean).
   PP = PipelineStage + Schedule1F1B; CP = torch's experimental context_parallel.
 - Colossal-AI 0.5.0 (benchmarks/peers_colossal.py, in a venv of its own this script creates).
 
+With --compile, isthmus runs with --train.compile true and the torch loop compiles its blocks and
+loss the same way (torch.compile per block, after the TP plans, before FSDP/DDP/the pipeline split;
+under TP the loss stays eager, as loss_parallel needs); Colossal-AI's plugins have no compile
+option and run eager.
+
 The systems take turns block by block: in each round, for each mode, isthmus and torch (one process
 pair, order swapped every round) and then Colossal-AI (its own process pair), so that machine noise
 falls on all of them alike. Printed per mode: each system's tokens/s (median over rounds), the
 per-round ratios isthmus / peer and their median (> 1: isthmus is faster).
 
-    python benchmarks/peers.py [--modes ddp,zero1,...] [--rounds 3] [--steps 5] [--warmup 2] [--out FILE]
+    python benchmarks/peers.py [--modes ddp,zero1,...] [--rounds 3] [--steps 5] [--warmup 2] [--compile] [--out FILE]
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ COLOSSAL_REQUIREMENTS = (
 # ---- the project venv's worker: isthmus and hand-written torch -------------------------------------
 
 
-def isthmus_trainer(mode: str, root: str) -> object:
+def isthmus_trainer(mode: str, root: str, compile_blocks: bool) -> object:
     """The real trainer, built exactly as `isthmus train` builds it from these flags."""
     from isthmus.config import build_config, parse_overrides
     from isthmus.train.trainer import Trainer
@@ -69,6 +74,7 @@ def isthmus_trainer(mode: str, root: str) -> object:
         *("--train.steps", "100000", "--train.threads", "1", "--train.val_every", "0"),
         *("--metrics.progress", "false", "--train.run_dir", f"{root}/run-{mode}", "--parallel.nproc", "2"),
         *pc.MODES[mode],
+        *(("--train.compile", "true") if compile_blocks else ()),
     ]
     return Trainer(build_config(None, parse_overrides(args)))
 
@@ -133,8 +139,9 @@ def clip_mixed(params: list[torch.nn.Parameter]) -> None:
             p.grad.mul_(coef)
 
 
-def torch_step(mode: str, trainer: object) -> pc.Step:
-    """The hand-written torch loop of ``mode`` on isthmus's model, init and batch order."""
+def torch_step(mode: str, trainer: object, compile_blocks: bool) -> pc.Step:
+    """The hand-written torch loop of ``mode`` on isthmus's model, init and batch order; with
+    ``compile_blocks`` its blocks and loss go through torch.compile as torchtitan's do."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -153,11 +160,26 @@ def torch_step(mode: str, trainer: object) -> pc.Step:
     def ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), y.flatten(0, 1))
 
+    if compile_blocks and mode not in ("tp", "tp_sp"):  # loss_parallel's DTensor loss runs eager
+        ce = torch.compile(ce)  # type: ignore[assignment]
+
+    def own_input(_: torch.nn.Module, args: tuple) -> tuple:
+        # TP's embedding hands the first block a view of a DTensor's local shard, which a compiled
+        # block's backward cannot route (torch 2.13): the same copy isthmus makes.
+        return (args[0].clone(), *args[1:]) if args[0]._base is not None else args
+
+    def compile_layers() -> None:
+        if compile_blocks:
+            for name, block in list(model.layers.items()):
+                model.layers[name] = torch.compile(block)
+                model.layers[name].register_forward_pre_hook(own_input)
+
     if mode in pc.DATA_PARALLEL:
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel
 
+        compile_layers()
         if mode in ("zero2", "zero3"):
             reshard = mode == "zero3"  # ZeRO-2 keeps the gathered parameters from forward to backward
             for block in model.layers.values():
@@ -191,6 +213,7 @@ def torch_step(mode: str, trainer: object) -> pc.Step:
         parallelize_module(model, mesh, top)
         for block in model.layers.values():
             parallelize_module(block, mesh, block_plan)
+        compile_layers()
         opt = adamw(model.parameters())
 
         def step() -> float:
@@ -215,6 +238,7 @@ def torch_step(mode: str, trainer: object) -> pc.Step:
             model.norm, model.output = None, None
         else:
             model.tok_embeddings = None
+        compile_layers()
         stage = PipelineStage(model, rank, pc.WORLD, torch.device("cpu"))
         schedule = Schedule1F1B(stage, n_microbatches=pc.MICROBATCHES, loss_fn=ce)
         opt = adamw(model.parameters())
@@ -272,8 +296,12 @@ def project_worker(rank: int, opts: argparse.Namespace) -> None:
     na: dict[str, str] = {}
     first_loss: dict[str, float] = {}
     for mode in opts.modes:
-        trainer = isthmus_trainer(mode, opts.root)
-        for system, build in (("isthmus", lambda: isthmus_step(trainer)), ("torch", lambda: torch_step(mode, trainer))):
+        trainer = isthmus_trainer(mode, opts.root, bool(opts.compile))
+        builds = (
+            ("isthmus", lambda: isthmus_step(trainer)),
+            ("torch", lambda: torch_step(mode, trainer, bool(opts.compile))),
+        )
+        for system, build in builds:
             key = f"{system}/{mode}"
             if (step := pc.probe(key, build, first_loss, na)) is not None:
                 steps[system, mode] = step
@@ -350,6 +378,7 @@ def launch_pair(
         }
         cmd = [python, str(script), "--worker", str(rank), "--root", root, "--modes", ",".join(opts.modes)]
         cmd += ["--rounds", str(opts.rounds), "--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+        cmd += ["--compile"] if opts.compile else []
         procs.append(subprocess.Popen(cmd, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT))
     return procs
 
@@ -447,6 +476,10 @@ def print_table(res: dict, opts: argparse.Namespace, colossal_note: str) -> None
         f"debug shape (6.16M params), fp32, 2 gloo ranks x 1 thread, {opts.rounds} round(s) x {opts.steps} "
         f"timed step(s) (+{opts.warmup} warm-up) per system and mode; tok/s = global tokens per second"
     )
+    if opts.compile:
+        print(
+            "--compile: isthmus (--train.compile true) and torch compile their blocks and loss; Colossal-AI runs eager"
+        )
     print()
     print(
         "| mode | isthmus tok/s | torch tok/s | Colossal-AI tok/s | isthmus/torch (rounds) "
@@ -469,6 +502,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps before each timed block")
     ap.add_argument("--out", default="", help="also write every figure as JSON here")
     ap.add_argument("--no-colossal", action="store_true", help="isthmus and torch only")
+    ap.add_argument("--compile", action="store_true", help="isthmus and the torch loop compile their blocks and loss")
     ap.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--root", default="", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)

@@ -120,6 +120,9 @@ ZERO3_ASYNC: Layout = (
 TP2_PP2: Layout = ("tp2_pp2", 4, ("--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"))
 DP2: Layout = ("dp_replicate2", 2, ("--parallel.dp_replicate", "2"))
 ZERO1: Layout = ("dp_shard2_zero1", 2, ("--parallel.dp_shard", "2", "--parallel.zero_stage", "1"))
+# Compiled blocks (torch.compile's wrapper adds `_orig_mod` to every block parameter's name):
+# their checkpoint resumes eager, under another layout, as any other.
+COMPILED_ZERO3: Layout = ("dp_shard2_compiled", 2, ("--parallel.dp_shard", "2", "--train.compile", "true"))
 
 CASES: list[tuple[str, Layout, int, list[str]]] = [
     ("pp2_to_tp2", PP2, 2, ["--parallel.tp", "2"]),
@@ -142,6 +145,7 @@ CASES: list[tuple[str, Layout, int, list[str]]] = [
         ],
     ),
     ("single_to_zero1", SINGLE, 2, ["--parallel.dp_shard", "2", "--parallel.zero_stage", "1"]),
+    ("compiled_dp_shard2_to_single", COMPILED_ZERO3, 1, []),
 ]
 
 

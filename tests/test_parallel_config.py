@@ -82,10 +82,6 @@ BAD_LAYOUTS = [
     (["--parallel.pp_virtual_stages", "2"], "needs parallel.pp > 1"),
     (["--parallel.sequence_parallel", "true"], "needs parallel.tp > 1"),
     (
-        ["--parallel.nproc", "2", "--parallel.tp", "2", "--train.compile", "true"],
-        "train.compile = True: is not combined with parallel.tp > 1 yet",
-    ),
-    (
         ["--parallel.nproc", "4", "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.zero_stage", "1"],
         "ZeRO-1 composes with dp_shard alone",
     ),

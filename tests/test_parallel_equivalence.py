@@ -199,6 +199,12 @@ CASES: list[tuple[str, int, list[str]]] = [
         2,
         ["--train.compile", "true", "--parallel.dp_shard", "2", "--parallel.activation_checkpoint", "full"],
     ),
+    ("compile_tp2", 2, ["--train.compile", "true", "--parallel.tp", "2"]),
+    (
+        "compile_tp2_sp",
+        2,
+        ["--train.compile", "true", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+    ),
     (
         "compile_pp2_1f1b",
         2,

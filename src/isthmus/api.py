@@ -69,8 +69,8 @@ def parallelize(
     - ``dtype`` (``train.dtype``): "fp32", or "bf16": FSDP layouts then compute through FSDP2's
       mixed precision (bf16 weights gathered over fp32 masters, fp32 reductions), the others under
       ``torch.autocast``, which :func:`step` applies (``result.autocast``).
-    - ``compile`` (``train.compile``): compile each transformer block with ``torch.compile`` (not
-      with tp > 1 yet); the loss is yours to compile.
+    - ``compile`` (``train.compile``): compile each transformer block with ``torch.compile``; the
+      loss is yours to compile.
 
     With pp > 1 the result's ``schedule`` runs the stages in ``modules``; run it with :func:`step`.
     """
@@ -107,7 +107,6 @@ def parallelize(
         set_value(cfg, key, value, from_cli=False)
     cfg.train.batch_size = spec.dp * (spec.microbatches if spec.pp > 1 else 1)
     cfg.train.grad_accum = 1
-    cfg.train.compile = compile
     dims = check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers)
     if any(t.device.type != "meta" for t in model.parameters()):
         model = build_model(args, device="meta")

@@ -287,6 +287,7 @@ RESUME_MAY_CHANGE = (
     "train.val_batches",
     "train.threads",
     "train.device",
+    "train.compile",
     "data.cache_dir",
 )
 """Settings a run may change when it continues from its checkpoint: the layout (checkpoints reshard),

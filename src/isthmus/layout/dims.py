@@ -211,15 +211,6 @@ def check_layout(
         )
     if p.sequence_parallel and not dims.tp_enabled:
         raise ConfigError("parallel.sequence_parallel", True, "needs parallel.tp > 1")
-    if t.compile and dims.tp_enabled:
-        # Measured on torch 2.13: a compiled block's backward hands DTensor's redistribution a plain
-        # gradient ("'Tensor' object has no attribute '_local_tensor'"), with torch's plans (sp) and
-        # with the local-shard blocks alike, even with the Linears and collectives left eager.
-        raise ConfigError(
-            "train.compile",
-            True,
-            "is not combined with parallel.tp > 1 yet (torch 2.13's compiled DTensor backward fails)",
-        )
     if p.sequence_parallel and t.seq_len % (p.tp * p.cp):
         raise ConfigError(
             "parallel.sequence_parallel", True, f"tp*cp = {p.tp * p.cp} must divide train.seq_len = {t.seq_len}"

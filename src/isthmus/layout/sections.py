@@ -45,7 +45,7 @@ class ParallelSection(Protocol):
 
 
 class TrainSection(Protocol):
-    """``[train]``: what the batch rules read, and ``compile`` (not combined with tp yet)."""
+    """``[train]``: what the batch rules read."""
 
     @property
     def seq_len(self) -> int: ...
@@ -53,8 +53,6 @@ class TrainSection(Protocol):
     def batch_size(self) -> int: ...
     @property
     def grad_accum(self) -> int: ...
-    @property
-    def compile(self) -> bool: ...
 
 
 class GeoSection(Protocol):

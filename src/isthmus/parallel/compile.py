@@ -16,7 +16,10 @@ checkpoints see the bare model's names.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
+from torch import Tensor, nn
 
 from isthmus.errors import ConfigError
 from isthmus.models.llama import Transformer
@@ -43,8 +46,23 @@ def check_toolchain(device_type: str) -> None:
         ) from e
 
 
+def _own_input(_: nn.Module, args: tuple) -> tuple:
+    """A block's input that is a view gets a copy of its own. Tensor parallelism's embedding hands the
+    first block its output as a view of a DTensor's local shard; AOTAutograd regenerates an input
+    view from its base, which routes the gradient past DTensor's autograd functions (measured on
+    torch 2.13: "'Tensor' object has no attribute '_local_tensor'" in the backward). One copy of
+    one activation, on the first block only (the others take a compiled block's fresh output)."""
+    x = args[0]
+    if isinstance(x, Tensor) and x._base is not None:
+        return (x.clone(), *args[1:])
+    return args
+
+
 def compile_blocks(model: Transformer) -> None:
     """Replace each of ``model``'s blocks by its compiled self (same parameters, same results up to
     floating-point reassociation)."""
     for name, block in list(model.layers.items()):
-        model.layers[name] = torch.compile(block)  # type: ignore[assignment]
+        compiled = cast(nn.Module, torch.compile(block))  # an OptimizedModule, typed as a callable
+        # On the compiled wrapper, so that it runs eagerly, before the compiled region.
+        compiled.register_forward_pre_hook(_own_input)
+        model.layers[name] = compiled
