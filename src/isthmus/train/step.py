@@ -27,9 +27,9 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def loss_function(compiled: bool, loss_parallel: bool) -> LossFn:
-    """The trainer's loss: `cross_entropy`, compiled under ``train.compile`` (one fused kernel over
-    the logits instead of a log-softmax kept for backward), except where tensor parallelism leaves
-    vocab-sharded logits: loss-parallel's DTensor rules run eager."""
+    """The trainer's loss: `cross_entropy`, compiled under ``train.compile`` (the cast, log-softmax and
+    gather fused by inductor), except where tensor parallelism leaves vocab-sharded logits:
+    loss-parallel's DTensor rules run eager."""
     if compiled and not loss_parallel:
         return torch.compile(cross_entropy)
     return cross_entropy
