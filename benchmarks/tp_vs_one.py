@@ -2,13 +2,15 @@
 
     python benchmarks/tp_vs_one.py                     # `small`, 4 rounds x 30 steps
     python benchmarks/tp_vs_one.py --flavor small --rounds 6 --steps 40 --also "--parallel.sequence_parallel true"
+    python benchmarks/tp_vs_one.py --common "--train.compile true"   # both layouts compiled
 
 Each round runs, as a user types them, `isthmus train --parallel.nproc 1` (one process, one
 thread per core) and `isthmus train --parallel.nproc 2 --parallel.tp 2` (one thread per rank), in
 turn (odd rounds start with tp), same seed and data, validation off. A run's rate is its tokens
 per step over the median `step_time_s` of steps 3.. from its metrics JSONL (start-up, the first
 step and its allocator warm-up left out). Printed: each layout's tokens/s per round, the per-round
-ratios tp / one process and their median. ``--also FLAGS`` adds a third layout: tp 2 with FLAGS.
+ratios tp / one process and their median. ``--also FLAGS`` adds a third layout: tp 2 with FLAGS;
+``--common FLAGS`` adds FLAGS to every layout.
 Each run starts once other work keeps fewer than ``--quiet-cores`` cores busy (or after 5 minutes).
 """
 
@@ -48,6 +50,7 @@ def main() -> None:
         "--quiet-cores", type=float, default=0.3, help="wait (up to 5 min) until other work keeps fewer cores busy"
     )
     ap.add_argument("--also", default="", help="flags of a third layout, tp 2 with these added")
+    ap.add_argument("--common", default="", help="flags added to every layout (e.g. '--train.compile true')")
     opts = ap.parse_args()
     # A short run (the docs test) checks that the benchmark works: one round is enough for that.
     opts.rounds = 1 if max_steps_override() is not None else opts.rounds
@@ -55,6 +58,7 @@ def main() -> None:
     layouts = {"one process": ["--parallel.nproc", "1"], "tp 2": ["--parallel.nproc", "2", "--parallel.tp", "2"]}
     if opts.also:
         layouts[f"tp 2 {opts.also}"] = layouts["tp 2"] + shlex.split(opts.also)
+    layouts = {name: flags + shlex.split(opts.common) for name, flags in layouts.items()}
     rates: dict[str, list[float]] = {name: [] for name in layouts}
     with tempfile.TemporaryDirectory(prefix="isthmus-tp-") as tmp:
         root = Path(tmp)
@@ -70,7 +74,8 @@ def main() -> None:
                 flush=True,
             )
     base = rates["one process"]
-    print(f"\n{opts.flavor}, {os.cpu_count()} cores, {opts.rounds} rounds x {opts.steps} steps")
+    common = f", every layout with {opts.common}" if opts.common else ""
+    print(f"\n{opts.flavor}, {os.cpu_count()} cores, {opts.rounds} rounds x {opts.steps} steps{common}")
     print("| layout | tokens/s (median) | per-round ratio vs one process | median ratio |")
     print("|---|---:|---|---:|")
     for name, values in rates.items():

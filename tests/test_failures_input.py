@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 import tomllib
 import warnings
 from collections.abc import Iterator
@@ -50,13 +51,28 @@ def test_activations_that_cannot_fit_are_refused(args: list[str], key: str, caps
     )
 
 
-def test_compile_without_a_cpp_compiler_is_one_line(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    # inductor looks at CXX first; one that does not exist is a machine without its compiler.
-    monkeypatch.setenv("CXX", "/nonexistent/c++")
-    assert main(["train", "--model.flavor", "tiny", "--train.compile", "true", "--print-config"]) == 2
-    assert _one_line(capsys) == (
+def test_compile_without_a_cpp_compiler_is_one_line(tmp_path: Path) -> None:
+    # inductor reads CXX when it is first imported (and caches its search), so in a fresh process:
+    # a CXX that does not exist is a machine without its compiler.
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "isthmus",
+            "train",
+            "--model.flavor",
+            "tiny",
+            "--train.compile",
+            "true",
+            "--print-config",
+        ],
+        env={**os.environ, "CXX": "/nonexistent/c++"},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
         "isthmus: error: train.compile = True: needs a C++ compiler on CPU (inductor builds its kernels with one): "
         "install g++ or set CXX"
     )

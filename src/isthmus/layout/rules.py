@@ -94,6 +94,19 @@ def data_parallel_kind(
     return "ddp" if grad_sync > 1 else "none"
 
 
+ComputePrecision = Literal["fp32", "fsdp_mixed_precision", "autocast"]
+
+
+def compute_precision(dtype: str, kind: DataParallelKind) -> ComputePrecision:
+    """How a layout computes under ``train.dtype``: bf16 through FSDP2's mixed precision where FSDP2
+    holds the weights (bf16 copies gathered over fp32 sharded masters, fp32 reductions; autocast's
+    cast cache would keep a bf16 copy of every gathered weight), under ``torch.autocast`` elsewhere.
+    The runtime applies it (`isthmus.parallel.parallelize`), the planner counts it (its memory model)."""
+    if dtype != "bf16":
+        return "fp32"
+    return "fsdp_mixed_precision" if kind == "fsdp" else "autocast"
+
+
 def shard_degree(dp_shard: int, cp: int, tp: int, pp: int) -> int:
     """Ranks one FSDP/ZeRO shard group spans: dp_shard x cp (isthmus shards over dp_shard_cp) when
     :func:`data_parallel_kind` shards, else 1 (DDP over context-parallel ranks replicates)."""

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from isthmus.config import ParallelConfig
+from isthmus.layout import rules
 from isthmus.models.llama import Transformer, init_weights
 from isthmus.parallel.ac import apply_ac
 from isthmus.parallel.compile import compile_blocks
@@ -145,7 +146,7 @@ def apply_layout(
     args = model.args
     dp_kind = data_parallel_kind(dims, parallel.zero_stage, geo_sync)
     loss_parallel = dims.tp_enabled
-    autocast = dtype == "bf16" and dp_kind != "fsdp"
+    autocast = rules.compute_precision(dtype, dp_kind) == "autocast"
 
     def materialise(module: Transformer) -> Transformer:
         module = _shard_stage(module, mesh, dims, parallel, dp_kind, geo_sync, dtype, compile)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from isthmus.layout import rules
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import layer_matmul_params
 from isthmus.planner.compute import ELEM_BYTES
@@ -121,9 +122,9 @@ def layer_activation_bytes(
 
 def fsdp_mixed_precision(runtime: Runtime, dtype: str, fsdp: bool) -> bool:
     """Whether the runtime computes this bf16 layout through FSDP2's mixed precision: isthmus
-    (``Runtime.autocast``) does wherever FSDP2 holds the weights (bf16 copies gathered over fp32
-    sharded masters, fp32 reductions, no autocast: ``isthmus.parallel.data_parallel``)."""
-    return runtime.autocast and dtype == "bf16" and fsdp
+    (``Runtime.autocast``) does wherever FSDP2 holds the weights, the rule its runtime applies
+    (`isthmus.layout.rules.compute_precision`)."""
+    return runtime.autocast and rules.compute_precision(dtype, "fsdp" if fsdp else "none") == "fsdp_mixed_precision"
 
 
 def gathered_weight_bytes(runtime: Runtime, dtype: str, fsdp: bool) -> float | None:
