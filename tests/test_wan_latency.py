@@ -189,8 +189,10 @@ def test_the_topologys_one_way_latency_is_half_of_each_links_rtt(tmp_path: Path)
     with emulated_network(net) as em:
         near, far = ping_ms(em, 0, 1, count=7, interval_s=0.15), ping_ms(em, 2, 1, count=7, interval_s=0.15)
     print(f"per-pair RTT: a <-> b {near} (10 ms), c <-> b {far} (40 ms)")
-    assert abs(statistics.median(near) - 10.0) <= 1.0, near
-    assert abs(statistics.median(far) - 40.0) <= 4.0, far
+    # The fastest ping: netem's delay is a floor that scheduling on a busy machine only adds to (a
+    # CI run saw a median of 12.0 ms over 10.5-25.8 ms for the 10 ms pair); a wrong delay moves it.
+    assert 9.5 <= min(near) <= 11.0, near
+    assert 38.0 <= min(far) <= 44.0, far
 
 
 def test_a_negative_wan_rtt_flag_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
