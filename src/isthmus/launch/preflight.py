@@ -71,9 +71,9 @@ def preflight(cfg: JobConfig) -> ModelArgs:
     if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
         _check_fits_in_memory(cfg, args, dims, bin_ids)
         if cfg.train.compile:
-            from isthmus.parallel.compile import check_toolchain  # loads torch: only for a compiled run
+            from isthmus.parallel.compile import check_cpu_toolchain  # loads torch: only for a compiled run
 
-            check_toolchain("cpu")
+            check_cpu_toolchain()
 
     # The key signs checkpoints and the final model: an unreadable or short one stops here, before any process starts.
     checkpoint_key(cfg.checkpoint.key_file)

@@ -25,11 +25,9 @@ from isthmus.errors import ConfigError
 from isthmus.models.llama import Transformer
 
 
-def check_toolchain(device_type: str) -> None:
+def check_cpu_toolchain() -> None:
     """On CPU inductor builds its kernels with a C++ compiler; without one the first step would fail
-    deep in a compilation, so say it in one line before any work."""
-    if device_type != "cpu":
-        return
+    deep in a compilation, so say it in one line before any work (preflight, for CPU runs)."""
     try:
         # Private, but it is inductor's own search (the CXX variable, then g++): asking it finds
         # exactly the compiler the first step would use.
