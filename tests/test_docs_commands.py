@@ -1,11 +1,18 @@
 """Every command the README and docs/ show runs as written, so they cannot drift from the code.
 
 The commands of each ```bash block, and each ``$ command`` line with the output under it, run in the
-order the documents give them (README first), in one fresh copy of the working tree, as a user who
-follows the README would run them: the first quickstart command makes the copy's virtual environment
-and the shell stays in it (its ``bin`` first on PATH) for every later command. The only override is
-the documented short run, ``ISTHMUS_MAX_STEPS=2``. HOME and isthmus's cache are folders of the test,
-so ``~/...`` and cached corpora start empty; pip keeps this machine's configuration and cache.
+order each document gives them, as its reader would run them. Two readers, each in a fresh copy of
+the working tree with a HOME and an isthmus cache of their own:
+
+- the README's reader starts from nothing: its first quickstart command makes the copy's virtual
+  environment and the shell stays in it (its ``bin`` first on PATH) for every later command;
+- the reader of docs/ has followed the README: that copy's virtual environment gets the project
+  with every extra the README installs along the way, then each document's commands run in turn.
+
+The two readers run side by side (a command mostly waits on its ranks' start-up, so two share the
+two cores well; separate copies, homes, caches and virtual environments keep them from touching the
+other's files, and the emulator names its namespaces per run). The only override is the documented
+short run, ``ISTHMUS_MAX_STEPS=2``; pip keeps this machine's configuration and cache.
 
 A few commands cannot run here; NOT_HERE lists each with the reason, and the test fails when one of
 them is no longer in the docs (the list cannot rot) or when .ci/run stops running the suite command.
@@ -18,7 +25,9 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,10 +118,8 @@ def test_the_docs_show_commands_and_every_exception_is_still_there() -> None:
     assert SUITE.replace("pip install", "pip install -q") in ci, "CI must run the README's test command"
 
 
-@pytest.fixture(scope="module")
-def user(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """A fresh copy of the working tree (what git tracks or would track) and the environment a user has."""
-    tmp = tmp_path_factory.mktemp("docs_commands")
+def _user(tmp: Path) -> dict[str, object]:
+    """A fresh copy of the working tree (what git tracks or would track) in ``tmp``, and the environment a user has."""
     copy, home = tmp / "isthmus", tmp / "home"
     listed = (
         subprocess.run(
@@ -150,6 +157,70 @@ def user(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {"copy": copy, "env": env}
 
 
+def readme_install() -> Command:
+    """What the reader of docs/ did first: the README's install, with every extra the README installs later."""
+    readme = commands(ROOT / "README.md")
+    shown = [c.text for c in readme if _without_comment(c.text) not in NOT_HERE]  # not the suite's [test]
+    extras = sorted(
+        {m for text in shown for m in re.findall(r"pip install -c constraints\.txt -e '\.\[(\w+)\]'", text)}
+    )
+    first = readme[0].text.split(" && isthmus")[0]  # the venv and the project, without its training run
+    return Command("README.md", readme[0].line, first.replace("-e .", f"-e '.[{','.join(extras)}]'"))
+
+
+Outcome = tuple[list[str], int]  # what went wrong, and how many commands ran
+
+
+def _follow(docs: list[str], user: dict[str, object], setup: Command | None) -> dict[str, Future[Outcome]]:
+    """Run each document's commands in turn in a thread of its own; one future per document."""
+    futures: dict[str, Future[Outcome]] = {doc: Future() for doc in docs}
+
+    def reader() -> None:
+        try:
+            if setup is not None:
+                problem = _run(setup, user)
+                assert problem is None, f"the setup of docs/'s reader failed: {problem}"
+            for doc in docs:
+                futures[doc].set_result(_commands_of(doc, user))
+        except BaseException as e:  # noqa: BLE001 - handed to the tests that wait on it
+            for future in futures.values():
+                if not future.done():
+                    future.set_exception(e)
+
+    threading.Thread(target=reader, name=f"reader of {', '.join(docs)}", daemon=True).start()
+    return futures
+
+
+def _commands_of(doc: str, user: dict[str, object]) -> Outcome:
+    path = ROOT / doc if doc == "README.md" else ROOT / "docs" / doc
+    failures, ran = [], 0
+    for command in commands(path):
+        if _without_comment(command.text) in NOT_HERE:
+            continue
+        ran += 1
+        problem = _run(command, user)
+        if problem is not None:
+            failures.append(problem)
+    return failures, ran
+
+
+@pytest.fixture(scope="module")
+def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Future[Outcome]]:
+    """The two readers, started side by side for the documents this session selected."""
+    selected = [
+        item.callspec.params["doc"]
+        for item in request.session.items
+        if item.originalname == "test_every_command_runs_as_written" and hasattr(item, "callspec")
+    ]
+    others = [doc for doc in selected if doc != "README.md"]
+    futures: dict[str, Future[Outcome]] = {}
+    if "README.md" in selected:
+        futures |= _follow(["README.md"], _user(tmp_path_factory.mktemp("readme_reader")), setup=None)
+    if others:
+        futures |= _follow(others, _user(tmp_path_factory.mktemp("docs_reader")), setup=readme_install())
+    return futures
+
+
 def _run(command: Command, user: dict[str, object]) -> str | None:
     """Run one command; None if it did what the docs say, else what went wrong."""
     began = time.monotonic()
@@ -181,20 +252,8 @@ def _run(command: Command, user: dict[str, object]) -> str | None:
 
 
 @pytest.mark.parametrize("doc", [p.name for p in documents()])
-def test_every_command_runs_as_written(doc: str, user: dict[str, object]) -> None:
-    path = ROOT / doc if doc == "README.md" else ROOT / "docs" / doc
-    failures, ran = [], 0
-    if doc != "README.md" and not (Path(user["copy"]) / ".venv").exists():  # type: ignore[arg-type]
-        # This document alone (pytest -k): first what its reader did before, the README's install.
-        install = commands(ROOT / "README.md")[0]
-        assert _run(install, user) is None, install.text
-    for command in commands(path):
-        if _without_comment(command.text) in NOT_HERE:
-            continue
-        ran += 1
-        problem = _run(command, user)
-        if problem is not None:
-            failures.append(problem)
+def test_every_command_runs_as_written(doc: str, outcomes: dict[str, Future[Outcome]]) -> None:
+    failures, ran = outcomes[doc].result(timeout=3 * 3600)
     assert not failures, f"{len(failures)} of {ran} command(s) in {doc} did not do what it says:\n" + "\n".join(
         failures
     )
