@@ -1,4 +1,5 @@
-"""Real `isthmus train` processes for the failure tests: start one, wait for a step, find a rank, read its last line.
+"""Real `isthmus` processes for the tests: run a command as a user types it, start a training run and
+wait for a step, find a rank, read a failure's last line.
 
 No test hook in the library: a rank is found in the process tree by the log file it holds open,
 and a run's progress by its ``metrics.jsonl``.
@@ -12,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import isthmus
 from isthmus.launch.local import last_logged_step
 
 # A tiny run that never ends by itself (the tests stop it), on a small slice of the default corpus.
@@ -33,6 +35,34 @@ BASE_ARGS = [
 ]
 
 
+def isthmus_argv(*args: str) -> list[str]:
+    """``isthmus ARGS`` as this interpreter runs it (the installed script may belong to another venv)."""
+    return [sys.executable, "-m", "isthmus", *args]
+
+
+def run_isthmus(
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``isthmus ARGS`` to its end, its output captured as text; ``env`` adds to this process's
+    environment. No terminal on stdin, as under CI."""
+    # The isthmus under test, whatever directory the command runs in (an editable install finds it
+    # anyway; a checkout tested through PYTHONPATH does not).
+    src = str(Path(isthmus.__file__).resolve().parents[1])
+    path = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
+    return subprocess.run(
+        isthmus_argv(*args),
+        env={**os.environ, "PYTHONPATH": path, **(env or {})},
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
+
+
 class Train:
     """`python -m isthmus train` in a subprocess, in a session of its own (as a shell job is)."""
 
@@ -40,7 +70,7 @@ class Train:
         self.dir = run_dir
         args = [*base, "--train.run_dir", str(run_dir), "--data.cache_dir", str(cache), *extra]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "isthmus", "train", *args],
+            isthmus_argv("train", *args),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

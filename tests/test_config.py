@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +9,7 @@ import pytest
 from isthmus.cli import main
 from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError
+from procs import run_isthmus
 
 
 def test_precedence_defaults_file_cli(tmp_path: Path) -> None:
@@ -103,9 +102,7 @@ def test_bad_toml_is_one_line_exit_2(
 
 
 def test_error_through_real_process_has_no_traceback() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "isthmus", "train", "--train.seq_len", "-5"], capture_output=True, text=True, timeout=120
-    )
+    proc = run_isthmus("train", "--train.seq_len", "-5", timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["isthmus: error: train.seq_len = -5: must be at least 1"]
     assert "Traceback" not in proc.stderr

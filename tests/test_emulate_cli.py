@@ -20,7 +20,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import pytest
 
 from isthmus.cli import main
+from procs import isthmus_argv
 
 needs_root = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -128,10 +128,6 @@ def test_readme_commands_resolve_to_the_topologys_world(
     assert (cfg["parallel"]["nproc"], cfg["parallel"]["dp_replicate"], cfg["geo"]["datacenters"]) == (2, 2, 2)
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "isthmus", *args]
-
-
 def _records(path: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r] if path.is_file() else []
 
@@ -166,7 +162,7 @@ def readme_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str,
         out.mkdir()
         argv = [a.replace("{dir}", str(out)) for a in argv]
         started[name] = (
-            subprocess.Popen(_cli(*argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+            subprocess.Popen(isthmus_argv(*argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
             out,
         )
     runs = {}
@@ -294,7 +290,7 @@ def test_sigkill_of_emulate_mid_training_stops_every_rank_and_removes_the_networ
         "false",
     ]
     with log.open("w") as out:
-        proc = subprocess.Popen(_cli(*argv), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(isthmus_argv(*argv), stdout=out, stderr=subprocess.STDOUT)
     prefix = None
     try:
         deadline = time.monotonic() + 180

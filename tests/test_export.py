@@ -7,10 +7,7 @@ shards and one tensor under two names; the export must be the whole model, the h
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +19,7 @@ from isthmus.log import setup_logging
 from isthmus.models.llama import build_model
 from isthmus.train.export import load_exported
 from isthmus.train.final_model import load_final_state, load_model_args
+from procs import run_isthmus
 
 STEPS = 4
 
@@ -30,41 +28,33 @@ STEPS = 4
 def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("export")
     run_dir = tmp / "tp2"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "isthmus",
-            "train",
-            "--config",
-            "tiny",
-            "--train.steps",
-            str(STEPS),
-            "--train.val_every",
-            "0",
-            "--train.batch_size",
-            "4",
-            "--train.seq_len",
-            "32",
-            "--data.max_bytes",
-            "60000",
-            "--parallel.nproc",
-            "2",
-            "--parallel.tp",
-            "2",
-            "--model.tie_embeddings",
-            "true",
-            "--checkpoint.every",
-            str(STEPS),
-            "--train.run_dir",
-            str(run_dir),
-            "--data.cache_dir",
-            str(tmp / "cache"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "ISTHMUS_CACHE": str(tmp / "cache")},
+    proc = run_isthmus(
+        "train",
+        "--config",
+        "tiny",
+        "--train.steps",
+        str(STEPS),
+        "--train.val_every",
+        "0",
+        "--train.batch_size",
+        "4",
+        "--train.seq_len",
+        "32",
+        "--data.max_bytes",
+        "60000",
+        "--parallel.nproc",
+        "2",
+        "--parallel.tp",
+        "2",
+        "--model.tie_embeddings",
+        "true",
+        "--checkpoint.every",
+        str(STEPS),
+        "--train.run_dir",
+        str(run_dir),
+        "--data.cache_dir",
+        str(tmp / "cache"),
+        env={"ISTHMUS_CACHE": str(tmp / "cache")},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return run_dir

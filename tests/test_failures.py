@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ import torch
 from isthmus.config import build_config, parse_overrides
 from isthmus.errors import ConfigError, IsthmusError
 from isthmus.launch.local import last_logged_step, launch, prepare_restart
-from procs import holder_of
+from procs import holder_of, isthmus_argv
 
 STEPS = 24
 ARGS = [
@@ -58,7 +57,7 @@ class Run:
         args = [*ARGS, "--train.run_dir", str(self.dir), "--data.cache_dir", str(tmp / "cache"), *extra]
         env = {**os.environ, "ISTHMUS_CACHE": str(tmp / "cache")}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "isthmus", "train", *args],
+            isthmus_argv("train", *args),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import tomllib
 import warnings
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from isthmus.cli.train import shipped_configs_dir
 from isthmus.config import JobConfig, apply_toml, build_config, parse_overrides, toml_string
 from isthmus.launch.preflight import preflight
 from isthmus.log import get_logger, route_library_warnings, setup_logging
+from procs import run_isthmus
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,22 +54,15 @@ def test_activations_that_cannot_fit_are_refused(args: list[str], key: str, caps
 def test_compile_without_a_cpp_compiler_is_one_line(tmp_path: Path) -> None:
     # inductor reads CXX when it is first imported (and caches its search), so in a fresh process:
     # a CXX that does not exist is a machine without its compiler.
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "isthmus",
-            "train",
-            "--model.flavor",
-            "tiny",
-            "--train.compile",
-            "true",
-            "--print-config",
-        ],
-        env={**os.environ, "CXX": "/nonexistent/c++"},
+    proc = run_isthmus(
+        "train",
+        "--model.flavor",
+        "tiny",
+        "--train.compile",
+        "true",
+        "--print-config",
+        env={"CXX": "/nonexistent/c++"},
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (

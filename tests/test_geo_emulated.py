@@ -12,11 +12,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from procs import isthmus_argv
 
 pytestmark = [
     pytest.mark.slow,
@@ -32,10 +33,7 @@ STEPS = 6
 def _start(tmp: Path, sync: str, *extra: str) -> tuple[subprocess.Popen[str], Path]:
     out = tmp / (sync if sync != "none" else "pp_across")
     metrics = out / "metrics.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "isthmus",
+    cmd = isthmus_argv(
         "emulate",
         "--topology",
         "emulated-2dc",
@@ -68,7 +66,7 @@ def _start(tmp: Path, sync: str, *extra: str) -> tuple[subprocess.Popen[str], Pa
         "--metrics.progress",
         "false",
         *extra,
-    ]
+    )
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return proc, metrics
 

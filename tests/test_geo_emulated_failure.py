@@ -16,12 +16,13 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from procs import isthmus_argv
 
 pytestmark = [
     pytest.mark.slow,
@@ -101,10 +102,7 @@ def _kill_workers(namespace: str, n: int, wait_s: float = 30) -> None:
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("geo_emulated_failure")
     metrics = tmp / "metrics.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "isthmus",
+    cmd = isthmus_argv(
         "emulate",
         "--topology",
         "emulated-2dc",
@@ -142,7 +140,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         str(metrics),
         "--metrics.progress",
         "false",
-    ]
+    )
     # Short torchft timeouts: a dead peer's collective fails in seconds, not minutes.
     env = {**os.environ, "TORCHFT_TIMEOUT_SEC": "20", "TORCHFT_QUORUM_TIMEOUT_SEC": "60"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from multirank import free_port
+from procs import isthmus_argv, run_isthmus
 
 ARGS = [
     "--config",
@@ -36,23 +37,15 @@ def _losses(path: Path) -> list[float]:
 
 
 def test_nproc_launch_and_torchrun_train_identically(tmp_path: Path) -> None:
-    own = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "isthmus",
-            "train",
-            *ARGS,
-            "--parallel.nproc",
-            "2",
-            "--train.run_dir",
-            str(tmp_path / "own"),
-            "--data.cache_dir",
-            str(tmp_path / "cache"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    own = run_isthmus(
+        "train",
+        *ARGS,
+        "--parallel.nproc",
+        "2",
+        "--train.run_dir",
+        str(tmp_path / "own"),
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
         env=_env(tmp_path),
     )
     assert own.returncode == 0, own.stderr[-3000:]
@@ -133,25 +126,17 @@ def test_user_error_inside_ranks_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "ck" / "step-000002"
     bad.mkdir(parents=True)
     (bad / "isthmus.json").write_text("not json")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "isthmus",
-            "train",
-            *ARGS,
-            "--parallel.nproc",
-            "2",
-            "--train.run_dir",
-            str(tmp_path / "r"),
-            "--data.cache_dir",
-            str(tmp_path / "cache"),
-            "--checkpoint.resume",
-            str(bad),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_isthmus(
+        "train",
+        *ARGS,
+        "--parallel.nproc",
+        "2",
+        "--train.run_dir",
+        str(tmp_path / "r"),
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        "--checkpoint.resume",
+        str(bad),
         env=_env(tmp_path),
     )
     assert proc.returncode == 2
@@ -213,10 +198,7 @@ def test_local_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
     """The agent's rendezvous store, rank 0's store and gloo: every listening socket of the run is on loopback."""
     run = tmp_path / "r"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "isthmus",
+        isthmus_argv(
             "train",
             *ARGS,
             "--parallel.nproc",
@@ -229,7 +211,7 @@ def test_local_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
             str(run),
             "--data.cache_dir",
             str(tmp_path / "cache"),
-        ],
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -274,11 +256,7 @@ def test_local_ranks_train_when_the_hostname_resolves_nowhere(tmp_path: Path) ->
             "-c",
             'hostname "$0" && exec "$@"',
             name,
-            sys.executable,
-            "-m",
-            "isthmus",
-            "train",
-            *ARGS,
+            *isthmus_argv("train", *ARGS),
             "--parallel.nproc",
             "2",
             "--train.run_dir",

@@ -4,18 +4,15 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 
-import isthmus
 from isthmus.config import build_config
 from isthmus.errors import ConfigError
 from isthmus.layout.spec import LayoutSpec
+from procs import run_isthmus
 
 PLAN = [
     "plan",
@@ -33,26 +30,10 @@ PLAN = [
 ]
 
 
-def _isthmus(
-    *args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 600
-) -> subprocess.CompletedProcess[str]:
-    # The isthmus under test, whatever directory the command runs in.
-    src = str(Path(isthmus.__file__).resolve().parents[1])
-    path = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
-    return subprocess.run(
-        [sys.executable, "-m", "isthmus", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": path, **(env or {})},
-    )
-
-
 @pytest.fixture(scope="module")
 def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     here = tmp_path_factory.mktemp("plan")
-    done = _isthmus(*PLAN, cwd=here, timeout=300)
+    done = run_isthmus(*PLAN, cwd=here)
     assert done.returncode == 0, done.stderr[-3000:]
     path = here / "plan.json"
     path.write_text(done.stdout)
@@ -63,7 +44,7 @@ def test_a_two_datacenter_plan_trains_locally(plan_file: Path, tmp_path: Path) -
     best = json.loads(plan_file.read_text())["layouts"][0]
     assert best["geo"]["datacenters"] == 2 and best["geo"]["dc_axis"] == "dp" and best["geo"]["sync"] != "none"
     run = tmp_path / "run"
-    done = _isthmus(
+    done = run_isthmus(
         "train",
         "--config",
         "tiny",
@@ -79,6 +60,7 @@ def test_a_two_datacenter_plan_trains_locally(plan_file: Path, tmp_path: Path) -
         "false",
         cwd=tmp_path,
         env={"ISTHMUS_MAX_STEPS": "2"},
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     ran = tomllib.loads((run / "config.toml").read_text())

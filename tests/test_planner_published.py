@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from isthmus.models.flavors import get_flavor, gpt3
 from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.memory import layer_activation_bytes, model_state_bytes
 from isthmus.planner.reference import published_runs
+from procs import run_isthmus
 
 # The comparison itself lives in the benchmark script, so the docs table and this test run the same code.
 _SPEC = importlib.util.spec_from_file_location(
@@ -92,12 +91,12 @@ def test_distributed_optimizer_state_per_rank() -> None:
 
 def test_the_1t_layout_korthikanti_ran_is_admitted_with_its_memory_printed() -> None:
     cmd = [
-        sys.executable, "-m", "isthmus", "simulate", "--model", "gpt3-1t", "--topology", "selene-a100", "--gpus",
+        "simulate", "--model", "gpt3-1t", "--topology", "selene-a100", "--gpus",
         "512", "--train.batch_size", "512", "--train.seq_len", "2048", "--micro-batch", "1", "--dtype", "fp16",
         "--parallel.activation_checkpoint", "selective", "--runtime", "megatron-2022",
         "--plan", "tp=8,pp=64,sequence_parallel=true,pp_schedule=1f1b",
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = run_isthmus(*cmd, timeout=120)
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if x.startswith("memory of the fullest device"))
     total = float(line.split("total ")[1].split(" GB")[0])
@@ -105,14 +104,14 @@ def test_the_1t_layout_korthikanti_ran_is_admitted_with_its_memory_printed() -> 
 
 
 def test_nodes_grows_a_preset_and_refuses_in_one_line() -> None:
-    base = [sys.executable, "-m", "isthmus", "plan", "--model", "gpt3-145.6b", "--topology", "selene-a100"]
+    base = ["plan", "--model", "gpt3-145.6b", "--topology", "selene-a100"]
     args = ["--train.batch_size", "6144", "--train.seq_len", "2048", "--micro-batch", "1", "--top", "1", "--json"]
-    grown = subprocess.run([*base, "--nodes", "1536", "--gpus", "12288", *args], capture_output=True, text=True)
+    grown = run_isthmus(*base, "--nodes", "1536", "--gpus", "12288", *args)
     assert grown.returncode == 0, grown.stderr
     planned = json.loads(grown.stdout)
     assert planned["devices"] == 12288 and planned["nodes"] == {"selene": 1536}
     for bad in (["--nodes", "0"], ["--nodes", "8", "--gpus", "128"], ["--nodes", "200000"]):
-        out = subprocess.run([*base, *bad, *args], capture_output=True, text=True)
+        out = run_isthmus(*base, *bad, *args)
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("isthmus: error:"), out
 
 
@@ -208,14 +207,14 @@ def test_llama3_405b_with_eager_storage_is_refused_naming_each_part_of_the_memor
     eager autograd keeps (the isthmus runtime): the refusal is one line naming weights, grads, optimizer
     and activations, which are over 60 GB of the 76 usable."""
     cmd = [
-        sys.executable, "-m", "isthmus", "simulate", "--runtime", "isthmus", "--model", "llama3-405b",
+        "simulate", "--runtime", "isthmus", "--model", "llama3-405b",
         "--topology", "meta-h100", "--gpus", "8192", "--train.batch_size", "2048", "--train.seq_len", "8192",
         "--micro-batch", "1", "--dtype", "bf16", "--plan", "tp=8,pp=16,cp=1,pp_schedule=1f1b,activation_checkpoint=none",
     ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    out = run_isthmus(*cmd, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("isthmus: error:"), out
     closest = out.stderr.split("closest, first rank: ")[1]
     parts = {k: float(closest.split(f"{k} ")[1].split()[0]) for k in ("weights", "grads", "optimizer", "activations")}
     assert parts["activations"] > 60 and sum(parts.values()) > 76.0, closest
-    admitted = subprocess.run([*cmd[:5], "llama3", *cmd[6:]], capture_output=True, text=True, timeout=120)
+    admitted = run_isthmus(*cmd[:2], "llama3", *cmd[3:], timeout=120)
     assert admitted.returncode == 0 and "activations" in admitted.stdout, admitted

@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from isthmus.cli import main
+from procs import isthmus_argv
 
 QUICK = [
     "--config",
@@ -89,10 +89,7 @@ def test_a_named_directory_holding_an_earlier_run_is_refused_and_left_as_it_was(
 
 def test_a_second_live_run_on_the_same_directory_gets_one_line(here: Path, capsys: pytest.CaptureFixture[str]) -> None:
     first = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "isthmus",
+        isthmus_argv(
             "train",
             *QUICK,
             "--data.cache_dir",
@@ -101,7 +98,7 @@ def test_a_second_live_run_on_the_same_directory_gets_one_line(here: Path, capsy
             "400",
             "--train.run_dir",
             "runs/shared",
-        ],
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,

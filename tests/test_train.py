@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from isthmus.cli import main
+from procs import run_isthmus
 
 TINY = [
     "--config",
@@ -112,7 +113,7 @@ def test_pretokenised_bin_and_bpe_data(tmp_path: Path) -> None:
 
 
 def test_cli_entry_points() -> None:
-    out = subprocess.run([sys.executable, "-m", "isthmus", "--help"], capture_output=True, text=True, timeout=60)
+    out = run_isthmus("--help", timeout=60)
     assert out.returncode == 0 and "train" in out.stdout and "generate" in out.stdout
     out = subprocess.run(["isthmus", "train", "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--section.key" in out.stdout

@@ -29,6 +29,7 @@ from isthmus.launch import netns
 from isthmus.launch.emulate import EmulatedDatacenter, EmulatedNetwork, emulated_network
 from isthmus.launch.wanprobe import ping_ms, tcp_flows_bps
 from isthmus.planner.topology import load_topology
+from procs import run_isthmus
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0 or not Path("/dev/net/tun").exists(),
@@ -210,9 +211,7 @@ def test_emulate_cli_trains_through_the_delayed_wan(tmp_path: Path) -> None:
     argv = ["emulate", "--wan-rtt-ms", "80", "--topology", "emulated-2dc", "--", "train", "--config", "tiny"]
     argv += ["--train.steps", "2", "--train.val_every", "0", "--train.run_dir", str(tmp_path / "run")]
     argv += ["--metrics.progress", "false"]
-    run = subprocess.run(
-        [sys.executable, "-m", "isthmus", *argv], capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL
-    )
+    run = run_isthmus(*argv)
     console = run.stdout + run.stderr
     assert run.returncode == 0, console[-3000:]
     assert "RTT 80 ms (user-space delay line)" in console
