@@ -61,6 +61,7 @@ from isthmus.planner.compute import layer_times
 from isthmus.planner.cost import estimate
 from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.topology import device_kinds, parse_topology
+from isthmus.train.optim import by_tensor_kind
 
 ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))
 """4 KB, 16 KB, ... 64 MB."""
@@ -217,7 +218,8 @@ def _mechanism_worker(
         for layers in (1, 3):
             a = replace(args, n_layers=layers)
             pm = parallelize(build_model(a, device="meta"), spec, mesh=mesh, device="cpu", seq_len=seq)
-            opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, foreach=False)  # as the trainer's (train/optim.py)
+            # As the trainer's (train/optim.py): fused, one parameter list per tensor kind.
+            opt = torch.optim.AdamW(by_tensor_kind([{"params": pm.parameters()}]), lr=1e-4, fused=True)
             gen = torch.Generator().manual_seed(0)
             x = torch.randint(0, a.vocab_size, (batch, seq + 1), generator=gen)
             local = x.chunk(dp)[mesh["dp"].get_local_rank()] if dp > 1 else x

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 
 from isthmus.config import TrainConfig
 
@@ -27,10 +28,26 @@ def param_groups(modules: list[nn.Module], weight_decay: float) -> list[dict]:
             no_decay.append(p)
         else:
             decay.append(p)
-    return [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    return by_tensor_kind(
+        [
+            {"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+    )
+
+
+def by_tensor_kind(groups: list[dict]) -> list[dict]:
+    """Each group split into its DTensor parameters and its plain ones (same settings), empty ones
+    dropped: the fused kernel takes one list per group, and DTensor's dispatch refuses a list that
+    mixes the two kinds, as tensor parallelism leaves them (sharded matrices, replicated norms)."""
+    out = []
+    for group in groups:
+        params = list(group["params"])
+        for kind in (True, False):
+            mine = [p for p in params if isinstance(p, DTensor) is kind]
+            if mine:
+                out.append({**group, "params": mine})
+    return out
 
 
 def build_optimizer(
@@ -38,13 +55,18 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """AdamW over this rank's (local) parameters.
 
-    ``foreach=False``: the single-tensor path gives bit-identical updates whether a parameter is
-    whole or a shard of one, which the layout-equivalence tests rely on. With ``zero1_group``
-    (ZeRO-1) torch's ZeroRedundancyOptimizer keeps each rank's share of the AdamW state only and
-    broadcasts the updated parameters.
+    ``fused=True``: torch's fused kernel (CPU and CUDA) updates a tensor in one pass over its
+    parameter, gradient and two moments, where the single-tensor path (torch's default on CPU) makes
+    about ten elementwise passes: measured here on `small`'s 3.5M parameters, 9.9 against 148 ms a
+    step under load. Like the single-tensor path it updates each element on its own, so a parameter
+    whole or split into shards gets bit-identical updates (checked at shard boundaries that fall
+    inside the kernel's vector lanes), which the layout-equivalence tests rely on; it differs from
+    the single-tensor path by up to 5e-7 relative. With ``zero1_group`` (ZeRO-1) torch's
+    ZeroRedundancyOptimizer keeps each rank's share of the AdamW state only and broadcasts the
+    updated parameters.
     """
     groups = param_groups(modules if isinstance(modules, list) else [modules], cfg.weight_decay)
-    kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, foreach=False)
+    kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True)
     if zero1_group is not None:
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
