@@ -122,3 +122,29 @@ def test_cli_entry_points() -> None:
 def test_import_is_light() -> None:
     code = "import sys, isthmus; assert 'torch' not in sys.modules, 'import isthmus pulled in torch'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_optimizer_updates_a_tensor_and_its_shards_alike() -> None:
+    """The trainer's AdamW (fused) updates each element on its own: a parameter whole, or split where
+    a shard boundary falls inside the kernel's vector lanes, ends bit-identical, which every layout's
+    equality with one process relies on. Norm-like (1-D) parameters go undecayed."""
+    import torch
+
+    from isthmus.config import TrainConfig
+    from isthmus.train.optim import build_optimizer
+
+    gen = torch.Generator().manual_seed(0)
+    start, grads = torch.randn(1001, generator=gen), [torch.randn(1001, generator=gen) for _ in range(4)]
+
+    def train(sizes: list[int]) -> torch.Tensor:
+        shards = torch.nn.ParameterList([torch.nn.Parameter(s.clone().unsqueeze(0)) for s in start.split(sizes)])
+        opt = build_optimizer(shards, TrainConfig(lr=1e-2, weight_decay=0.1))
+        for g in grads:
+            for p, part in zip(shards, g.split(sizes)):
+                p.grad = part.clone().unsqueeze(0)
+            opt.step()
+        return torch.cat([p.detach().squeeze(0) for p in shards])
+
+    whole = train([1001])
+    assert not torch.equal(whole, start)
+    assert torch.equal(train([333, 668]), whole) and torch.equal(train([17, 500, 484]), whole)

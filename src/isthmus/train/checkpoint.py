@@ -116,6 +116,20 @@ def model_state(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
     return {k: cast(torch.Tensor, v) for m in modules for k, v in get_model_state_dict(m).items()}
 
 
+def _per_group(scheduler: dict[str, Any], groups: int) -> dict[str, Any]:
+    """The saved scheduler state with one entry per parameter group of this run's optimizer.
+
+    Every group trains at ``train.lr`` (they differ in weight decay and, under tensor parallelism,
+    in tensor kind: see ``train/optim.by_tensor_kind``), so a layout with another number of groups
+    takes the first group's values for each of its own."""
+    out = dict(scheduler)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        saved = scheduler.get(key)
+        if isinstance(saved, list) and saved and len(saved) != groups:
+            out[key] = [saved[0]] * groups
+    return out
+
+
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state: ZeRO-1's local partition, or the optimizer itself."""
 
@@ -371,7 +385,7 @@ class Checkpointer:
         local = _local_optimizer(state.optimizer)
         for name, p in _local_params(state.optimizer, state.modules):
             local.state[p] = optim[name]
-        state.scheduler.load_state_dict(manifest.scheduler)
+        state.scheduler.load_state_dict(_per_group(manifest.scheduler, len(state.optimizer.param_groups)))
         # The scheduler sets each group's lr only when it steps: put back the lr of the next step.
         for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
