@@ -1,6 +1,6 @@
 """The planner's memory per device against what local ranks really allocate, layout by layout.
 
-    python benchmarks/peak_memory.py [--markdown] [--only 1,9] [--flavor small] [--dtype bf16]
+    python benchmarks/peak_memory.py [--markdown] [--only 1,9] [--flavor small] [--dtype bf16] [--compile]
     python benchmarks/peak_memory.py --block      # what one block keeps per token, by precision
 
 For every layout, N gloo ranks build ``Trainer(cfg)`` exactly as ``isthmus train`` would (``small``,
@@ -112,25 +112,27 @@ class Row:
     """Per pipeline stage: the planner's peak in bytes."""
 
 
-def planned(layout: LayoutSpec, flavor: str, dtype: str = "fp32") -> list[float]:
+def planned(layout: LayoutSpec, flavor: str, dtype: str = "fp32", compiled: bool = False) -> list[float]:
     """The planner's peak memory of each pipeline stage."""
     work = Workload(get_flavor(flavor), BATCH, SEQ, dtype)
-    runtime = local_runtime()
+    runtime = local_runtime().with_compiled_blocks() if compiled else local_runtime()
     stages = stage_costs(work, layout, runtime, place(local_topology(layout.world), layout))
     return [rank_memory(work, layout, runtime, r, st.layers).total for r, st in enumerate(stages)]
 
 
-def measure(name: str, values: dict[str, object], ac: str, flavor: str, root: Path, dtype: str = "fp32") -> Row:
+def measure(
+    name: str, values: dict[str, object], ac: str, flavor: str, root: Path, dtype: str = "fp32", compiled: bool = False
+) -> Row:
     layout = replace(to_layout(values), activation_checkpoint=ac)
     flags = ["--model.flavor", flavor, *train_flags(layout), "--parallel.activation_checkpoint", ac]
-    flags += ["--train.dtype", dtype]
+    flags += ["--train.dtype", dtype, "--train.compile", str(compiled).lower()]
     run = root / name.replace(" ", "_").replace(",", "")
     ranks = run_ranks(_measure, layout.world, flags, str(run / "run"), str(root / "cache"))
     stages: list[dict[str, int]] = [{"rest": 0, "peak": 0} for _ in range(layout.pp)]
     for r in ranks:
         s = stages[r["stage"]]
         s["rest"], s["peak"] = max(s["rest"], r["rest"]), max(s["peak"], r["peak"])
-    return Row(name, layout, stages, planned(layout, flavor, dtype))
+    return Row(name, layout, stages, planned(layout, flavor, dtype, compiled))
 
 
 def print_table(rows: list[Row], markdown: bool) -> None:
@@ -239,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         default="fp32",
         help="train.dtype of every layout (bf16: FSDP's mixed precision or autocast)",
     )
+    ap.add_argument("--compile", action="store_true", help="every layout with --train.compile true")
     ns = ap.parse_args(argv)
     if ns.block:
         print_block(ns.flavor)
@@ -247,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     picked = [LAYOUTS[int(i) - 1] for i in ns.only.split(",")] if ns.only else LAYOUTS
     picked = picked[: 1 if max_steps_override() else len(picked)]  # ISTHMUS_MAX_STEPS: a smoke run, one layout
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [measure(name, values, ac, ns.flavor, Path(tmp), ns.dtype) for name, values, ac in picked]
-    print(f"{ns.flavor}, {BATCH} x {SEQ} tokens per step, {ns.dtype}, AdamW; bytes CPU tensors hold\n")
+        rows = [measure(name, values, ac, ns.flavor, Path(tmp), ns.dtype, ns.compile) for name, values, ac in picked]
+    compiled = ", compiled blocks (--train.compile true)" if ns.compile else ""
+    print(f"{ns.flavor}, {BATCH} x {SEQ} tokens per step, {ns.dtype}{compiled}, AdamW; bytes CPU tensors hold\n")
     print_table(rows, ns.markdown)
     return 0
 

@@ -32,22 +32,25 @@ def _env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "ISTHMUS_CACHE": str(tmp_path / "cache")}
 
 
+def _two_ranks(tmp_path: Path, run: str = "r") -> list[str]:
+    """`isthmus train` arguments of the short run on 2 local ranks, in ``tmp_path``."""
+    return [
+        *ARGS,
+        "--parallel.nproc",
+        "2",
+        "--train.run_dir",
+        str(tmp_path / run),
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+    ]
+
+
 def _losses(path: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
 
 
 def test_nproc_launch_and_torchrun_train_identically(tmp_path: Path) -> None:
-    own = run_isthmus(
-        "train",
-        *ARGS,
-        "--parallel.nproc",
-        "2",
-        "--train.run_dir",
-        str(tmp_path / "own"),
-        "--data.cache_dir",
-        str(tmp_path / "cache"),
-        env=_env(tmp_path),
-    )
+    own = run_isthmus("train", *_two_ranks(tmp_path, "own"), env=_env(tmp_path))
     assert own.returncode == 0, own.stderr[-3000:]
     assert "on 2 rank(s)" in own.stdout
     # Rank 0 alone drives the console; every rank has its own log file.
@@ -126,19 +129,7 @@ def test_user_error_inside_ranks_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "ck" / "step-000002"
     bad.mkdir(parents=True)
     (bad / "isthmus.json").write_text("not json")
-    proc = run_isthmus(
-        "train",
-        *ARGS,
-        "--parallel.nproc",
-        "2",
-        "--train.run_dir",
-        str(tmp_path / "r"),
-        "--data.cache_dir",
-        str(tmp_path / "cache"),
-        "--checkpoint.resume",
-        str(bad),
-        env=_env(tmp_path),
-    )
+    proc = run_isthmus("train", *_two_ranks(tmp_path), "--checkpoint.resume", str(bad), env=_env(tmp_path))
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
     assert errors == [
@@ -198,20 +189,7 @@ def test_local_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
     """The agent's rendezvous store, rank 0's store and gloo: every listening socket of the run is on loopback."""
     run = tmp_path / "r"
     proc = subprocess.Popen(
-        isthmus_argv(
-            "train",
-            *ARGS,
-            "--parallel.nproc",
-            "2",
-            "--train.steps",
-            "100000",
-            "--train.val_every",
-            "0",
-            "--train.run_dir",
-            str(run),
-            "--data.cache_dir",
-            str(tmp_path / "cache"),
-        ),
+        isthmus_argv("train", *_two_ranks(tmp_path), "--train.steps", "100000", "--train.val_every", "0"),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -256,13 +234,7 @@ def test_local_ranks_train_when_the_hostname_resolves_nowhere(tmp_path: Path) ->
             "-c",
             'hostname "$0" && exec "$@"',
             name,
-            *isthmus_argv("train", *ARGS),
-            "--parallel.nproc",
-            "2",
-            "--train.run_dir",
-            str(tmp_path / "r"),
-            "--data.cache_dir",
-            str(tmp_path / "cache"),
+            *isthmus_argv("train", *_two_ranks(tmp_path)),
         ],
         capture_output=True,
         text=True,

@@ -105,6 +105,27 @@ def test_model_overrides_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> N
 _H100X8 = ["--model", "llama3-8b", "--topology", "grand-teton-h100", "--gpus", "8", "--train.seq_len", "4096"]
 
 
+def test_train_dtype_and_compile_are_planned_and_carried_in_the_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """--train.dtype and --train.compile: the names `isthmus train` gives them; the plan's train keys
+    carry both, so `--parallel.plan plan.json` trains as planned; compiled blocks store less."""
+    base = ["--model", "small", "--topology", "local", "--train.batch_size", "16", "--train.seq_len", "128"]
+    base += ["--parallel.dp_shard", "1", "--top", "1", "--json"]
+    planned = {}
+    for compiled in ("false", "true"):
+        assert plan([*base, "--train.dtype", "bf16", "--train.compile", compiled]) == 0
+        best = json.loads(capsys.readouterr().out)["layouts"][0]
+        assert best["train"]["dtype"] == "bf16" and best["train"]["compile"] is (compiled == "true")
+        assert best["runtime"] == ("isthmus+compile" if compiled == "true" else "isthmus")
+        planned[compiled] = best
+    # The same layout, with the pointwise results recomputed rather than stored (memory only).
+    assert planned["true"]["layout"] == planned["false"]["layout"]
+    assert planned["true"]["mem_per_device_gb"] < planned["false"]["mem_per_device_gb"]
+    assert planned["true"]["step_time_s"] == planned["false"]["step_time_s"]
+    # A precision isthmus does not train in is priced but not written as a train key.
+    assert plan([*base, "--train.dtype", "fp16"]) == 0
+    assert "dtype" not in json.loads(capsys.readouterr().out)["layouts"][0]["train"]
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -152,7 +173,7 @@ def test_a_pinned_layout_over_memory_shows_its_own_peak() -> None:
     so the closest refused device is the pinned layout's own, above the limit (it once showed an
     unsharded floor of 65.8 GB "of 91.2 GB usable")."""
     argv = ["--model", "llama3-8b", "--topology", "grand-teton-h100", "--gpus", "8", "--train.batch_size", "96"]
-    argv += ["--train.seq_len", "8192", "--micro-batch", "4", "--dtype", "bf16"]
+    argv += ["--train.seq_len", "8192", "--micro-batch", "4", "--train.dtype", "bf16"]
     argv += ["--parallel.activation_checkpoint", "selective", "--parallel.tp", "1", "--parallel.pp", "1"]
     argv += ["--parallel.dp_shard", "8", "--parallel.zero_stage", "3"]
     with pytest.raises(IsthmusError) as info:

@@ -19,7 +19,7 @@ from isthmus.errors import ConfigError
 from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES, WAN_SCHEDULES
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.explain import explain, format_table, result_json
-from isthmus.planner.layout import RUNTIMES
+from isthmus.planner.layout import PLANNED_DTYPES, RUNTIMES, Runtime
 from isthmus.planner.placement import runnable
 from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SPACE_FLAGS, SearchSpace, search
 from isthmus.planner.topology import Topology, load_topology
@@ -212,10 +212,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="streaming_diloco: inner steps a fragment's transfer overlaps (default: 1)",
     )
     p.add_argument(
-        "--dtype",
-        choices=("fp32", "tf32", "bf16", "fp16", "fp8"),
+        "--train.dtype",
+        dest="dtype",
+        choices=PLANNED_DTYPES,
         default=None,
-        help="matmul dtype (default: the devices' own, bf16 on GPUs, fp32 on CPUs)",
+        help="matmul dtype (default: the devices' own, bf16 on GPUs, fp32 on CPUs); beyond the fp32 and "
+        "bf16 that isthmus trains in, the published runs' tf32, fp16 and fp8 can be planned",
+    )
+    p.add_argument(
+        "--train.compile",
+        dest="compile",
+        type=_bool,
+        default=False,
+        metavar="BOOL",
+        help="blocks compiled by torch.compile, as isthmus train --train.compile true runs them (default: false)",
     )
     p.add_argument(
         "--runtime",
@@ -226,6 +236,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default: 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p
+
+
+def planned_runtime(ns: argparse.Namespace) -> Runtime:
+    """``--runtime``, with its blocks compiled when ``--train.compile true``."""
+    runtime = RUNTIMES[ns.runtime]
+    return runtime.with_compiled_blocks() if ns.compile else runtime
 
 
 def check_arguments(ns: argparse.Namespace) -> None:
@@ -311,7 +327,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     topo = cli_topology(ns)
     space = search_space(ns)
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
-    result = search(args, topo, space, RUNTIMES[ns.runtime], top=ns.top, dtype=dtype)
+    result = search(args, topo, space, planned_runtime(ns), top=ns.top, dtype=dtype)
     if ns.json:
         sys.stdout.write(json.dumps(result_json(result, topo, ns.top), indent=2) + "\n")
         return 0

@@ -22,7 +22,6 @@ from isthmus.config import ModelConfig
 from isthmus.errors import ConfigError
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.autoplan import choose_layout, parse_plan
-from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.placement import runnable
 from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.run import SimResult
@@ -74,7 +73,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     args = resolve_model_args(model)
     topo = plan_cli.cli_topology(ns)
     space = plan_cli.search_space(ns)
-    runtime = RUNTIMES[ns.runtime]
+    runtime = plan_cli.planned_runtime(ns)
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
     chosen = choose_layout(args, topo, space, fixed, runtime, dtype, top=ns.top)
     if "nproc" in fixed and fixed["nproc"] != topo.n_devices:

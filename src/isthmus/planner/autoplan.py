@@ -304,7 +304,7 @@ def apply_local_choice(cfg: Any, fixed: dict[str, Any] | None = None, world_size
 def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any] | None = None) -> LocalChoice:
     """``--parallel.plan auto``: the planner's best layout of ``cfg``'s model for ``parallel.nproc`` local ranks.
 
-    Keeps ``cfg``'s model, batch, sequence length, dtype and recomputation; chooses dp_replicate,
+    Keeps ``cfg``'s model, batch, sequence length, dtype, recomputation and compilation; chooses dp_replicate,
     dp_shard, zero_stage, tp, sequence_parallel, cp, pp, pp_schedule, microbatches and
     pp_virtual_stages (and ``train.grad_accum`` when there is no pipeline), keeping what ``fixed``
     names. ``topology``: the ``local`` preset or a file from ``isthmus profile``.
@@ -330,8 +330,9 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
             "cannot be combined with model.tie_embeddings (embedding and head live on different stages)",
         )
     try:
+        runtime = local_runtime().with_compiled_blocks() if t.compile else local_runtime()
         est = choose_layout(
-            args, topo, space, {**pins, "nproc": p.nproc}, local_runtime(), t.dtype, top=50, band=SIMPLEST_WITHIN
+            args, topo, space, {**pins, "nproc": p.nproc}, runtime, t.dtype, top=50, band=SIMPLEST_WITHIN
         )
     except ConfigError as e:
         if not pins:

@@ -26,7 +26,7 @@ from isthmus.planner.compute import (
     shard_overhead,
 )
 from isthmus.planner.geo import dp_sync, pipeline_transfer, streaming_exposed
-from isthmus.planner.layout import LayoutSpec, Runtime, Workload
+from isthmus.planner.layout import COMPILED, TRAINED_DTYPES, LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import (
     USABLE_FRACTION,
     MemoryBreakdown,
@@ -409,12 +409,22 @@ class Figures(Protocol):
     def bottleneck(self) -> str: ...
 
 
+def _config_sections(r: Figures) -> dict[str, dict[str, object]]:
+    """The config keys that run the layout as planned: the layout's own, the precision when isthmus
+    trains in it (fp32, bf16; the published runs' fp16 and fp8 are priced only) and compilation."""
+    out = r.layout.config_sections(r.work.seq_len, r.work.args.tie_embeddings)
+    if r.work.dtype in TRAINED_DTYPES:
+        out["train"]["dtype"] = r.work.dtype
+    out["train"]["compile"] = r.runtime.endswith(COMPILED)
+    return out
+
+
 def figures_json(r: Figures) -> dict[str, object]:
     """The JSON fields of one layout's figures, in the order `isthmus plan --json` prints them."""
     return {
         "layout": r.layout.as_dict(),
         "label": r.layout.label(),
-        **r.layout.config_sections(r.work.seq_len, r.work.args.tie_embeddings),
+        **_config_sections(r),
         "batch_size": r.work.batch_size,
         "seq_len": r.work.seq_len,
         "runtime": r.runtime,

@@ -211,7 +211,7 @@ def placement_sentences(result: SearchResult, topo: Topology) -> list[str]:
             "boundaries cross the WAN."
         )
         other = "fair" if lay.wan_schedule == "time_shared" else "time_shared"
-        alt = estimate(best.work, topo, lay.with_(wan_schedule=other), RUNTIMES[best.runtime], pl)
+        alt = estimate(best.work, topo, lay.with_(wan_schedule=other), result.runtime or RUNTIMES[best.runtime], pl)
         ts, fair = (best, alt) if other == "fair" else (alt, best)
         k = max((share for _, share, wan in pl.boundary_links if wan), default=1)
         out.append(

@@ -15,7 +15,15 @@ from typing import Literal
 from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 
-__all__ = ["RUNTIMES", "LayoutSpec", "Runtime", "Workload"]
+__all__ = ["COMPILED", "PLANNED_DTYPES", "RUNTIMES", "TRAINED_DTYPES", "LayoutSpec", "Runtime", "Workload"]
+
+COMPILED = "+compile"
+"""The suffix of a runtime's name whose blocks are compiled (`Runtime.with_compiled_blocks`)."""
+TRAINED_DTYPES = ("fp32", "bf16")
+"""What ``train.dtype`` takes: the precisions isthmus trains in."""
+PLANNED_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
+"""Matmul dtypes the planner prices (``--train.dtype`` of ``isthmus plan`` and ``simulate``): isthmus's
+own, and the published runs' tf32, fp16 and fp8."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +127,17 @@ class Runtime:
 
     def quality_of(self, geo: str) -> float:
         return dict(self.quality).get(geo, 1.0)
+
+    def with_compiled_blocks(self) -> Runtime:
+        """This software with each block compiled by torch.compile (``train.compile``): inductor's
+        partitioner recomputes a block's pointwise results in backward from the tensors the matmuls
+        and attention read (``pointwise_recompute``), so a block stores less. Its time is priced as
+        an eager block's: the model prices pointwise work at a fused kernel's traffic either way."""
+        return replace(self, name=self.name + COMPILED, pointwise_recompute=True)
+
+    @property
+    def compiled_blocks(self) -> bool:
+        return self.name.endswith(COMPILED)
 
 
 # isthmus on torch 2.13: SDPA (flash on GPU), no dropout, FSDP2/DDP overlap gradient
