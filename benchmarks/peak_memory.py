@@ -73,7 +73,10 @@ def live_tensor_bytes() -> int:
         # A DTensor is a wrapper without storage of its own; its local tensor is found by itself.
         if isinstance(obj, torch.Tensor) and type(obj).__name__ != "DTensor" and obj.device.type == "cpu":
             storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                storages[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a compilation's FakeTensor (--compile): it holds no memory
+                continue
     return sum(storages.values())
 
 

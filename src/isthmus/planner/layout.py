@@ -129,15 +129,13 @@ class Runtime:
         return dict(self.quality).get(geo, 1.0)
 
     def with_compiled_blocks(self) -> Runtime:
-        """This software with each block compiled by torch.compile (``train.compile``): inductor's
-        partitioner recomputes a block's pointwise results in backward from the tensors the matmuls
-        and attention read (``pointwise_recompute``), so a block stores less. Its time is priced as
-        an eager block's: the model prices pointwise work at a fused kernel's traffic either way."""
-        return replace(self, name=self.name + COMPILED, pointwise_recompute=True)
-
-    @property
-    def compiled_blocks(self) -> bool:
-        return self.name.endswith(COMPILED)
+        """This software with each block compiled by torch.compile (``train.compile``), priced as its
+        eager blocks: the model already prices a block's pointwise work at a fused kernel's traffic,
+        and what a compiled block stores was measured between eager's and ``pointwise_recompute``'s
+        on CPU ranks (`small`, benchmarks/peak_memory.py --compile: 0-12% below eager's peak, where
+        recomputing every pointwise result would plan 16-26% below the measured peak), so eager's
+        storage is kept: a plan that fits eager blocks fits compiled ones."""
+        return replace(self, name=self.name + COMPILED)
 
 
 # isthmus on torch 2.13: SDPA (flash on GPU), no dropout, FSDP2/DDP overlap gradient
