@@ -5,7 +5,6 @@ from __future__ import annotations
 from isthmus.layout.spec import DILOCO_SYNCS
 from isthmus.models.flops import count_params
 from isthmus.planner.cost import Estimate, estimate
-from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.placement import place, runnable
 from isthmus.planner.search import SearchResult
 from isthmus.planner.topology import Topology
@@ -211,7 +210,7 @@ def placement_sentences(result: SearchResult, topo: Topology) -> list[str]:
             "boundaries cross the WAN."
         )
         other = "fair" if lay.wan_schedule == "time_shared" else "time_shared"
-        alt = estimate(best.work, topo, lay.with_(wan_schedule=other), result.runtime or RUNTIMES[best.runtime], pl)
+        alt = estimate(best.work, topo, lay.with_(wan_schedule=other), result.runtime, pl)
         ts, fair = (best, alt) if other == "fair" else (alt, best)
         k = max((share for _, share, wan in pl.boundary_links if wan), default=1)
         out.append(

@@ -118,7 +118,7 @@ SPACE_FLAGS: dict[str, str] = {
 class SearchResult:
     ranked: list[Estimate]
     """Best first, by effective tokens/s."""
-    runtime: Runtime | None = None
+    runtime: Runtime
     """The software every estimate assumed."""
     considered: int = 0
     pruned_memory: int = 0
@@ -196,7 +196,7 @@ def search(
             )
         raise ConfigError(SPACE_FLAGS["dc_axis"], space.dc_axis, f"topology {topo.name!r} has one datacenter; use none")
     heap: list[tuple[float, int, Estimate]] = []
-    result = SearchResult([], runtime=runtime)
+    result = SearchResult([], runtime)
     counter = 0
     cores: list[_Core] = []
     for work, core, usable in _core_layouts(args, topo, space, runtime, dtype):
