@@ -145,9 +145,13 @@ def test_config_spec_planner_spec_config(topology: str, devices: int, values: di
     for section in ("parallel", "geo", "train", "model"):
         for key, value in planned[section].items():
             set_value(again, f"{section}.{key}", value, from_cli=False)
+    # Beside the layout's keys, the train keys say what it was planned for: sequence length,
+    # precision and compilation.
+    planned_for = ("seq_len", "dtype", "compile")
     assert {
-        f"{s}.{k}": v for s in ("parallel", "geo", "train") for k, v in planned[s].items() if k != "seq_len"
+        f"{s}.{k}": v for s in ("parallel", "geo", "train") for k, v in planned[s].items() if k not in planned_for
     } == back.config_overrides()
+    assert (planned["train"]["dtype"], planned["train"]["compile"]) == ("bf16", False)
     validate(again)
     for key, value in values.items():
         section, name = key.split(".")
