@@ -52,6 +52,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from isthmus.api import clip_grad_norm, parallelize, shard_batch, step
+from isthmus.config import TrainConfig
 from isthmus.layout.dims import ParallelDims
 from isthmus.models.flavors import get_flavor
 from isthmus.models.llama import build_model, init_weights
@@ -61,7 +62,7 @@ from isthmus.planner.compute import layer_times
 from isthmus.planner.cost import estimate
 from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.topology import device_kinds, parse_topology
-from isthmus.train.optim import by_tensor_kind
+from isthmus.train.optim import build_optimizer
 
 ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))
 """4 KB, 16 KB, ... 64 MB."""
@@ -218,8 +219,7 @@ def _mechanism_worker(
         for layers in (1, 3):
             a = replace(args, n_layers=layers)
             pm = parallelize(build_model(a, device="meta"), spec, mesh=mesh, device="cpu", seq_len=seq)
-            # As the trainer's (train/optim.py): fused, one parameter list per tensor kind.
-            opt = torch.optim.AdamW(by_tensor_kind([{"params": pm.parameters()}]), lr=1e-4, fused=True)
+            opt = build_optimizer(pm.modules, TrainConfig(lr=1e-4))  # the trainer's own AdamW
             gen = torch.Generator().manual_seed(0)
             x = torch.randint(0, a.vocab_size, (batch, seq + 1), generator=gen)
             local = x.chunk(dp)[mesh["dp"].get_local_rank()] if dp > 1 else x
