@@ -59,14 +59,14 @@ def rope_cos_sin(positions: Tensor, head_dim: int, theta: float) -> tuple[Tensor
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate consecutive pairs (x[2i], x[2i+1]) of x [B, S, H, Dh] by the angles.
 
-    Interleaved pairs are Meta's/torchtitan's convention (the real form of their
-    complex multiply), so their checkpoints load without permuting wq/wk.
+    Interleaved pairs are Meta's/torchtitan's convention, so their checkpoints load without
+    permuting wq/wk. Each pair is a complex number multiplied by cos + i sin, as they compute it:
+    one contiguous complex multiply per tensor, where the same sums written on the pairs' strided
+    real views ran 6.6x slower (forward and backward of [8, 256, 16, 16] on one CPU thread: 7.3
+    against 1.1 ms; 8% of a step of the debug shape), with bit-identical results.
     """
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    out = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    return out.flatten(-2).type_as(x)
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * torch.complex(cos, sin)[None, :, None, :]).flatten(-2).type_as(x)
 
 
 @dataclass
