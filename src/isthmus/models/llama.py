@@ -66,7 +66,9 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     against 1.1 ms; 8% of a step of the debug shape), with bit-identical results.
     """
     pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * torch.complex(cos, sin)[None, :, None, :]).flatten(-2).type_as(x)
+    # fp32 angles: FSDP's mixed precision casts a block's inputs, the tables included, to bf16.
+    angles = torch.complex(cos.float(), sin.float())[None, :, None, :]
+    return torch.view_as_real(pairs * angles).flatten(-2).type_as(x)
 
 
 @dataclass
