@@ -26,8 +26,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,33 +33,23 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import peers_common as pc  # noqa: E402
+from isthmus.profile.measure import best_time  # noqa: E402
 from isthmus.train.short_run import capped  # noqa: E402
 
 MODES = ("ddp", "tp", "pp")  # the modes' shares; zero1-3 compute as ddp, tp_sp as tp
 SHARE = {"ddp": "ddp", "zero1": "ddp", "zero2": "ddp", "zero3": "ddp", "tp": "tp", "tp_sp": "tp", "pp": "pp"}
 
 
-def best_s(fn: Callable[[], object], repeats: int) -> float:
-    """The fastest of ``repeats`` timed calls after one untimed call (the floor: noise only adds)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return min(times)
-
-
 def linear_s(tokens: int, n_in: int, n_out: int, repeats: int) -> float:
     """A linear layer's three matmuls: forward, the input's gradient and the weight's."""
     x, w, g = torch.randn(tokens, n_in), torch.randn(n_out, n_in), torch.randn(tokens, n_out)
-    return sum(best_s(fn, repeats) for fn in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x))
+    return sum(best_time(fn, 0.0, repeats) for fn in (lambda: x @ w.t(), lambda: g @ w, lambda: g.t() @ x))
 
 
 def attention_s(sequences: int, heads: int, seq: int, head_dim: int, repeats: int) -> float:
     """Causal SDPA forward and backward (torch picks its CPU kernel, as the trainers do)."""
     q, k, v = (torch.randn(sequences, heads, seq, head_dim, requires_grad=True) for _ in range(3))
-    return best_s(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), repeats)
+    return best_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward(), 0.0, repeats)
 
 
 def blocks_s(sequences: int, n_blocks: int, split: int, repeats: int) -> tuple[float, float]:

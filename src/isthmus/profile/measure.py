@@ -71,7 +71,7 @@ ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))
 # --- measurements -------------------------------------------------------------------------------------
 
 
-def _best_time(fn: Any, budget: float, min_reps: int = 2) -> float:
+def best_time(fn: Any, budget: float, min_reps: int = 2) -> float:
     """Best of repeated calls within ``budget`` seconds (at least ``min_reps``, after one warm-up)."""
     fn()
     best, reps, start = math.inf, 0, time.perf_counter()
@@ -97,7 +97,7 @@ def measure_op_overhead(budget: float) -> float:
         y.sum().backward()
 
     # 20 multiplies forward, 20 backward (plus sum and its backward): ~42 kernels.
-    return _best_time(step, budget) / 42
+    return best_time(step, budget) / 42
 
 
 def fit_gemm_curve(samples: list[tuple[int, int, int, float]], peak: float) -> tuple[float, float, float]:
@@ -380,7 +380,7 @@ def measure_gemms(shapes: list[tuple[int, int, int]], budget: float) -> list[tup
                 best[0] = min(best[0], time.perf_counter() - t)
 
             best = [math.inf]
-            _best_time(call, budget / len(shapes))
+            best_time(call, budget / len(shapes))
             out.append((m, n, k, 2 * m * n * k / best[0]))
         return out
     finally:
