@@ -118,7 +118,7 @@ class Row:
 def planned(layout: LayoutSpec, flavor: str, dtype: str = "fp32", compiled: bool = False) -> list[float]:
     """The planner's peak memory of each pipeline stage."""
     work = Workload(get_flavor(flavor), BATCH, SEQ, dtype)
-    runtime = local_runtime().with_compiled_blocks() if compiled else local_runtime()
+    runtime = local_runtime().with_compile(compiled)
     stages = stage_costs(work, layout, runtime, place(local_topology(layout.world), layout))
     return [rank_memory(work, layout, runtime, r, st.layers).total for r, st in enumerate(stages)]
 

@@ -117,7 +117,7 @@ def test_train_dtype_and_compile_are_planned_and_carried_in_the_json(capsys: pyt
         assert best["train"]["dtype"] == "bf16" and best["train"]["compile"] is (compiled == "true")
         assert best["runtime"] == ("isthmus+compile" if compiled == "true" else "isthmus")
         planned[compiled] = best
-    # Priced as eager blocks (Runtime.with_compiled_blocks says why): the same layout and figures.
+    # Priced as eager blocks (Runtime.with_compile says why): the same layout and figures.
     assert planned["true"]["layout"] == planned["false"]["layout"]
     assert planned["true"]["mem_per_device_gb"] == planned["false"]["mem_per_device_gb"]
     assert planned["true"]["step_time_s"] == planned["false"]["step_time_s"]

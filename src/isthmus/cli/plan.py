@@ -240,8 +240,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def planned_runtime(ns: argparse.Namespace) -> Runtime:
     """``--runtime``, with its blocks compiled when ``--train.compile true``."""
-    runtime = RUNTIMES[ns.runtime]
-    return runtime.with_compiled_blocks() if ns.compile else runtime
+    return RUNTIMES[ns.runtime].with_compile(ns.compile)
 
 
 def check_arguments(ns: argparse.Namespace) -> None:

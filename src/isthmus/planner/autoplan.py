@@ -330,7 +330,7 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
             "cannot be combined with model.tie_embeddings (embedding and head live on different stages)",
         )
     try:
-        runtime = local_runtime().with_compiled_blocks() if t.compile else local_runtime()
+        runtime = local_runtime().with_compile(t.compile)
         est = choose_layout(
             args, topo, space, {**pins, "nproc": p.nproc}, runtime, t.dtype, top=50, band=SIMPLEST_WITHIN
         )

@@ -18,7 +18,7 @@ from isthmus.models.args import ModelArgs
 __all__ = ["COMPILED", "PLANNED_DTYPES", "RUNTIMES", "TRAINED_DTYPES", "LayoutSpec", "Runtime", "Workload"]
 
 COMPILED = "+compile"
-"""The suffix of a runtime's name whose blocks are compiled (`Runtime.with_compiled_blocks`)."""
+"""The suffix of a runtime's name whose blocks are compiled (`Runtime.with_compile`)."""
 TRAINED_DTYPES = ("fp32", "bf16")
 """What ``train.dtype`` takes: the precisions isthmus trains in."""
 PLANNED_DTYPES = ("fp32", "tf32", "bf16", "fp16", "fp8")
@@ -128,14 +128,14 @@ class Runtime:
     def quality_of(self, geo: str) -> float:
         return dict(self.quality).get(geo, 1.0)
 
-    def with_compiled_blocks(self) -> Runtime:
-        """This software with each block compiled by torch.compile (``train.compile``), priced as its
-        eager blocks: the model already prices a block's pointwise work at a fused kernel's traffic,
+    def with_compile(self, compiled: bool) -> Runtime:
+        """This software as ``train.compile = compiled`` runs it: itself when false; when true, with
+        each block compiled by torch.compile, priced as its eager blocks: the model already prices a block's pointwise work at a fused kernel's traffic,
         and what a compiled block stores was measured between eager's and ``pointwise_recompute``'s
         on CPU ranks (`small`, benchmarks/peak_memory.py --compile: 0-12% below eager's peak, where
         recomputing every pointwise result would plan 16-26% below the measured peak), so eager's
         storage is kept: a plan that fits eager blocks fits compiled ones."""
-        return replace(self, name=self.name + COMPILED)
+        return replace(self, name=self.name + COMPILED) if compiled else self
 
 
 # isthmus on torch 2.13: SDPA (flash on GPU), no dropout, FSDP2/DDP overlap gradient
