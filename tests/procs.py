@@ -16,23 +16,17 @@ from pathlib import Path
 import isthmus
 from isthmus.launch.local import last_logged_step
 
-# A tiny run that never ends by itself (the tests stop it), on a small slice of the default corpus.
-BASE_ARGS = [
-    "--config",
-    "tiny",
-    "--train.steps",
-    "100000",
-    "--train.val_every",
-    "0",
-    "--train.batch_size",
-    "8",
-    "--train.seq_len",
-    "32",
-    "--data.max_bytes",
-    "60000",
-    "--metrics.log_every",
-    "1000",
-]
+
+def tiny_run(steps: int, batch_size: int = 8) -> list[str]:
+    """A short run of the tiny config on a small slice of the default corpus, without validation."""
+    return [
+        *("--config", "tiny", "--train.steps", str(steps), "--train.val_every", "0"),
+        *("--train.batch_size", str(batch_size), "--train.seq_len", "32", "--data.max_bytes", "60000"),
+    ]
+
+
+# A tiny run that never ends by itself (the tests stop it).
+BASE_ARGS = [*tiny_run(100000), "--metrics.log_every", "1000"]
 
 
 def isthmus_argv(*args: str) -> list[str]:

@@ -19,7 +19,7 @@ from isthmus.log import setup_logging
 from isthmus.models.llama import build_model
 from isthmus.train.export import load_exported
 from isthmus.train.final_model import load_final_state, load_model_args
-from procs import run_isthmus
+from procs import run_isthmus, tiny_run
 
 STEPS = 4
 
@@ -30,18 +30,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp / "tp2"
     proc = run_isthmus(
         "train",
-        "--config",
-        "tiny",
-        "--train.steps",
-        str(STEPS),
-        "--train.val_every",
-        "0",
-        "--train.batch_size",
-        "4",
-        "--train.seq_len",
-        "32",
-        "--data.max_bytes",
-        "60000",
+        *tiny_run(STEPS, batch_size=4),
         "--parallel.nproc",
         "2",
         "--parallel.tp",

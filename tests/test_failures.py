@@ -21,22 +21,11 @@ import torch
 from isthmus.config import build_config, parse_overrides
 from isthmus.errors import ConfigError, IsthmusError
 from isthmus.launch.local import last_logged_step, launch, prepare_restart
-from procs import holder_of, isthmus_argv
+from procs import holder_of, isthmus_argv, tiny_run
 
 STEPS = 24
 ARGS = [
-    "--config",
-    "tiny",
-    "--train.steps",
-    str(STEPS),
-    "--train.val_every",
-    "0",
-    "--train.batch_size",
-    "8",
-    "--train.seq_len",
-    "32",
-    "--data.max_bytes",
-    "60000",
+    *tiny_run(STEPS),
     "--parallel.nproc",
     "2",
     "--parallel.dp_replicate",
