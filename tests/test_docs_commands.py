@@ -214,8 +214,9 @@ def _reader_home(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
 
     A returning user's compiled kernels are warm; a fresh path would not be, since torch keys each
     C++ kernel it compiles by its compiler command, which names the include folders of the virtual
-    environment's torch (measured: `isthmus train --parallel.nproc 1 --train.compile true` 28.7 s
-    in a new path, 12 s in the last session's). Another session holding the path (a lock on it)
+    environment's torch (measured with both readers running, as here: the README's `isthmus train
+    --parallel.nproc 1 --train.compile true` 43.5 s in a new path, 21.2 s in the last session's;
+    both readers 525 against 495 s). Another session holding the path (a lock on it)
     gets a numbered folder of its own instead. Returns the folder and the lock's open file."""
     base = Path(tempfile.gettempdir()) / f"isthmus-docs-{name}"
     lock = open(f"{base}.lock", "w")  # noqa: SIM115 - held for the session, closed by the fixture
