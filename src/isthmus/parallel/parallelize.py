@@ -103,7 +103,7 @@ def _shard_stage(
     """Steps 2-5 on one module (the whole model, or one pipeline stage)."""
     if dims.tp_enabled:
         assert mesh is not None
-        apply_tp(module, mesh["tp"], p.sequence_parallel)
+        apply_tp(module, mesh["tp"], p.sequence_parallel, p.timeout_s)
     if dims.cp_enabled:
         assert mesh is not None
         apply_cp(module, mesh["cp"].get_group(), p.cp_impl)

@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,10 +37,12 @@ from torch.distributed.tensor.parallel import (
 )
 
 from isthmus.models.llama import Transformer
+from isthmus.parallel.host_reduce import AllReduce, build_all_reduce
 
 
-def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard ``model`` (a Transformer or a pipeline stage of one) over ``tp_mesh`` in place."""
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, timeout_s: float) -> None:
+    """Shard ``model`` (a Transformer or a pipeline stage of one) over ``tp_mesh`` in place; the blocks'
+    all-reduces give up after ``timeout_s`` seconds without every rank (parallel.timeout_s)."""
     # Between blocks activations are sequence-sharded with SP, replicated without.
     between = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, ParallelStyle] = {}
@@ -56,9 +57,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -
     if sequence_parallel:
         model.hidden_seq_shards = tp_mesh.size()
 
+    # One all-reduce for every block's collectives (shared memory where the group's ranks share a host).
+    all_reduce = None if sequence_parallel else build_all_reduce(tp_mesh.get_group(), timeout_s)
     for block in model.layers.values():
-        if not sequence_parallel:
-            shard_block_locally(block, tp_mesh)
+        if all_reduce is not None:
+            shard_block_locally(block, tp_mesh, all_reduce)
             continue
         # Sequence parallel: torch's plans, activations sequence-sharded between the blocks.
         plan: dict[str, ParallelStyle] = {
@@ -86,14 +89,14 @@ class _CopyToTP(torch.autograd.Function):
     (each rank's column shard contributed part of it)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        ctx.group = group  # type: ignore[attr-defined]
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, all_reduce: AllReduce) -> Tensor:
+        ctx.all_reduce = all_reduce  # type: ignore[attr-defined]
         return x
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # type: ignore[attr-defined]
+        ctx.all_reduce(grad)  # type: ignore[attr-defined]
         return grad, None
 
 
@@ -102,8 +105,8 @@ class _ReduceFromTP(torch.autograd.Function):
     backward (every rank needs the whole output gradient, and has it)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
-        dist.all_reduce(x, group=group)  # x is the fresh output of this rank's matmul: ours to overwrite
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, all_reduce: AllReduce) -> Tensor:
+        all_reduce(x)  # x is the fresh output of this rank's matmul: ours to overwrite
         return x
 
     @staticmethod
@@ -116,40 +119,40 @@ class ShardedLinear(nn.Module):
     shard: column-parallel (Shard(0): this rank's output features) or row-parallel (Shard(1): this
     rank's input features, outputs summed over the group). Same parameter name as nn.Linear's."""
 
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, placement: Placement) -> None:
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, placement: Placement, all_reduce: AllReduce) -> None:
         super().__init__()
         assert linear.bias is None, "the model's Linears have no bias"
         self.weight: nn.Parameter = nn.Parameter(
             distribute_tensor(linear.weight, mesh, [placement], src_data_rank=None)
         )
         self.row: bool = placement == Shard(1)
-        self.group: dist.ProcessGroup = mesh.get_group()
+        self.all_reduce: AllReduce = all_reduce
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         out = F.linear(x, weight)
-        return _ReduceFromTP.apply(out, self.group) if self.row else out
+        return _ReduceFromTP.apply(out, self.all_reduce) if self.row else out
 
 
-def _copy_to_tp_hook(group: dist.ProcessGroup) -> Callable[[nn.Module, tuple], tuple]:
+def _copy_to_tp_hook(all_reduce: AllReduce) -> Callable[[nn.Module, tuple], tuple]:
     def hook(_: nn.Module, args: tuple) -> tuple:
-        return (_CopyToTP.apply(args[0], group), *args[1:])
+        return (_CopyToTP.apply(args[0], all_reduce), *args[1:])
 
     return hook
 
 
-def shard_block_locally(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+def shard_block_locally(block: nn.Module, tp_mesh: DeviceMesh, all_reduce: AllReduce) -> None:
     """Column-shard q/k/v and w1/w3, row-shard wo and w2 of one block, computed on local shards.
 
     The attention's and the MLP's input pass through one :class:`_CopyToTP` each (a forward
     pre-hook), so their input gradients are summed over the group once per module, not per Linear.
+    ``all_reduce`` sums over ``tp_mesh``'s group (`isthmus.parallel.host_reduce`).
     """
-    group = tp_mesh.get_group()
     for module_name, column, row in (("attention", ("wq", "wk", "wv"), "wo"), ("feed_forward", ("w1", "w3"), "w2")):
         module = block.get_submodule(module_name)
         for name in column:
             linear = getattr(module, name, None)
             if linear is not None:
-                setattr(module, name, ShardedLinear(linear, tp_mesh, Shard(0)))
-        setattr(module, row, ShardedLinear(getattr(module, row), tp_mesh, Shard(1)))
-        module.register_forward_pre_hook(_copy_to_tp_hook(group))
+                setattr(module, name, ShardedLinear(linear, tp_mesh, Shard(0), all_reduce))
+        setattr(module, row, ShardedLinear(getattr(module, row), tp_mesh, Shard(1), all_reduce))
+        module.register_forward_pre_hook(_copy_to_tp_hook(all_reduce))
