@@ -68,9 +68,12 @@ def _train(overrides: list[str], run_dir: str, cache_dir: str) -> tuple[list[flo
 
 
 @functools.cache
-def _reference(root: str) -> tuple[tuple[list[float], list[float]], dict[str, torch.Tensor]]:
-    run = Path(root) / "single"
-    curves = _train([], str(run), str(Path(root) / "cache"))
+def _reference(
+    root: str, model: tuple[str, ...] = ()
+) -> tuple[tuple[list[float], list[float]], dict[str, torch.Tensor]]:
+    """The single-process run (of the model ``model``'s flags describe) every layout is held to."""
+    run = Path(root) / "-".join(("single", *(m.strip("-") for m in model)))
+    curves = _train(list(model), str(run), str(Path(root) / "cache"))
     return curves, torch.load(run / "final" / "model.pt", weights_only=True)
 
 
@@ -79,10 +82,10 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("equivalence")
 
 
-def _check(workdir: Path, name: str, world: int, overrides: list[str]) -> None:
-    (ref_losses, ref_norms), ref_params = _reference(str(workdir))
+def _check(workdir: Path, name: str, world: int, overrides: list[str], model: tuple[str, ...] = ()) -> None:
+    (ref_losses, ref_norms), ref_params = _reference(str(workdir), model)
     run = workdir / name
-    per_rank = run_ranks(_train, world, overrides, str(run), str(workdir / "cache"))
+    per_rank = run_ranks(_train, world, [*model, *overrides], str(run), str(workdir / "cache"))
     losses, norms = per_rank[0]
     assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the logged loss or gradient norm"
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
@@ -221,3 +224,43 @@ CASES: list[tuple[str, int, list[str]]] = [
 @pytest.mark.parametrize("name,world,overrides", CASES, ids=[c[0] for c in CASES])
 def test_layout_matches_single_process(workdir: Path, name: str, world: int, overrides: list[str]) -> None:
     _check(workdir, name, world, overrides)
+
+
+def test_tied_head_at_tp2_matches_its_single_process(workdir: Path) -> None:
+    """A tied head under tensor parallelism is the vocab-sharded embedding's own rows (one Parameter)."""
+    _check(workdir, "tp2_tied", 2, ["--parallel.tp", "2"], model=("--model.tie_embeddings", "true"))
+
+
+def _vocab_sharded(vocab: int) -> list[float]:
+    """Embedding and head sharded over a TP group whose size does not divide ``vocab``, against the
+    plain modules on every rank: outputs, and the gradients of the full weights."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from isthmus.parallel.host_reduce import build_all_reduce
+    from isthmus.parallel.tp import VocabShardedEmbedding, VocabShardedHead
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    embedding, head = nn.Embedding(vocab, 8), nn.Linear(8, vocab, bias=False)
+    ids = torch.randint(0, vocab, (3, 5))
+    all_reduce = build_all_reduce(mesh.get_group(), timeout_s=60)
+    sharded_embedding = VocabShardedEmbedding(embedding, mesh, all_reduce)
+    sharded_head = VocabShardedHead(head, mesh, all_reduce)
+    rows, plain_rows = sharded_embedding(ids), embedding(ids)
+    logits, plain_logits = sharded_head(rows), head(plain_rows)
+    assert isinstance(logits, DTensor)
+    logits.full_tensor().square().sum().backward()
+    plain_logits.square().sum().backward()
+    errors = [float((rows - plain_rows).abs().max()), float((logits.full_tensor() - plain_logits).abs().max())]
+    for sharded, plain in ((sharded_embedding.weight, embedding.weight), (sharded_head.weight, head.weight)):
+        errors.append(float((sharded.grad.full_tensor() - plain.grad).abs().max()))
+    return errors
+
+
+def test_vocab_sharded_embedding_and_head_with_a_vocabulary_the_group_does_not_divide() -> None:
+    for errors in run_ranks(_vocab_sharded, 3, 10):  # shards of 4, 4 and 2 rows
+        assert errors[0] == 0.0, errors  # the looked-up rows: one non-zero term per sum, exact
+        assert max(errors[1:]) < 1e-5, errors

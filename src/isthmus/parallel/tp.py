@@ -6,10 +6,12 @@ vocab-parallel (row-wise over the vocabulary), the output head column-parallel o
 with its logits left sharded for loss-parallel cross-entropy, so the full [B, S, V] logits never
 exist on one rank.
 
-Inside the blocks without sequence parallelism, the weights are DTensors (so optimizer state,
-FSDP on top, checkpoints and resharding see them as everywhere else) but the compute is on their
-local shards, with Megatron's two conjugate collectives written out (:class:`_CopyToTP`,
-:class:`_ReduceFromTP`). Why not torch's ``parallelize_module`` plans there: they wrap every
+Without sequence parallelism the weights are DTensors (so optimizer state, FSDP on top,
+checkpoints and resharding see them as everywhere else) but the compute is on their local shards,
+in the blocks, the embedding and the head alike, with Megatron's two conjugate collectives written
+out (:class:`_CopyToTP`, :class:`_ReduceFromTP`) and one all-reduce for all of them: through shared
+memory where the group's ranks share a host (`isthmus.parallel.host_reduce`), else the backend's.
+Only the head's logits become a DTensor again, for loss-parallel cross-entropy. Why not torch's ``parallelize_module`` plans there: they wrap every
 Linear's input and output in DTensors, so each matmul, its backward and each redistribution pays
 DTensor's Python dispatch (profiled on the `small` flavor at tp 2 on CPU: ~15% of the step in
 ``PythonSubclass``/``_FromTorchTensor``/``Redistribute``), and each of q, k and v all-reduces its
@@ -43,27 +45,33 @@ from isthmus.parallel.host_reduce import AllReduce, build_all_reduce
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, timeout_s: float) -> None:
     """Shard ``model`` (a Transformer or a pipeline stage of one) over ``tp_mesh`` in place; the blocks'
     all-reduces give up after ``timeout_s`` seconds without every rank (parallel.timeout_s)."""
-    # Between blocks activations are sequence-sharded with SP, replicated without.
-    between = Shard(1) if sequence_parallel else Replicate()
-    top: dict[str, ParallelStyle] = {}
-    if getattr(model, "tok_embeddings", None) is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=between)
-    if getattr(model, "norm", None) is not None and sequence_parallel:
-        top["norm"] = SequenceParallel()
-    if getattr(model, "output", None) is not None:
-        top["output"] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
-    if top:
-        parallelize_module(model, tp_mesh, top)
     if sequence_parallel:
+        # torch's plans, activations sequence-sharded between the blocks.
+        top: dict[str, ParallelStyle] = {}
+        if getattr(model, "tok_embeddings", None) is not None:
+            top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        if getattr(model, "norm", None) is not None:
+            top["norm"] = SequenceParallel()
+        if getattr(model, "output", None) is not None:
+            top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+        if top:
+            parallelize_module(model, tp_mesh, top)
         model.hidden_seq_shards = tp_mesh.size()
+        all_reduce = None
+    else:
+        # One all-reduce for every collective of the embedding, the blocks and the head (shared memory
+        # where the group's ranks share a host).
+        all_reduce = build_all_reduce(tp_mesh.get_group(), timeout_s)
+        if model.tok_embeddings is not None:
+            model.tok_embeddings = VocabShardedEmbedding(model.tok_embeddings, tp_mesh, all_reduce)  # type: ignore[assignment]
+        if model.output is not None:
+            model.output = VocabShardedHead(model.output, tp_mesh, all_reduce)  # type: ignore[assignment]
+        model.tie_weights()  # a tied head is the embedding's (same rows, same Shard(0))
 
-    # One all-reduce for every block's collectives (shared memory where the group's ranks share a host).
-    all_reduce = None if sequence_parallel else build_all_reduce(tp_mesh.get_group(), timeout_s)
     for block in model.layers.values():
         if all_reduce is not None:
             shard_block_locally(block, tp_mesh, all_reduce)
             continue
-        # Sequence parallel: torch's plans, activations sequence-sharded between the blocks.
         plan: dict[str, ParallelStyle] = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
@@ -132,6 +140,55 @@ class ShardedLinear(nn.Module):
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         out = F.linear(x, weight)
         return _ReduceFromTP.apply(out, self.all_reduce) if self.row else out
+
+
+class VocabShardedEmbedding(nn.Module):
+    """The token embedding with its rows (the vocabulary) sharded over the TP mesh, Megatron's
+    vocab-parallel embedding: each rank looks up the ids in its range, zeros elsewhere, and the sum
+    over the group is every token's row (one non-zero term: exact). What torch's RowwiseParallel
+    does on an Embedding, on the local shard and through this layout's all-reduce."""
+
+    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh, all_reduce: AllReduce) -> None:
+        super().__init__()
+        vocab = embedding.num_embeddings
+        self.weight: nn.Parameter = nn.Parameter(
+            distribute_tensor(embedding.weight, mesh, [Shard(0)], src_data_rank=None)
+        )
+        # Shard(0) splits as torch.chunk does: ceil(vocab / size) rows per rank, the last ones fewer.
+        self.first: int = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)
+        self.all_reduce: AllReduce = all_reduce
+
+    def forward(self, ids: Tensor) -> Tensor:
+        weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
+        local = ids - self.first
+        outside = (local < 0) | (local >= weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return _ReduceFromTP.apply(rows, self.all_reduce)
+
+
+class VocabShardedHead(ShardedLinear):
+    """The output head, column-parallel over the vocabulary: its logits stay sharded (a DTensor,
+    Shard(-1)) for loss-parallel cross-entropy; its input's gradient is summed over the group."""
+
+    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, all_reduce: AllReduce) -> None:
+        super().__init__(linear, mesh, Shard(0), all_reduce)
+        self.mesh = mesh
+        self.vocab: int = linear.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        local = super().forward(_CopyToTP.apply(x, self.all_reduce))
+        # The global shape given, not inferred: a vocabulary the group does not divide shards unevenly.
+        shape = torch.Size((*local.shape[:-1], self.vocab))
+        return DTensor.from_local(local, self.mesh, [Shard(-1)], run_check=False, shape=shape, stride=_strides(shape))
+
+
+def _strides(shape: torch.Size) -> tuple[int, ...]:
+    """A contiguous tensor's strides for ``shape``."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
 
 
 def _copy_to_tp_hook(all_reduce: AllReduce) -> Callable[[nn.Module, tuple], tuple]:
