@@ -23,6 +23,11 @@ pair, order swapped every round) and then Colossal-AI (its own process pair), so
 falls on all of them alike. Printed per mode: each system's tokens/s (median over rounds), the
 per-round ratios isthmus / peer and their median (> 1: isthmus is faster).
 
+With ddp among the modes, a third table gives the bound of any DDP of this model here: isthmus's own
+DDP step under DDP's ``no_sync`` (both ranks compute as before, no gradient is summed), timed in the
+same turn as isthmus and torch. Colossal-AI's TorchDDPPlugin wraps the same model in the same torch
+DDP, so no DDP can be faster than Colossal-AI's by more than bound / Colossal-AI.
+
     python benchmarks/peers.py [--modes ddp,zero1,...] [--rounds 3] [--steps 5] [--warmup 2] [--compile] [--out FILE]
 """
 
@@ -49,6 +54,7 @@ from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_
 from isthmus.train.short_run import capped, max_steps_override  # noqa: E402
 
 SYSTEMS = ("isthmus", "torch", "colossalai")
+UNSYNCED = "isthmus-unsynced"  # isthmus's DDP step with no gradient all-reduce: the DDP bound
 COLOSSAL_VENV = Path.home() / ".cache" / "isthmus" / "bench" / "colossalai-venv"
 # Colossal-AI 0.5.0's requirements/requirements.txt without its torch pin (it asks for torch<=2.5.1;
 # we keep the project's 2.13.0 and install colossalai itself with --no-deps).
@@ -287,6 +293,20 @@ def isthmus_step(trainer: object) -> pc.Step:
     return step
 
 
+def unsynced_step(trainer: object) -> pc.Step:
+    """The trainer's DDP step with DDP's gradient all-reduce switched off (``no_sync``): the replicas
+    drift apart, which changes nothing in a step's time."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = next(m for m in trainer.pm.modules if isinstance(m, DistributedDataParallel))  # type: ignore[attr-defined]
+
+    def step() -> float:
+        with ddp.no_sync():
+            return trainer.train_step()[0].loss  # type: ignore[attr-defined]
+
+    return step
+
+
 def project_worker(rank: int, opts: argparse.Namespace) -> None:
     """One rank of the project venv's pair: build every mode's two systems, then time them turn by turn."""
     import torch.distributed as dist
@@ -297,10 +317,12 @@ def project_worker(rank: int, opts: argparse.Namespace) -> None:
     first_loss: dict[str, float] = {}
     for mode in opts.modes:
         trainer = isthmus_trainer(mode, opts.root, bool(opts.compile))
-        builds = (
+        builds = [
             ("isthmus", lambda: isthmus_step(trainer)),
             ("torch", lambda: torch_step(mode, trainer, bool(opts.compile))),
-        )
+        ]
+        if mode == "ddp":
+            builds.append((UNSYNCED, lambda: unsynced_step(trainer)))
         for system, build in builds:
             key = f"{system}/{mode}"
             if (step := pc.probe(key, build, first_loss, na)) is not None:
@@ -309,7 +331,7 @@ def project_worker(rank: int, opts: argparse.Namespace) -> None:
     for r in range(opts.rounds):
         for mode in opts.modes:
             pc.wait_turn(opts.root, "project", r, mode)
-            order = ("isthmus", "torch") if r % 2 == 0 else ("torch", "isthmus")
+            order = ("isthmus", "torch", UNSYNCED) if r % 2 == 0 else (UNSYNCED, "torch", "isthmus")
             seconds = {s: pc.time_block(steps[s, mode], opts.warmup, opts.steps) for s in order if (s, mode) in steps}
             if rank == 0:
                 pc.finish_turn(opts.root, "project", r, mode, seconds)
@@ -428,7 +450,7 @@ def hand_out_turns(opts: argparse.Namespace, root: str, procs: dict, logs: dict[
             first_loss.update(ready["first_loss"])
         except RuntimeError as exc:
             dead[name] = str(exc)
-    seconds: dict[str, dict[str, list[float]]] = {s: {m: [] for m in opts.modes} for s in SYSTEMS}
+    seconds: dict[str, dict[str, list[float]]] = {s: {m: [] for m in opts.modes} for s in (*SYSTEMS, UNSYNCED)}
     for r in range(opts.rounds):
         for mode in opts.modes:
             for name in procs:
@@ -462,9 +484,9 @@ def cell(system: str, mode: str, res: dict, opts: argparse.Namespace, reason: st
     return f"n/a ({why or reason})"
 
 
-def ratio_cell(mode: str, peer: str, res: dict, opts: argparse.Namespace) -> str:
-    """Median of per-round isthmus/peer tokens/s ratios (> 1: isthmus faster), then the rounds."""
-    mine, theirs = res["seconds"]["isthmus"][mode], res["seconds"][peer][mode]
+def ratio_cell(mode: str, peer: str, res: dict, opts: argparse.Namespace, system: str = "isthmus") -> str:
+    """Median of per-round system/peer tokens/s ratios (> 1: ``system`` faster), then the rounds."""
+    mine, theirs = res["seconds"][system][mode], res["seconds"][peer][mode]
     if len(mine) != opts.rounds or len(theirs) != opts.rounds or not mine:
         return "-"
     ratios = [t / m for m, t in zip(mine, theirs)]  # same tokens: the tok/s ratio is the time ratio inverted
@@ -492,6 +514,15 @@ def print_table(res: dict, opts: argparse.Namespace, colossal_note: str) -> None
         losses = [res["first_loss"].get(f"{s}/{mode}") for s in SYSTEMS]
         loss_cell = " / ".join("-" if v is None else f"{v:.4f}" for v in losses)
         print(f"| {mode} | " + " | ".join([*cells, *ratios, loss_cell]) + " |")
+    if "ddp" in opts.modes:
+        print()
+        print("DDP bound: isthmus's DDP step under no_sync (no gradient all-reduce), timed in isthmus's turns")
+        print()
+        print("| mode | bound tok/s | bound/Colossal-AI (rounds) | isthmus/bound (rounds) |")
+        print("|---|---|---|---|")
+        bound = cell(UNSYNCED, "ddp", res, opts, "not measured")
+        over_peer = ratio_cell("ddp", "colossalai", res, opts, system=UNSYNCED)
+        print(f"| ddp | {bound} | {over_peer} | {ratio_cell('ddp', UNSYNCED, res, opts)} |")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

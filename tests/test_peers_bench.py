@@ -25,12 +25,17 @@ def test_two_modes_print_ratios_and_equal_first_losses(tmp_path: Path) -> None:
         "--modes", "ddp,zero3", "--rounds", "1", "--steps", "1", "--warmup", "0", "--no-colossal", "--out", str(out)
     )
     assert res.returncode == 0, res.stderr[-2000:]
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+    cells = [
+        (line.split("|")[1].strip(), [c.strip() for c in line.split("|")[2:-1]])
         for line in res.stdout.splitlines()
         if re.match(r"\| (ddp|zero3) \|", line)
-    }
+    ]
+    rows = {mode: row for mode, row in cells if len(row) == 6}
     assert set(rows) == {"ddp", "zero3"}, res.stdout
+    # The DDP bound's table: isthmus's DDP step without its all-reduce, and isthmus over it.
+    [(_, (bound, bound_vs_colossal, vs_bound))] = [(m, row) for m, row in cells if len(row) == 3]
+    assert float(bound.replace(",", "")) > 0 and bound_vs_colossal == "-", res.stdout
+    assert re.fullmatch(r"[\d.]+ \([\d.]+\)", vs_bound), res.stdout
     for mode, (mine, torch_, colossal, vs_torch, vs_colossal, losses) in rows.items():
         assert float(mine.replace(",", "")) > 0 and float(torch_.replace(",", "")) > 0, (mode, rows[mode])
         assert colossal == "n/a (--no-colossal)" and vs_colossal == "-"
