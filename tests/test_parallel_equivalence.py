@@ -232,29 +232,33 @@ def test_tied_head_at_tp2_matches_its_single_process(workdir: Path) -> None:
 
 
 def _vocab_sharded(vocab: int) -> list[float]:
-    """Embedding and head sharded over a TP group whose size does not divide ``vocab``, against the
-    plain modules on every rank: outputs, and the gradients of the full weights."""
+    """Embedding, head and loss sharded over a TP group whose size does not divide ``vocab``, against
+    the plain modules and F.cross_entropy on every rank: outputs, loss, the full weights' gradients."""
     import torch.distributed as dist
+    import torch.nn.functional as F
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
     from isthmus.parallel.host_reduce import build_all_reduce
-    from isthmus.parallel.tp import VocabShardedEmbedding, VocabShardedHead
+    from isthmus.parallel.tp import VocabShardedEmbedding, VocabShardedHead, is_vocab_sharded
+    from isthmus.train.step import cross_entropy
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)
     embedding, head = nn.Embedding(vocab, 8), nn.Linear(8, vocab, bias=False)
-    ids = torch.randint(0, vocab, (3, 5))
+    ids, targets = torch.randint(0, vocab, (3, 5)), torch.randint(0, vocab, (3, 5))
     all_reduce = build_all_reduce(mesh.get_group(), timeout_s=60)
     sharded_embedding = VocabShardedEmbedding(embedding, mesh, all_reduce)
     sharded_head = VocabShardedHead(head, mesh, all_reduce)
     rows, plain_rows = sharded_embedding(ids), embedding(ids)
     logits, plain_logits = sharded_head(rows), head(plain_rows)
-    assert isinstance(logits, DTensor)
-    logits.full_tensor().square().sum().backward()
-    plain_logits.square().sum().backward()
+    assert isinstance(logits, DTensor) and is_vocab_sharded(logits)
+    loss, plain_loss = cross_entropy(logits, targets), F.cross_entropy(plain_logits.flatten(0, 1), targets.flatten())
+    loss.backward()
+    plain_loss.backward()
     errors = [float((rows - plain_rows).abs().max()), float((logits.full_tensor() - plain_logits).abs().max())]
+    errors.append(abs(float(loss) - float(plain_loss)))
     for sharded, plain in ((sharded_embedding.weight, embedding.weight), (sharded_head.weight, head.weight)):
         errors.append(float((sharded.grad.full_tensor() - plain.grad).abs().max()))
     return errors

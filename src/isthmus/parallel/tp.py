@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -180,6 +181,59 @@ class VocabShardedHead(ShardedLinear):
         # The global shape given, not inferred: a vocabulary the group does not divide shards unevenly.
         shape = torch.Size((*local.shape[:-1], self.vocab))
         return DTensor.from_local(local, self.mesh, [Shard(-1)], run_check=False, shape=shape, stride=_strides(shape))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Megatron's vocab-parallel cross-entropy on this rank's logit columns [N, V / tp]: the row maxima
+    and then the sums of exponentials and the target logits are reduced over the group (two
+    all-reduces of N values), so no rank ever holds [N, V]; the backward is local (softmax minus
+    the one-hot of the target, where the target is this rank's column)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, local: Tensor, targets: Tensor, first: int, group: dist.ProcessGroup
+    ) -> Tensor:
+        row_max = local.max(dim=-1).values
+        dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = local - row_max.unsqueeze(-1)
+        column = targets - first
+        mine = (column >= 0) & (column < local.shape[-1])
+        column = column.masked_fill(~mine, 0)
+        exp = shifted.exp()
+        sums = torch.stack((exp.sum(dim=-1), shifted.gather(-1, column.unsqueeze(-1)).squeeze(-1) * mine))
+        dist.all_reduce(sums, group=group)
+        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), column, mine)
+        return sums[0].log() - sums[1]
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        softmax, column, mine = ctx.saved_tensors  # type: ignore[attr-defined]
+        softmax.scatter_add_(-1, column.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
+        return softmax.mul_(grad.unsqueeze(-1)), None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: DTensor, targets: Tensor) -> Tensor:
+    """Mean next-token loss of logits sharded over the vocabulary on a 1-D mesh (the tensor-parallel
+    head's), in fp32, as ``F.cross_entropy`` of the whole logits would give it.
+
+    Written out rather than torch's ``loss_parallel``, which runs the same maths through DTensor's
+    dispatch op by op: [8, 256, 2048] logits on 2 ranks here, forward and backward, 26 ms against
+    7 ms for a plain cross-entropy of one rank's half."""
+    mesh = logits.device_mesh
+    vocab = logits.shape[-1]
+    first = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)  # Shard's torch.chunk split
+    local = logits.to_local().float().flatten(0, -2)
+    losses = _VocabParallelCrossEntropy.apply(local, targets.flatten(), first, mesh.get_group())
+    return losses.mean()
+
+
+def is_vocab_sharded(logits: Tensor) -> bool:
+    """Logits as the tensor-parallel head leaves them: a DTensor on a 1-D mesh, sharded on its last dim."""
+    return (
+        isinstance(logits, DTensor)
+        and logits.device_mesh.ndim == 1
+        and logits.placements[0] in (Shard(-1), Shard(logits.ndim - 1))
+    )
 
 
 def _strides(shape: torch.Size) -> tuple[int, ...]:

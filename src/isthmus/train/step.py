@@ -17,27 +17,32 @@ from torch.distributed.tensor.parallel import loss_parallel
 from isthmus.parallel.context import cp_shard
 from isthmus.parallel.parallelize import ParallelModel
 from isthmus.parallel.pipeline import pipeline_step
+from isthmus.parallel.tp import is_vocab_sharded, vocab_parallel_cross_entropy
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss; fp32 logits so bf16 runs reduce in full precision."""
+    """Mean next-token loss; fp32 logits so bf16 runs reduce in full precision. The vocab-sharded
+    logits of tensor parallelism's head take the vocab-parallel form (`isthmus.parallel.tp`)."""
+    if is_vocab_sharded(logits):
+        return vocab_parallel_cross_entropy(logits, targets)  # type: ignore[arg-type]
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(0, 1))
 
 
 def loss_function(compiled: bool, loss_parallel: bool) -> LossFn:
     """The trainer's loss: `cross_entropy`, compiled under ``train.compile`` (the cast, log-softmax and
-    gather fused by inductor), except where tensor parallelism leaves vocab-sharded logits:
-    loss-parallel's DTensor rules run eager."""
+    gather fused by inductor), except where tensor parallelism leaves vocab-sharded logits: their
+    loss has its collectives inside and runs eager."""
     if compiled and not loss_parallel:
         return torch.compile(cross_entropy)
     return cross_entropy
 
 
 def loss_context(pm: ParallelModel) -> AbstractContextManager[Any]:
-    """Tensor parallelism leaves vocab-sharded logits, which need torch's loss-parallel
-    cross-entropy around the loss and its backward; a no-op for every other layout."""
+    """Tensor parallelism leaves vocab-sharded logits; a loss of one's own (`isthmus.api`) written
+    with torch's ops on them needs torch's loss-parallel context around it and its backward
+    (`cross_entropy` here needs none); a no-op for every other layout."""
     if pm.loss_parallel:
         return loss_parallel()
     return nullcontext()
