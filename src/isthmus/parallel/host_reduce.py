@@ -4,8 +4,9 @@ Why by hand: gloo, torch's CPU backend, moves every collective over TCP, loopbac
 no shared-memory transport; oneCCL's (torch-ccl) is a separate Intel build, and DeepSpeed carries its
 own C++ shared-memory all-reduce for CPU ranks for the same reason. Tensor parallelism puts two
 blocking all-reduces of one activation into every block, forward and backward, on the critical path:
-measured on this project's 2-core CI machine, 2 ranks, 2 MB (the debug shape's [8, 256, 256] fp32
-activation), gloo takes 0.56 ms at best and 3.2 ms median (loopback TCP wake-ups), this 0.39 / 0.44 ms.
+2 ranks on a 2-core machine, 2 MiB (the debug shape's [8, 256, 256] fp32 activation), gloo takes
+1.00 ms at best and 1.55 ms median (loopback TCP and its wake-ups), this 0.58 / 0.66 ms
+(benchmarks/tp_collectives.py, docs/benchmarks.md).
 
 How: one shared file in /dev/shm, mapped by every rank of the group and unlinked as soon as all have
 it (a crash leaves nothing behind), holds a sequence counter per rank and two banks of one slot per
