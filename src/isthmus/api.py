@@ -8,7 +8,7 @@
         optimizer.step(); optimizer.zero_grad()
 
 The loop never branches on the layout: the helpers below hide what differs between a plain module,
-tensor parallelism (loss-parallel cross-entropy), context parallelism (sequence chunks) and a
+tensor parallelism (vocab-parallel cross-entropy), context parallelism (sequence chunks) and a
 pipeline schedule. They call the same functions as `isthmus.train.trainer`.
 """
 
@@ -183,7 +183,8 @@ def clip_grad_norm(pm: ParallelModel, max_norm: float, mesh: Meshes | None) -> f
 
 
 def _plain(loss: torch.Tensor) -> torch.Tensor:
-    """A loss-parallel loss is a replicated DTensor (so ``full_tensor`` communicates nothing); hand back a plain one."""
+    """A loss of one's own computed under torch's loss-parallel is a replicated DTensor (so ``full_tensor``
+    communicates nothing); hand back a plain one."""
 
     return loss.full_tensor() if isinstance(loss, DTensor) else loss
 

@@ -48,7 +48,8 @@ class ParallelModel:
     has_first_stage: bool = True
     has_last_stage: bool = True
     loss_parallel: bool = False
-    """Logits are vocab-sharded DTensors: compute the loss under `torch.distributed.tensor.parallel.loss_parallel`."""
+    """Logits are vocab-sharded DTensors: `train.step.cross_entropy` takes its vocab-parallel form, a loss of
+    one's own needs `train.step.loss_context` (torch's loss_parallel)."""
     autocast: bool = False
     """Run forward and backward under ``torch.autocast`` (bf16): the weights are fp32 and nothing
     casts them (DDP, one process); False under FSDP's mixed precision or in fp32."""

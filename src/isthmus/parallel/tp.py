@@ -3,17 +3,18 @@
 Column-parallel q/k/v and w1/w3, row-parallel wo and w2: one all-reduce (or, with sequence
 parallelism, one reduce-scatter + all-gather pair) per attention and per MLP. The embedding is
 vocab-parallel (row-wise over the vocabulary), the output head column-parallel over the vocabulary
-with its logits left sharded for loss-parallel cross-entropy, so the full [B, S, V] logits never
-exist on one rank.
+with its logits left sharded for the vocab-parallel cross-entropy, so the full [B, S, V] logits
+never exist on one rank.
 
 Without sequence parallelism the weights are DTensors (so optimizer state, FSDP on top,
 checkpoints and resharding see them as everywhere else) but the compute is on their local shards,
 in the blocks, the embedding and the head alike, with Megatron's two conjugate collectives written
 out (:class:`_CopyToTP`, :class:`_ReduceFromTP`) and one all-reduce for all of them: through shared
 memory where the group's ranks share a host (`isthmus.parallel.host_reduce`), else the backend's.
-Only the head's logits become a DTensor again, for loss-parallel cross-entropy. Why not torch's ``parallelize_module`` plans there: they wrap every
-Linear's input and output in DTensors, so each matmul, its backward and each redistribution pays
-DTensor's Python dispatch (profiled on the `small` flavor at tp 2 on CPU: ~15% of the step in
+Only the head's logits become a DTensor again, for the loss (:func:`vocab_parallel_cross_entropy`,
+whatever the layout). Why not torch's ``parallelize_module`` plans there: they wrap every Linear's
+input and output in DTensors, so each matmul, its backward and each redistribution pays DTensor's
+Python dispatch (profiled on the `small` flavor at tp 2 on CPU: ~15% of the step in
 ``PythonSubclass``/``_FromTorchTensor``/``Redistribute``), and each of q, k and v all-reduces its
 own input gradient in the backward where one all-reduce of their sum does (3 -> 1 per attention,
 2 -> 1 per SwiGLU MLP). Sequence parallelism keeps torch's plans (its norms and sequence
@@ -143,6 +144,12 @@ class ShardedLinear(nn.Module):
         return _ReduceFromTP.apply(out, self.all_reduce) if self.row else out
 
 
+def first_of_shard(vocab: int, mesh: DeviceMesh) -> int:
+    """The first vocabulary row of this rank's Shard(0) (or column of its Shard(-1)): DTensor splits
+    as torch.chunk does, ceil(vocab / size) per rank, the last ones fewer or none."""
+    return min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)
+
+
 class VocabShardedEmbedding(nn.Module):
     """The token embedding with its rows (the vocabulary) sharded over the TP mesh, Megatron's
     vocab-parallel embedding: each rank looks up the ids in its range, zeros elsewhere, and the sum
@@ -155,8 +162,7 @@ class VocabShardedEmbedding(nn.Module):
         self.weight: nn.Parameter = nn.Parameter(
             distribute_tensor(embedding.weight, mesh, [Shard(0)], src_data_rank=None)
         )
-        # Shard(0) splits as torch.chunk does: ceil(vocab / size) rows per rank, the last ones fewer.
-        self.first: int = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)
+        self.first: int = first_of_shard(vocab, mesh)
         self.all_reduce: AllReduce = all_reduce
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -169,7 +175,7 @@ class VocabShardedEmbedding(nn.Module):
 
 class VocabShardedHead(ShardedLinear):
     """The output head, column-parallel over the vocabulary: its logits stay sharded (a DTensor,
-    Shard(-1)) for loss-parallel cross-entropy; its input's gradient is summed over the group."""
+    Shard(-1)) for :func:`vocab_parallel_cross_entropy`; its input's gradient is summed over the group."""
 
     def __init__(self, linear: nn.Linear, mesh: DeviceMesh, all_reduce: AllReduce) -> None:
         super().__init__(linear, mesh, Shard(0), all_reduce)
@@ -222,7 +228,7 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets: Tensor) -> Tensor:
     half alone (benchmarks/tp_collectives.py)."""
     mesh = logits.device_mesh
     vocab = logits.shape[-1]
-    first = min(mesh.get_local_rank() * -(-vocab // mesh.size()), vocab)  # Shard's torch.chunk split
+    first = first_of_shard(vocab, mesh)
     local = logits.to_local().float().flatten(0, -2)
     losses = _VocabParallelCrossEntropy.apply(local, targets.flatten(), first, mesh.get_group())
     return losses.mean()
