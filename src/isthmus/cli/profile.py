@@ -98,7 +98,13 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         f"effective; {prof['block_nt'] * 1e3:.1f} ms on {threads} threads ({prof['speedup']:.2f} x); "
         f"{prof['shared']:.2f} x slower with both ranks computing\n"
         f"  gloo all-reduce, 2 ranks: {prof['gloo_bw'] / 1e9:.2f} GB/s, latency {prof['gloo_lat'] * 1e6:.0f} us\n"
-        f"  runtime work per block on 2 ranks: tp {dc.kind.tp_block_s * 1e3:.1f} ms per pass "
+        + (
+            f"  shared-memory all-reduce (tensor parallelism's), 2 ranks: {prof['host_bw'] / 1e9:.2f} GB/s, "
+            f"latency {prof['host_lat'] * 1e6:.0f} us\n"
+            if prof.get("host")
+            else ""
+        )
+        + f"  runtime work per block on 2 ranks: tp {dc.kind.tp_block_s * 1e3:.1f} ms per pass "
         f"(sp {dc.kind.sp_block_s * 1e3:+.1f} ms), FSDP2 {dc.kind.shard_block_s * 1e3:.1f} ms per collective\n"
         f"  CPU peak for MFU: "
         + "; ".join(

@@ -201,10 +201,14 @@ def local_runtime() -> Runtime:
     """isthmus on CPU ranks: gloo moves and reduces bytes on the same cores that compute, so
     data-parallel traffic does not hide behind the backward (it adds to the step), unlike on GPUs
     where NCCL runs on its own engines. Measured here: dp_replicate 2 takes compute + all-reduce.
-    Its blocks keep what eager fp32 autograd keeps (``Runtime.eager_llama_block``, measured)."""
+    Its blocks keep what eager fp32 autograd keeps (``Runtime.eager_llama_block``, measured), and
+    tensor parallelism sums through shared memory where the profile measured that path
+    (``Runtime.tp_host_memory``)."""
     from isthmus.planner.layout import RUNTIMES
 
-    return replace(RUNTIMES["isthmus"], name="isthmus-cpu", dp_overlap=False, eager_llama_block=True)
+    return replace(
+        RUNTIMES["isthmus"], name="isthmus-cpu", dp_overlap=False, eager_llama_block=True, tp_host_memory=True
+    )
 
 
 def threads_per_rank(nproc: int, cores: int | None = None, threads: int = 0) -> int:
@@ -240,7 +244,9 @@ def local_topology(nproc: int, source: str = "local", threads: int = 0, cores: i
         share = cores / busy
         kind = _scaled(kind, share, f"{kind.name}/{busy / cores:g}")
         links = {
-            k: replace(getattr(dc, k), bandwidth=getattr(dc, k).bandwidth * share) for k in ("intra_node", "fabric")
+            k: replace(getattr(dc, k), bandwidth=getattr(dc, k).bandwidth * share)
+            for k in ("intra_node", "fabric", "host_memory")
+            if getattr(dc, k) is not None
         }
     else:
         links = {}

@@ -10,6 +10,7 @@ A topology is a TOML file (or the name of a preset shipped in ``topologies/``)::
     devices_per_node = 8
     intra_node = { bandwidth_gb_s = 360, latency_us = 3 }   # per device, one direction
     fabric = { bandwidth_gb_s = 45, latency_us = 6 }        # per device, between nodes
+    host_memory = { bandwidth_gb_s = 6, latency_us = 20 }   # optional: CPU ranks of one host, through shared memory
     [[wan]]
     between = ["east", "west"]
     bandwidth_gb_s = 50                                      # the whole link, one direction
@@ -46,7 +47,7 @@ _DEVICE_KEYS = {
     "sp_block_us",
     "shard_block_us",
 }
-_DC_KEYS = {"name", "device", "nodes", "devices_per_node", "intra_node", "fabric"}
+_DC_KEYS = {"name", "device", "nodes", "devices_per_node", "intra_node", "fabric", "host_memory"}
 _LINK_KEYS = {"bandwidth_gb_s", "latency_us"}
 TCP_WINDOW_SHARE = 0.5
 """The share of a socket's receive buffer Linux offers as the TCP window (``tcp_adv_win_scale = 1``:
@@ -156,6 +157,9 @@ class Datacenter:
     """Between devices of one node (per device)."""
     fabric: Link
     """Between nodes of this datacenter (per device: its share of the node's NICs)."""
+    host_memory: Link | None = None
+    """Between CPU ranks of one node through shared memory (`isthmus.parallel.host_reduce`, measured by
+    ``isthmus profile``): where the CPU runtime sums tensor parallelism's all-reduces; None: no such path."""
 
     @property
     def devices(self) -> int:
@@ -435,7 +439,8 @@ def _parse_datacenter(i: int, raw: Any, kinds: dict[str, DeviceKind]) -> Datacen
     if "fabric" not in raw and nodes > 1:
         raise ConfigError(f"{where}.fabric", None, "is required when nodes > 1")
     fabric = _parse_link(raw["fabric"], f"{where}.fabric") if "fabric" in raw else intra
-    return Datacenter(name, kinds[device], nodes, per_node, intra, fabric)
+    host = _parse_link(raw["host_memory"], f"{where}.host_memory") if "host_memory" in raw else None
+    return Datacenter(name, kinds[device], nodes, per_node, intra, fabric, host)
 
 
 def _parse_wan(raw: Any, names: list[str]) -> dict[frozenset[str], Link]:

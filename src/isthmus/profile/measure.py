@@ -123,26 +123,19 @@ def _gloo_worker(
     """One of the two ranks of :func:`measure_gloo` (a process of its own). ``block``:
     [flavor, batch, seq, seconds] to time a block while the other rank does the same."""
 
+    from isthmus.parallel.host_reduce import SharedMemoryAllReduce, build_all_reduce
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", **served_group_args(port, rank, 2))
-    times = []
-    for nbytes in sizes:
-        x = torch.ones(nbytes // 4)
-        for _ in range(2):
-            dist.all_reduce(x)
-        t = time.perf_counter()
-        dist.all_reduce(x)
-        # Both ranks must run the same collectives: rank 0 decides how many repeats fit the budget.
-        reps = torch.tensor([max(repeats, min(200, int(budget / len(sizes) / max(time.perf_counter() - t, 1e-6))))])
-        dist.broadcast(reps, src=0)
-        samples = []
-        for _ in range(int(reps)):
-            dist.barrier()
-            t = time.perf_counter()
-            dist.all_reduce(x)
-            samples.append(time.perf_counter() - t)
-        samples.sort()
-        times.append(samples[len(samples) // 2])
+    # gloo's all-reduce (what data parallelism uses), then the shared-memory one tensor parallelism
+    # uses between ranks of one host, where it serves (`isthmus.parallel.host_reduce`); half the budget each.
+    times = [_median_all_reduce(dist.all_reduce, nbytes, budget / 2 / len(sizes), repeats) for nbytes in sizes]
+    world = dist.group.WORLD
+    assert world is not None, "the default group was made above"
+    host = build_all_reduce(world, timeout_s=120)
+    host_times = None
+    if isinstance(host, SharedMemoryAllReduce):
+        host_times = [_median_all_reduce(host, nbytes, budget / 2 / len(sizes), repeats) for nbytes in sizes]
     together = alone = 0.0
     if block:
         flavor, batch, seq, seconds = block
@@ -167,15 +160,37 @@ def _gloo_worker(
                 break
         alone, together = _block_from(best["alone"])[0], _block_from(best["together"])[0]
     if rank == 0:
-        Path(out).write_text(json.dumps({"allreduce": times, "block_alone": alone, "block_together": together}))
+        got = {"allreduce": times, "host_allreduce": host_times, "block_alone": alone, "block_together": together}
+        Path(out).write_text(json.dumps(got))
     dist.destroy_process_group()
+
+
+def _median_all_reduce(all_reduce: Callable[[torch.Tensor], Any], nbytes: int, budget: float, repeats: int) -> float:
+    """Median seconds of ``all_reduce`` of ``nbytes`` between the two ranks (a barrier before each)."""
+    x = torch.ones(nbytes // 4)
+    for _ in range(2):
+        all_reduce(x)
+    t = time.perf_counter()
+    all_reduce(x)
+    # Both ranks must run the same collectives: rank 0 decides how many repeats fit the budget.
+    reps = torch.tensor([max(repeats, min(200, int(budget / max(time.perf_counter() - t, 1e-6))))])
+    dist.broadcast(reps, src=0)
+    samples = []
+    for _ in range(int(reps)):
+        dist.barrier()
+        t = time.perf_counter()
+        all_reduce(x)
+        samples.append(time.perf_counter() - t)
+    samples.sort()
+    return samples[len(samples) // 2]
 
 
 def measure_gloo(
     budget: float, sizes: tuple[int, ...] = ALLREDUCE_BYTES, block: list[Any] | None = None, repeats: int = 3
-) -> tuple[list[tuple[int, float]], float]:
-    """((bytes, median seconds) of a gloo all-reduce between two local ranks over loopback, and, when
-    ``block`` asks, how much slower a block runs with both ranks computing than with one alone)."""
+) -> tuple[list[tuple[int, float]], float, list[tuple[int, float]] | None]:
+    """((bytes, median seconds) of a gloo all-reduce between two local ranks over loopback; when
+    ``block`` asks, how much slower a block runs with both ranks computing than with one alone; the
+    same (bytes, seconds) through shared memory, None where that path does not serve here)."""
     got = _two_ranks(
         _gloo_worker,
         lambda port, out: [port, list(sizes), budget, out, block, repeats],
@@ -183,7 +198,8 @@ def measure_gloo(
         "the gloo ranks",
     )
     shared = got["block_together"] / got["block_alone"] if got["block_alone"] > 0 else 1.0
-    return list(zip(sizes, got["allreduce"])), shared
+    host = list(zip(sizes, got["host_allreduce"])) if got["host_allreduce"] is not None else None
+    return list(zip(sizes, got["allreduce"])), shared, host
 
 
 MECHANISMS: dict[str, dict[str, Any]] = {
@@ -504,8 +520,9 @@ def measure(
     block_q = measure_block(args, quarter, seq, (1,), 0.1 * budget, repeats)[1][0] if quarter < batch else block_1t
     launch, bw = fit_block(kind, args, seq, [(batch, block_1t), (quarter, block_q)], floor)
     kind = replace(kind, kernel_launch_s=launch, memory_bandwidth=bw)
-    gloo, shared = measure_gloo(0.2 * budget, sizes, [flavor, half, seq, 0.15 * budget], repeats)
+    gloo, shared, host = measure_gloo(0.2 * budget, sizes, [flavor, half, seq, 0.15 * budget], repeats)
     lat, link_bw = fit_alpha_beta(gloo)
+    host_lat, host_bw = fit_alpha_beta(host) if host else (None, None)
     mechanisms = measure_mechanisms(flavor, batch, seq, 0.3 * budget, repeats)
     return {
         "mechanisms": mechanisms,
@@ -533,6 +550,9 @@ def measure(
         "gloo": gloo,
         "gloo_lat": lat,
         "gloo_bw": link_bw,
+        "host": host,
+        "host_lat": host_lat,
+        "host_bw": host_bw,
         "base": base,
     }
 
@@ -619,6 +639,12 @@ def topology_toml(prof: dict[str, Any], name: str, cores: int) -> str:
         "nodes = 1",
         f"devices_per_node = {cores}",
         f"intra_node = {{ bandwidth_gb_s = {prof['gloo_bw'] / 1e9:.4f}, latency_us = {prof['gloo_lat'] * 1e6:.1f} }}",
-        "",
     ]
+    if prof.get("host"):
+        lines += [
+            "# The shared-memory all-reduce between the same 2 ranks (tensor parallelism's, median):",
+            *(f"#   {b / 1024:>8.0f} KB: {s * 1e6:9.0f} us" for b, s in prof["host"]),
+            f"host_memory = {{ bandwidth_gb_s = {prof['host_bw'] / 1e9:.4f}, latency_us = {prof['host_lat'] * 1e6:.1f} }}",
+        ]
+    lines += [""]
     return "\n".join(lines)
