@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from isthmus.parallel.rendezvous import group_store_args
+from isthmus.parallel.rendezvous import group_store_args, loopback_store_server, served_store_environ
 
 # torchtitan's debug model: Llama, dim 256, 6 layers, 16 heads (16 KV heads), SwiGLU FFN 768,
 # vocab 2048, untied head. isthmus names it the "debug" flavor.
@@ -72,12 +72,25 @@ def random_tokens(n: int, seed: int = SEED) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, SHAPE["vocab_size"], size=n, dtype=np.uint16)
 
 
-def init_gloo(rank: int) -> None:
+def init_gloo(rank: int, world: int = WORLD) -> None:
     """One thread per rank (2 ranks on 2 cores) and a gloo group over the env's rendezvous."""
     torch.set_num_threads(1)
     # The store the driver serves for this pair (`isthmus.parallel.rendezvous`), else env:// on MASTER_PORT.
-    group = group_store_args(WORLD, rank) or {"rank": rank, "world_size": WORLD}
+    group = group_store_args(world, rank) or {"rank": rank, "world_size": world}
     torch.distributed.init_process_group("gloo", timeout=timedelta(seconds=300), **group)
+
+
+def spawn_ranks(fn: Callable[..., None], args: tuple, world: int) -> None:
+    """Run ``fn(rank, *args)`` on ``world`` processes started here, each with RANK / WORLD_SIZE set
+    and this process serving their store (``fn`` joins it with :func:`init_gloo`)."""
+    with loopback_store_server() as port:
+        os.environ.update(WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), **served_store_environ(port))
+        torch.multiprocessing.spawn(_ranked, args=(fn, args), nprocs=world)
+
+
+def _ranked(rank: int, fn: Callable[..., None], args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    fn(rank, *args)
 
 
 def _turn(root: str, kind: str, system: str, r: int, mode: str) -> Path:

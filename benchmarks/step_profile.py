@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -31,13 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import peers_common as pc  # noqa: E402
-from isthmus.parallel.rendezvous import group_store_args, loopback_store_server, served_store_environ  # noqa: E402
 from isthmus.train.short_run import capped  # noqa: E402
 
 
@@ -82,9 +79,7 @@ def profile_rank(rank: int, opts: argparse.Namespace, root: str) -> dict[str, An
 
 
 def _rank_main(rank: int, opts: argparse.Namespace, root: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)  # as peers.py's ranks; --flags runs set their own with --train.threads
-    torch.distributed.init_process_group("gloo", **group_store_args(opts.nproc, rank))
+    pc.init_gloo(rank, opts.nproc)  # one thread, as peers.py's ranks; --flags runs set theirs with --train.threads
     res = profile_rank(rank, opts, root)
     Path(root, f"rank{rank}.json").write_text(json.dumps(res))
     torch.distributed.barrier()
@@ -138,10 +133,7 @@ def main() -> None:
         if opts.nproc == 1:
             report([profile_rank(0, opts, root)], what)
             return
-        with loopback_store_server() as port:
-            os.environ.update(WORLD_SIZE=str(opts.nproc), LOCAL_WORLD_SIZE=str(opts.nproc))
-            os.environ.update(served_store_environ(port))
-            mp.spawn(_rank_main, args=(opts, root), nprocs=opts.nproc)
+        pc.spawn_ranks(_rank_main, (opts, root), opts.nproc)
         results = [json.loads(Path(root, f"rank{r}.json").read_text()) for r in range(opts.nproc)]
         report(results, what)
 

@@ -17,7 +17,6 @@ same bits. The loss figures are the forward and backward of the mean cross-entro
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -26,11 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from isthmus.parallel.rendezvous import group_store_args, loopback_store_server, served_store_environ  # noqa: E402
+import peers_common as pc  # noqa: E402
 from isthmus.train.short_run import capped  # noqa: E402
 
 SIZES = (8 * 256 * 64, 8 * 256 * 128, 8 * 256 * 256)
@@ -58,9 +56,7 @@ def _rank(rank: int, calls: int) -> None:
     from isthmus.parallel.host_reduce import SharedMemoryAllReduce, build_all_reduce
     from isthmus.parallel.tp import vocab_parallel_cross_entropy
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", **group_store_args(2, rank))
+    pc.init_gloo(rank)
     shm = build_all_reduce(dist.group.WORLD, timeout_s=120)
     assert isinstance(shm, SharedMemoryAllReduce), "the two ranks share this host: shared memory must serve"
     rows = []
@@ -125,9 +121,7 @@ def main() -> None:
     if opts.calls < 1:
         ap.error("--calls must be at least 1")
     calls = capped(opts.calls)  # ISTHMUS_MAX_STEPS (the docs test): a smoke run
-    with loopback_store_server() as port:
-        os.environ.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", **served_store_environ(port))
-        mp.spawn(_rank, args=(calls,), nprocs=2)
+    pc.spawn_ranks(_rank, (calls,), pc.WORLD)
 
 
 if __name__ == "__main__":
