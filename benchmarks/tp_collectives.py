@@ -1,5 +1,6 @@
-"""Tensor parallelism's communication pieces on 2 local ranks: the all-reduce through gloo and through
-shared memory, and the vocab-parallel loss against torch's loss_parallel.
+"""Tensor parallelism's communication pieces on 2 local ranks: the all-reduce, and sequence parallelism's
+all-gather and reduce-scatter, through gloo and through shared memory, and the vocab-parallel loss
+against torch's loss_parallel.
 
     python benchmarks/tp_collectives.py              # 40 calls per figure
     python benchmarks/tp_collectives.py --calls 100
@@ -8,8 +9,9 @@ Two gloo ranks of one thread. Each all-reduce figure is ``--calls`` calls of one
 before each, rank 0's time per call: best and median; each call sums a fresh copy of the tensor
 (as the trainer sums a freshly computed activation), the copy timed with it on both paths. The sizes are the debug shape's activation
 [8, 256, 256] in fp32 (2 MiB, what a tp 2 block all-reduces twice forward and twice backward) and a
-half and a quarter of it. Each call's result is compared with gloo's: shared memory must give the
-same bits. The loss figures are the forward and backward of the mean cross-entropy of [8, 256,
+half and a quarter of it. Sequence parallelism's pair moves the same activations along the sequence
+(dim 1): the all-gather of a rank's half [8, 128, 256] into the whole, the reduce-scatter of the
+whole into a half. Each call's result is compared with gloo's: shared memory must give the same bits. The loss figures are the forward and backward of the mean cross-entropy of [8, 256,
 2048] logits sharded over the vocabulary: torch's `loss_parallel` on a DTensor against isthmus's
 `vocab_parallel_cross_entropy`, and, for scale, a plain cross-entropy of one rank's half alone.
 """
@@ -53,24 +55,34 @@ def _rank(rank: int, calls: int) -> None:
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor.parallel import loss_parallel
 
-    from isthmus.parallel.host_reduce import SharedMemoryAllReduce, build_all_reduce
+    from isthmus.parallel.shm_collectives import BackendCollectives, SharedMemoryCollectives, build_collectives
     from isthmus.parallel.tp import vocab_parallel_cross_entropy
 
     pc.init_gloo(rank)
-    shm = build_all_reduce(dist.group.WORLD, timeout_s=120)
-    assert isinstance(shm, SharedMemoryAllReduce), "the two ranks share this host: shared memory must serve"
+    shm = build_collectives(dist.group.WORLD, timeout_s=120)
+    assert isinstance(shm, SharedMemoryCollectives), "the two ranks share this host: shared memory must serve"
+    gloo_comm = BackendCollectives(dist.group.WORLD)
     rows = []
     for numel in SIZES:
         x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
         a, b = x.clone(), x.clone()
-        shm(a)
+        shm.all_reduce(a)
         dist.all_reduce(b)
         same = torch.equal(a, b)
         gloo = timed(lambda: dist.all_reduce(x.clone()), calls)
-        shared = timed(lambda: shm(x.clone()), calls)
+        shared = timed(lambda: shm.all_reduce(x.clone()), calls)
         rows.append(
             f"| {numel * 4 / 2**20:.1f} MiB | {_ms(gloo)} | {_ms(shared)} | {gloo[1] / shared[1]:.1f}x | {same} |"
         )
+
+    sequence = []
+    whole = torch.randn(8, 256, 256, generator=torch.Generator().manual_seed(rank))
+    half = whole[:, :128].contiguous()
+    for name, x, op in (("all-gather", half, "all_gather"), ("reduce-scatter", whole, "reduce_scatter")):
+        same = torch.equal(getattr(shm, op)(x, 1), getattr(gloo_comm, op)(x, 1))
+        gloo = timed(lambda: getattr(gloo_comm, op)(x, 1), calls)  # noqa: B023 (timed at once)
+        shared = timed(lambda: getattr(shm, op)(x, 1), calls)  # noqa: B023
+        sequence.append(f"| {name} | {_ms(gloo)} | {_ms(shared)} | {gloo[1] / shared[1]:.1f}x | {same} |")
 
     mesh = init_device_mesh("cpu", (2,))
     local = torch.randn(*LOGITS[:2], LOGITS[2] // 2, requires_grad=True)
@@ -101,6 +113,12 @@ def _rank(rank: int, calls: int) -> None:
         print("| all-reduce, fp32 | gloo | shared memory | gloo / shared (medians) | same bits |")
         print("|---|---:|---:|---:|---|")
         print("\n".join(rows))
+        print()
+        print(
+            "| along the sequence of [8, 256, 256] fp32 | gloo | shared memory | gloo / shared (medians) | same bits |"
+        )
+        print("|---|---:|---:|---:|---|")
+        print("\n".join(sequence))
         print()
         print(f"| loss of {list(LOGITS)} logits, forward + backward | best / median ms |")
         print("|---|---:|")

@@ -129,12 +129,14 @@ ZERO3_ASYNC: Layout = (
     ),
 )
 TP2_PP2: Layout = ("tp2_pp2", 4, ("--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"))
+TP2_SP: Layout = ("tp2_sp", 2, ("--parallel.tp", "2", "--parallel.sequence_parallel", "true"))
 DP2: Layout = ("dp_replicate2", 2, ("--parallel.dp_replicate", "2"))
 ZERO1: Layout = ("dp_shard2_zero1", 2, ("--parallel.dp_shard", "2", "--parallel.zero_stage", "1"))
 
 CASES: list[tuple[str, Layout, int, list[str]]] = [
     ("pp2_to_tp2", PP2, 2, ["--parallel.tp", "2"]),
     ("zero3_async_compiled_to_single", ZERO3_ASYNC, 1, []),
+    ("tp2_sp_to_pp2", TP2_SP, 2, ["--parallel.pp", "2", "--parallel.microbatches", "2"]),
     ("tp2_pp2_to_dp_shard4", TP2_PP2, 4, ["--parallel.dp_shard", "4"]),
     ("dp_replicate2_to_4", DP2, 4, ["--parallel.dp_replicate", "4"]),
     (

@@ -152,6 +152,23 @@ CASES: list[tuple[str, int, list[str]]] = [
     ),
     ("dp2_pp2", 4, ["--parallel.dp_replicate", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
     ("tp2_pp2", 4, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
+    # sequence parallelism across a pipeline (sequence-sharded hidden states between stages) and
+    # under FSDP (the norms' scales, summed over tp, then reduce-scattered over dp).
+    (
+        "tp2_sp_pp2",
+        4,
+        [
+            "--parallel.tp",
+            "2",
+            "--parallel.sequence_parallel",
+            "true",
+            "--parallel.pp",
+            "2",
+            "--parallel.microbatches",
+            "2",
+        ],
+    ),
+    ("dp_shard2_tp2_sp", 4, ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
     ("pp2_cp2", 4, ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.microbatches", "2"]),
     ("dc2_dp_shard2_tp2", 8, ["--geo.datacenters", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"]),
     ("dc2_geo_flat", 4, ["--geo.datacenters", "2", "--parallel.dp_replicate", "2", "--geo.sync", "flat"]),
@@ -240,7 +257,7 @@ def _vocab_sharded(vocab: int) -> list[float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from isthmus.parallel.host_reduce import build_all_reduce
+    from isthmus.parallel.shm_collectives import build_collectives
     from isthmus.parallel.tp import VocabShardedEmbedding, VocabShardedHead, is_vocab_sharded
     from isthmus.train.step import cross_entropy
 
@@ -248,9 +265,9 @@ def _vocab_sharded(vocab: int) -> list[float]:
     torch.manual_seed(0)
     embedding, head = nn.Embedding(vocab, 8), nn.Linear(8, vocab, bias=False)
     ids, targets = torch.randint(0, vocab, (3, 5)), torch.randint(0, vocab, (3, 5))
-    all_reduce = build_all_reduce(mesh.get_group(), timeout_s=60)
-    sharded_embedding = VocabShardedEmbedding(embedding, mesh, all_reduce)
-    sharded_head = VocabShardedHead(head, mesh, all_reduce)
+    comm = build_collectives(mesh.get_group(), timeout_s=60)
+    sharded_embedding = VocabShardedEmbedding(embedding, mesh, comm)
+    sharded_head = VocabShardedHead(head, mesh, comm)
     rows, plain_rows = sharded_embedding(ids), embedding(ids)
     logits, plain_logits = sharded_head(rows), head(plain_rows)
     assert isinstance(logits, DTensor) and is_vocab_sharded(logits)

@@ -1,24 +1,28 @@
 """Megatron-style 1-D tensor parallelism (and sequence parallelism) on DTensor parameters.
 
 Column-parallel q/k/v and w1/w3, row-parallel wo and w2: one all-reduce (or, with sequence
-parallelism, one reduce-scatter + all-gather pair) per attention and per MLP. The embedding is
-vocab-parallel (row-wise over the vocabulary), the output head column-parallel over the vocabulary
-with its logits left sharded for the vocab-parallel cross-entropy, so the full [B, S, V] logits
-never exist on one rank.
+parallelism, one all-gather before and one reduce-scatter after) per attention and per MLP. The
+embedding is vocab-parallel (row-wise over the vocabulary), the output head column-parallel over the
+vocabulary with its logits left sharded for the vocab-parallel cross-entropy, so the full [B, S, V]
+logits never exist on one rank. With sequence parallelism (Korthikanti et al. 2022) the hidden states
+between the tensor-parallel regions are split along the sequence, so the norms and the residual adds
+run on 1 / tp of the tokens on each rank: the embedding reduce-scatters instead of all-reducing, the
+attention and the MLP all-gather their input, and the head all-gathers the final norm's output.
 
-Without sequence parallelism the weights are DTensors (so optimizer state, FSDP on top,
-checkpoints and resharding see them as everywhere else) but the compute is on their local shards,
-in the blocks, the embedding and the head alike, with Megatron's two conjugate collectives written
-out (:class:`_CopyToTP`, :class:`_ReduceFromTP`) and one all-reduce for all of them: through shared
-memory where the group's ranks share a host (`isthmus.parallel.host_reduce`), else the backend's.
-Only the head's logits become a DTensor again, for the loss (:func:`vocab_parallel_cross_entropy`,
-whatever the layout). Why not torch's ``parallelize_module`` plans there: they wrap every Linear's
-input and output in DTensors, so each matmul, its backward and each redistribution pays DTensor's
-Python dispatch (profiled on the `small` flavor at tp 2 on CPU: ~15% of the step in
-``PythonSubclass``/``_FromTorchTensor``/``Redistribute``), and each of q, k and v all-reduces its
-own input gradient in the backward where one all-reduce of their sum does (3 -> 1 per attention,
-2 -> 1 per SwiGLU MLP). Sequence parallelism keeps torch's plans (its norms and sequence
-redistributions are what DTensor does well).
+The weights are DTensors (so optimizer state, FSDP on top, checkpoints and resharding see them as
+everywhere else; the norms' scales, the same on every rank, stay plain tensors) but the compute is on
+their local shards, in the blocks, the embedding and the head alike, with Megatron's conjugate
+collectives written out (:class:`_CopyToTP` / :class:`_ReduceFromTP`, :class:`_GatherFromSP` /
+:class:`_ScatterToSP`), through shared memory where the group's ranks share a host
+(`isthmus.parallel.shm_collectives`), else the backend's. Only the head's logits become a DTensor
+again, for the loss (:func:`vocab_parallel_cross_entropy`, whatever the layout). Why not torch's
+``parallelize_module`` plans: they wrap every Linear's and norm's input and output in DTensors, so
+each matmul, its backward and each redistribution pays DTensor's Python dispatch (profiled on the
+`small` flavor at tp 2 on CPU: ~15% of the step in ``PythonSubclass``/``_FromTorchTensor``/
+``Redistribute`` without sequence parallelism, and its all-gathers and reduce-scatters went through
+gloo: 30% of the step waiting in them with it), and each of q, k and v all-reduces its own input
+gradient in the backward where one collective of their sum does (3 -> 1 per attention, 2 -> 1 per
+SwiGLU MLP).
 """
 
 from __future__ import annotations
@@ -30,68 +34,31 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 
-from isthmus.models.llama import Transformer
-from isthmus.parallel.host_reduce import AllReduce, build_all_reduce
+from isthmus.models.llama import RMSNorm, Transformer, _RMSNormFunction
+from isthmus.parallel.shm_collectives import BackendCollectives, build_collectives
+
+SEQ_DIM = 1
+"""The sequence dimension of the hidden states [B, S, D], which sequence parallelism splits."""
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool, timeout_s: float) -> None:
-    """Shard ``model`` (a Transformer or a pipeline stage of one) over ``tp_mesh`` in place; the blocks'
-    all-reduces give up after ``timeout_s`` seconds without every rank (parallel.timeout_s)."""
-    if sequence_parallel:
-        # torch's plans, activations sequence-sharded between the blocks.
-        top: dict[str, ParallelStyle] = {}
-        if getattr(model, "tok_embeddings", None) is not None:
-            top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
-        if getattr(model, "norm", None) is not None:
-            top["norm"] = SequenceParallel()
-        if getattr(model, "output", None) is not None:
-            top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
-        if top:
-            parallelize_module(model, tp_mesh, top)
+    """Shard ``model`` (a Transformer or a pipeline stage of one) over ``tp_mesh`` in place; its
+    collectives give up after ``timeout_s`` seconds without every rank (parallel.timeout_s)."""
+    comm = build_collectives(tp_mesh.get_group(), timeout_s)
+    sp = sequence_parallel
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabShardedEmbedding(model.tok_embeddings, tp_mesh, comm, sp)  # type: ignore[assignment]
+    if model.output is not None:
+        model.output = VocabShardedHead(model.output, tp_mesh, comm, sp)  # type: ignore[assignment]
+    model.tie_weights()  # a tied head is the embedding's (same rows, same Shard(0))
+    if sp:
+        if model.norm is not None:
+            model.norm = SequenceShardedNorm(model.norm, comm)
         model.hidden_seq_shards = tp_mesh.size()
-        all_reduce = None
-    else:
-        # One all-reduce for every collective of the embedding, the blocks and the head (shared memory
-        # where the group's ranks share a host).
-        all_reduce = build_all_reduce(tp_mesh.get_group(), timeout_s)
-        if model.tok_embeddings is not None:
-            model.tok_embeddings = VocabShardedEmbedding(model.tok_embeddings, tp_mesh, all_reduce)  # type: ignore[assignment]
-        if model.output is not None:
-            model.output = VocabShardedHead(model.output, tp_mesh, all_reduce)  # type: ignore[assignment]
-        model.tie_weights()  # a tied head is the embedding's (same rows, same Shard(0))
-
     for block in model.layers.values():
-        if all_reduce is not None:
-            shard_block_locally(block, tp_mesh, all_reduce)
-            continue
-        plan: dict[str, ParallelStyle] = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "attention_norm": SequenceParallel(),
-            "ffn_norm": SequenceParallel(),
-            # (x, cos, sin): gather the sequence for attention; rotary tables are plain tensors.
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-            ),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-        }
-        if getattr(block.get_submodule("feed_forward"), "w3", None) is not None:
-            plan["feed_forward.w3"] = ColwiseParallel()
-        parallelize_module(block, tp_mesh, plan)
+        shard_block_locally(block, tp_mesh, comm, sp)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -99,14 +66,14 @@ class _CopyToTP(torch.autograd.Function):
     (each rank's column shard contributed part of it)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, all_reduce: AllReduce) -> Tensor:
-        ctx.all_reduce = all_reduce  # type: ignore[attr-defined]
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, comm: BackendCollectives) -> Tensor:
+        ctx.comm = comm  # type: ignore[attr-defined]
         return x
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
         grad = grad.contiguous()
-        ctx.all_reduce(grad)  # type: ignore[attr-defined]
+        ctx.comm.all_reduce(grad)  # type: ignore[attr-defined]
         return grad, None
 
 
@@ -115,8 +82,8 @@ class _ReduceFromTP(torch.autograd.Function):
     backward (every rank needs the whole output gradient, and has it)."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, all_reduce: AllReduce) -> Tensor:
-        all_reduce(x)  # x is the fresh output of this rank's matmul: ours to overwrite
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, comm: BackendCollectives) -> Tensor:
+        comm.all_reduce(x)  # x is the fresh output of this rank's matmul: ours to overwrite
         return x
 
     @staticmethod
@@ -124,24 +91,65 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _GatherFromSP(torch.autograd.Function):
+    """Sequence parallelism's entry to a tensor-parallel region: the forward all-gathers the sequence
+    shards (every rank's column shard needs every token); the backward reduce-scatters the input's
+    gradient (each rank's column shard contributed part of every token's)."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, comm: BackendCollectives) -> Tensor:
+        ctx.comm = comm  # type: ignore[attr-defined]
+        return comm.all_gather(x, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return ctx.comm.reduce_scatter(grad, SEQ_DIM), None  # type: ignore[attr-defined]
+
+
+class _ScatterToSP(torch.autograd.Function):
+    """Sequence parallelism's exit from a tensor-parallel region: the forward sums the row-parallel
+    partial outputs and keeps this rank's sequence shard (a reduce-scatter); the backward all-gathers
+    the gradient of the shards."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, comm: BackendCollectives) -> Tensor:
+        ctx.comm = comm  # type: ignore[attr-defined]
+        return comm.reduce_scatter(x, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, None]:
+        return ctx.comm.all_gather(grad, SEQ_DIM), None  # type: ignore[attr-defined]
+
+
 class ShardedLinear(nn.Module):
     """A bias-free Linear whose ``weight`` is a DTensor sharded over the TP mesh, computed on its local
     shard: column-parallel (Shard(0): this rank's output features) or row-parallel (Shard(1): this
-    rank's input features, outputs summed over the group). Same parameter name as nn.Linear's."""
+    rank's input features, outputs summed over the group, or with ``sequence_parallel`` summed and
+    scattered over the sequence). Same parameter name as nn.Linear's."""
 
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, placement: Placement, all_reduce: AllReduce) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        mesh: DeviceMesh,
+        placement: Placement,
+        comm: BackendCollectives,
+        sequence_parallel: bool = False,
+    ) -> None:
         super().__init__()
         assert linear.bias is None, "the model's Linears have no bias"
         self.weight: nn.Parameter = nn.Parameter(
             distribute_tensor(linear.weight, mesh, [placement], src_data_rank=None)
         )
         self.row: bool = placement == Shard(1)
-        self.all_reduce: AllReduce = all_reduce
+        self.comm: BackendCollectives = comm
+        self.sequence_parallel: bool = sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         out = F.linear(x, weight)
-        return _ReduceFromTP.apply(out, self.all_reduce) if self.row else out
+        if not self.row:
+            return out
+        return (_ScatterToSP if self.sequence_parallel else _ReduceFromTP).apply(out, self.comm)
 
 
 def first_of_shard(vocab: int, mesh: DeviceMesh) -> int:
@@ -153,37 +161,45 @@ def first_of_shard(vocab: int, mesh: DeviceMesh) -> int:
 class VocabShardedEmbedding(nn.Module):
     """The token embedding with its rows (the vocabulary) sharded over the TP mesh, Megatron's
     vocab-parallel embedding: each rank looks up the ids in its range, zeros elsewhere, and the sum
-    over the group is every token's row (one non-zero term: exact). What torch's RowwiseParallel
-    does on an Embedding, on the local shard and through this layout's all-reduce."""
+    over the group is every token's row (one non-zero term: exact); with ``sequence_parallel`` each
+    rank keeps the sum for its sequence shard (a reduce-scatter). What torch's RowwiseParallel does on
+    an Embedding, on the local shard and through this layout's collectives."""
 
-    def __init__(self, embedding: nn.Embedding, mesh: DeviceMesh, all_reduce: AllReduce) -> None:
+    def __init__(
+        self, embedding: nn.Embedding, mesh: DeviceMesh, comm: BackendCollectives, sequence_parallel: bool = False
+    ) -> None:
         super().__init__()
         vocab = embedding.num_embeddings
         self.weight: nn.Parameter = nn.Parameter(
             distribute_tensor(embedding.weight, mesh, [Shard(0)], src_data_rank=None)
         )
         self.first: int = first_of_shard(vocab, mesh)
-        self.all_reduce: AllReduce = all_reduce
+        self.comm: BackendCollectives = comm
+        self.sequence_parallel: bool = sequence_parallel
 
     def forward(self, ids: Tensor) -> Tensor:
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         local = ids - self.first
         outside = (local < 0) | (local >= weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return _ReduceFromTP.apply(rows, self.all_reduce)
+        return (_ScatterToSP if self.sequence_parallel else _ReduceFromTP).apply(rows, self.comm)
 
 
 class VocabShardedHead(ShardedLinear):
     """The output head, column-parallel over the vocabulary: its logits stay sharded (a DTensor,
-    Shard(-1)) for :func:`vocab_parallel_cross_entropy`; its input's gradient is summed over the group."""
+    Shard(-1)) for :func:`vocab_parallel_cross_entropy`; its input's gradient is summed over the group.
+    With ``sequence_parallel`` its input is this rank's sequence shard, all-gathered first."""
 
-    def __init__(self, linear: nn.Linear, mesh: DeviceMesh, all_reduce: AllReduce) -> None:
-        super().__init__(linear, mesh, Shard(0), all_reduce)
+    def __init__(
+        self, linear: nn.Linear, mesh: DeviceMesh, comm: BackendCollectives, sequence_parallel: bool = False
+    ) -> None:
+        super().__init__(linear, mesh, Shard(0), comm)
         self.mesh = mesh
         self.vocab: int = linear.out_features
+        self.gather = sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
-        local = super().forward(_CopyToTP.apply(x, self.all_reduce))
+        local = super().forward((_GatherFromSP if self.gather else _CopyToTP).apply(x, self.comm))
         # The global shape given, not inferred: a vocabulary the group does not divide shards unevenly.
         shape = torch.Size((*local.shape[:-1], self.vocab))
         return DTensor.from_local(local, self.mesh, [Shard(-1)], run_check=False, shape=shape, stride=_strides(shape))
@@ -252,25 +268,51 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _copy_to_tp_hook(all_reduce: AllReduce) -> Callable[[nn.Module, tuple], tuple]:
+class SequenceShardedNorm(RMSNorm):
+    """An RMSNorm on this rank's sequence shard (sequence parallelism): the same scale on every rank,
+    its gradient from this rank's tokens summed over the group in the backward (:class:`_CopyToTP`
+    on the weight), as Megatron all-reduces its sequence-parallel norms' gradients."""
+
+    def __init__(self, norm: RMSNorm, comm: BackendCollectives) -> None:
+        nn.Module.__init__(self)
+        self.eps = norm.eps
+        self.weight = norm.weight
+        self.comm = comm
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _RMSNormFunction.apply(x, _CopyToTP.apply(self.weight, self.comm), self.eps)
+
+
+def _enter_tp_hook(comm: BackendCollectives, sequence_parallel: bool) -> Callable[[nn.Module, tuple], tuple]:
+    enter = _GatherFromSP if sequence_parallel else _CopyToTP
+
     def hook(_: nn.Module, args: tuple) -> tuple:
-        return (_CopyToTP.apply(args[0], all_reduce), *args[1:])
+        return (enter.apply(args[0], comm), *args[1:])
 
     return hook
 
 
-def shard_block_locally(block: nn.Module, tp_mesh: DeviceMesh, all_reduce: AllReduce) -> None:
+def shard_block_locally(
+    block: nn.Module, tp_mesh: DeviceMesh, comm: BackendCollectives, sequence_parallel: bool = False
+) -> None:
     """Column-shard q/k/v and w1/w3, row-shard wo and w2 of one block, computed on local shards.
 
     The attention's and the MLP's input pass through one :class:`_CopyToTP` each (a forward
-    pre-hook), so their input gradients are summed over the group once per module, not per Linear.
-    ``all_reduce`` sums over ``tp_mesh``'s group (`isthmus.parallel.host_reduce`).
+    pre-hook), so their input gradients are summed over the group once per module, not per Linear;
+    with ``sequence_parallel``, through one :class:`_GatherFromSP` each, the row-parallel outputs
+    through :class:`_ScatterToSP`, and the block's norms run on the sequence shard. ``comm`` is
+    ``tp_mesh``'s group's collectives (`isthmus.parallel.shm_collectives`).
     """
     for module_name, column, row in (("attention", ("wq", "wk", "wv"), "wo"), ("feed_forward", ("w1", "w3"), "w2")):
         module = block.get_submodule(module_name)
         for name in column:
             linear = getattr(module, name, None)
             if linear is not None:
-                setattr(module, name, ShardedLinear(linear, tp_mesh, Shard(0), all_reduce))
-        setattr(module, row, ShardedLinear(getattr(module, row), tp_mesh, Shard(1), all_reduce))
-        module.register_forward_pre_hook(_copy_to_tp_hook(all_reduce))
+                setattr(module, name, ShardedLinear(linear, tp_mesh, Shard(0), comm))
+        setattr(module, row, ShardedLinear(getattr(module, row), tp_mesh, Shard(1), comm, sequence_parallel))
+        module.register_forward_pre_hook(_enter_tp_hook(comm, sequence_parallel))
+    if sequence_parallel:
+        for name in ("attention_norm", "ffn_norm"):
+            norm = block.get_submodule(name)
+            assert isinstance(norm, RMSNorm), f"{name} is the block's RMSNorm"
+            setattr(block, name, SequenceShardedNorm(norm, comm))

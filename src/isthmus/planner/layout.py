@@ -93,7 +93,7 @@ class Runtime:
     tp_host_memory: bool = False
     """Tensor parallelism without sequence parallelism sums its all-reduces through shared memory where
     its group stays in one node that has that path (``Datacenter.host_memory``: CPU ranks on one host,
-    `isthmus.parallel.host_reduce`); False: over the node's links like every other collective."""
+    `isthmus.parallel.shm_collectives`); False: over the node's links like every other collective."""
     autocast: bool = False
     """isthmus's mixed precision, what its block keeps in bf16, measured on one block (saved-tensor
     hooks, ``benchmarks/peak_memory.py --block``, exact to the byte but each norm's rsqrt and

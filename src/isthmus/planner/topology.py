@@ -158,7 +158,7 @@ class Datacenter:
     fabric: Link
     """Between nodes of this datacenter (per device: its share of the node's NICs)."""
     host_memory: Link | None = None
-    """Between CPU ranks of one node through shared memory (`isthmus.parallel.host_reduce`, measured by
+    """Between CPU ranks of one node through shared memory (`isthmus.parallel.shm_collectives`, measured by
     ``isthmus profile``): where the CPU runtime sums tensor parallelism's all-reduces; None: no such path."""
 
     @property

@@ -123,19 +123,19 @@ def _gloo_worker(
     """One of the two ranks of :func:`measure_gloo` (a process of its own). ``block``:
     [flavor, batch, seq, seconds] to time a block while the other rank does the same."""
 
-    from isthmus.parallel.host_reduce import SharedMemoryAllReduce, build_all_reduce
+    from isthmus.parallel.shm_collectives import SharedMemoryCollectives, build_collectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", **served_group_args(port, rank, 2))
     # gloo's all-reduce (what data parallelism uses), then the shared-memory one tensor parallelism
-    # uses between ranks of one host, where it serves (`isthmus.parallel.host_reduce`); half the budget each.
+    # uses between ranks of one host, where it serves (`isthmus.parallel.shm_collectives`); half the budget each.
     times = [_median_all_reduce(dist.all_reduce, nbytes, budget / 2 / len(sizes), repeats) for nbytes in sizes]
     world = dist.group.WORLD
     assert world is not None, "the default group was made above"
-    host = build_all_reduce(world, timeout_s=120)
+    host = build_collectives(world, timeout_s=120)
     host_times = None
-    if isinstance(host, SharedMemoryAllReduce):
-        host_times = [_median_all_reduce(host, nbytes, budget / 2 / len(sizes), repeats) for nbytes in sizes]
+    if isinstance(host, SharedMemoryCollectives):
+        host_times = [_median_all_reduce(host.all_reduce, nbytes, budget / 2 / len(sizes), repeats) for nbytes in sizes]
     together = alone = 0.0
     if block:
         flavor, batch, seq, seconds = block
