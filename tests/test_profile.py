@@ -241,10 +241,11 @@ def test_runtime_overheads_enter_cost_model_and_simulator_alike() -> None:
     assert four.tp_block_s == pytest.approx(2e-3) and four.shard_block_s == pytest.approx(4e-3)
 
 
-def test_tensor_parallel_all_reduces_take_the_host_memory_path_on_the_cpu_runtime() -> None:
+def test_tensor_parallel_collectives_take_the_host_memory_path_on_the_cpu_runtime() -> None:
     """Where the profile measured the shared-memory all-reduce, the CPU runtime prices tensor
-    parallelism's all-reduces with it (cost model and simulator alike); sequence parallelism, another
-    runtime and a topology without the path keep the node's link."""
+    parallelism's collectives with it (all-reduces, and sequence parallelism's all-gathers and
+    reduce-scatters; cost model and simulator alike); another runtime and a topology without the
+    path keep the node's link."""
     import tomllib
     from dataclasses import replace
 
@@ -267,8 +268,12 @@ def test_tensor_parallel_all_reduces_take_the_host_memory_path_on_the_cpu_runtim
     assert simulate(work, with_host, tp, rt).step_time_s == pytest.approx(fast, rel=0.03)
     gloo_runtime = replace(rt, tp_host_memory=False)
     assert estimate(work, with_host, tp, gloo_runtime).step_time_s == pytest.approx(slow)
+    # Sequence parallelism's all-gathers and reduce-scatters take the same path.
     sp = LayoutSpec(tp=2, sequence_parallel=True, micro_batch=16, microbatches=1)
-    assert estimate(work, with_host, sp, rt).step_time_s == pytest.approx(estimate(work, without, sp, rt).step_time_s)
+    assert estimate(work, with_host, sp, rt).step_time_s < estimate(work, without, sp, rt).step_time_s
+    assert estimate(work, with_host, sp, gloo_runtime).step_time_s == pytest.approx(
+        estimate(work, without, sp, rt).step_time_s
+    )
     # Time-sliced ranks (4 on 2 cores) get half of the path, as of the node's links.
     four = local_topology(4, str(_write(text.replace("[[datacenters]]\n", host, 1))), cores=2).datacenters[0]
     assert four.host_memory is not None and four.host_memory.bandwidth == pytest.approx(5e9)

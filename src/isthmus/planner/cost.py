@@ -63,11 +63,12 @@ class BlockCost:
         return self.compute.backward + self.tp + self.cp_bwd
 
 
-def tp_span(site: SiteSpans, sp: bool, runtime: Runtime) -> comm.Span:
-    """The tensor-parallel group's span, its links as its collectives take them: through the node's
-    shared memory where the runtime sums them there and the group stays in one node with that path."""
+def tp_span(site: SiteSpans, runtime: Runtime) -> comm.Span:
+    """The tensor-parallel group's span, its links as its collectives take them (all-reduces, or with
+    sequence parallelism all-gathers and reduce-scatters): through the node's shared memory where the runtime moves
+    them there and the group stays in one node with that path."""
     host = site.dc.host_memory
-    if runtime.tp_host_memory and not sp and host is not None and site.tp.nodes == 1 and site.tp.dcs == 1:
+    if runtime.tp_host_memory and host is not None and site.tp.nodes == 1 and site.tp.dcs == 1:
         return replace(site.tp, intra=host)
     return site.tp
 
@@ -88,7 +89,7 @@ def block_cost(
     t = layer_times(kind, work.dtype, a, b, s, tp, cp, sp, runtime)
     act = b * s / cp * a.dim * e
     # Two all-reduces per block each way (with sp an all-gather + reduce-scatter: the same bytes).
-    tp_time = 2 * comm.all_reduce(act, tp_span(site, sp, runtime))
+    tp_time = 2 * comm.all_reduce(act, tp_span(site, runtime))
     if tp > 1:  # measured runtime work of a tensor-parallel block (0 unless a profile says)
         tp_time += kind.tp_block_s + (kind.sp_block_s if sp else 0.0)
     cp_f = cp_b = 0.0

@@ -91,8 +91,8 @@ class Runtime:
     published runs' own model, which the lean accounting fits (Llama 3.1 8B on H100 96GB reported
     82.4 GiB, 88.5 GB, counted 85.1 GB)."""
     tp_host_memory: bool = False
-    """Tensor parallelism without sequence parallelism sums its all-reduces through shared memory where
-    its group stays in one node that has that path (``Datacenter.host_memory``: CPU ranks on one host,
+    """Tensor parallelism moves its collectives (all-reduces; with sequence parallelism all-gathers and
+    reduce-scatters) through shared memory where its group stays in one node that has that path (``Datacenter.host_memory``: CPU ranks on one host,
     `isthmus.parallel.shm_collectives`); False: over the node's links like every other collective."""
     autocast: bool = False
     """isthmus's mixed precision, what its block keeps in bf16, measured on one block (saved-tensor

@@ -159,7 +159,7 @@ class Datacenter:
     """Between nodes of this datacenter (per device: its share of the node's NICs)."""
     host_memory: Link | None = None
     """Between CPU ranks of one node through shared memory (`isthmus.parallel.shm_collectives`, measured by
-    ``isthmus profile``): where the CPU runtime sums tensor parallelism's all-reduces; None: no such path."""
+    ``isthmus profile``): where the CPU runtime moves tensor parallelism's collectives; None: no such path."""
 
     @property
     def devices(self) -> int:
