@@ -135,6 +135,11 @@ class _RMSNormFunction(torch.autograd.Function):
         return grad_x.type_as(x), grad_weight, None
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``(x / rms(x)).type_as(x) * weight`` over the last dimension (:class:`_RMSNormFunction`)."""
+    return _RMSNormFunction.apply(x, weight, eps)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm with a learned scale ``weight``."""
 
@@ -144,7 +149,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        return _RMSNormFunction.apply(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):

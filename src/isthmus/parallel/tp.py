@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 
-from isthmus.models.llama import RMSNorm, Transformer, _RMSNormFunction
+from isthmus.models.llama import RMSNorm, Transformer, rms_norm
 from isthmus.parallel.shm_collectives import BackendCollectives, build_collectives
 
 SEQ_DIM = 1
@@ -274,13 +274,13 @@ class SequenceShardedNorm(RMSNorm):
     on the weight), as Megatron all-reduces its sequence-parallel norms' gradients."""
 
     def __init__(self, norm: RMSNorm, comm: BackendCollectives) -> None:
-        nn.Module.__init__(self)
+        nn.Module.__init__(self)  # not RMSNorm's: the scale is ``norm``'s own Parameter, not a new one
         self.eps = norm.eps
         self.weight = norm.weight
         self.comm = comm
 
     def forward(self, x: Tensor) -> Tensor:
-        return _RMSNormFunction.apply(x, _CopyToTP.apply(self.weight, self.comm), self.eps)
+        return rms_norm(x, _CopyToTP.apply(self.weight, self.comm), self.eps)
 
 
 def _enter_tp_hook(comm: BackendCollectives, sequence_parallel: bool) -> Callable[[nn.Module, tuple], tuple]:
