@@ -168,6 +168,7 @@ CASES: list[tuple[str, int, list[str]]] = [
             "2",
         ],
     ),
+    ("cp2_tp2_sp", 4, ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
     ("dp_shard2_tp2_sp", 4, ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]),
     ("pp2_cp2", 4, ["--parallel.pp", "2", "--parallel.cp", "2", "--parallel.microbatches", "2"]),
     ("dc2_dp_shard2_tp2", 8, ["--geo.datacenters", "2", "--parallel.dp_shard", "2", "--parallel.tp", "2"]),
