@@ -3,6 +3,7 @@
     python benchmarks/step_profile.py --mode pp                  # a peers.py mode, its debug shape
     python benchmarks/step_profile.py --nproc 1 --flags "--model.flavor small"
     python benchmarks/step_profile.py --nproc 2 --flags "--model.flavor small --parallel.tp 2 --train.threads 1"
+    python benchmarks/step_profile.py --nproc 2 --free-tp-collectives --flags "--model.flavor small --parallel.tp 2 --parallel.sequence_parallel true --train.threads 1"
 
 Each rank builds the real `Trainer` (``--mode``: exactly as benchmarks/peers.py builds isthmus for
 that mode, 2 gloo ranks of one thread, its random-token data; ``--flags``: `isthmus train`'s flags,
@@ -11,6 +12,12 @@ before each, so a step's time is the slowest rank's), then profiles ``--profiled
 torch.profiler. Printed per rank: the median step, its busy time (the profiled ops' self time per
 step: compute and the CPU work of collectives), the rest (waiting: for a peer's data, a pipeline's
 fill and drain, a collective's partner), and the ``--top`` ops by self time per step.
+
+``--free-tp-collectives`` makes tensor parallelism's collectives local work alone: no exchange and
+no wait, only what each must build on its own rank (the whole tensor of an all-gather, the shard of
+a reduce-scatter; an all-reduce is nothing). The numbers are then wrong and the step is a bound:
+the fastest tensor parallelism could run with collectives that cost nothing (as peers.py's DDP
+bound is DDP without its all-reduce).
 
 What it is for: the measured reason behind a ratio in docs/benchmarks.md (how much of a pipeline
 rank's step is the schedule's idle time; where tensor parallelism's time goes against one process).
@@ -51,9 +58,32 @@ def build_trainer(opts: argparse.Namespace, root: str) -> Any:
     return Trainer(build_config(None, parse_overrides([*flags, "--train.run_dir", f"{root}/run"])))
 
 
+def free_tp_collectives() -> None:
+    """Replace tensor parallelism's collectives, on whichever path serves them, by the local work each
+    must do anyway (see the module docstring). A patch of this process's classes, before the model is
+    built: the bound is a measurement aid, not a mode of the trainer."""
+    from isthmus.parallel import shm_collectives
+
+    def all_reduce(self: Any, t: torch.Tensor) -> None:
+        return None
+
+    def all_gather(self: Any, t: torch.Tensor, dim: int) -> torch.Tensor:
+        return torch.cat([t] * self.world, dim=dim)
+
+    def reduce_scatter(self: Any, t: torch.Tensor, dim: int) -> torch.Tensor:
+        chunk = t.shape[dim] // self.world
+        return t.narrow(dim, torch.distributed.get_rank(self.group) * chunk, chunk).contiguous()
+
+    for cls in (shm_collectives.BackendCollectives, shm_collectives.SharedMemoryCollectives):
+        cls.all_reduce, cls.all_gather, cls.reduce_scatter = all_reduce, all_gather, reduce_scatter  # type: ignore[method-assign]
+
+
 def profile_rank(rank: int, opts: argparse.Namespace, root: str) -> dict[str, Any]:
     """This rank's median step, busy seconds per step and costliest ops (seconds per step)."""
     from torch.profiler import ProfilerActivity, profile
+
+    if opts.free_tp_collectives:
+        free_tp_collectives()
 
     def barrier() -> None:
         if torch.distributed.is_initialized():
@@ -111,6 +141,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=8, help="timed steps (the median counts)")
     ap.add_argument("--profiled", type=int, default=3, help="profiled steps (their mean counts)")
     ap.add_argument("--top", type=int, default=12, help="ops listed per rank")
+    ap.add_argument(
+        "--free-tp-collectives",
+        action="store_true",
+        help="tensor parallelism's collectives as local work alone (a bound: the numbers are wrong)",
+    )
     opts = ap.parse_args(argv)
     if bool(opts.mode) == bool(opts.flags):
         ap.error("give --mode or --flags (one of them)")
@@ -127,6 +162,7 @@ def main() -> None:
     opts = parse_args()
     what = f"--mode {opts.mode} (peers.py's debug shape)" if opts.mode else f"--flags {opts.flags!r}"
     what += f", {opts.nproc} rank(s), {opts.steps} timed and {opts.profiled} profiled step(s) after {opts.warmup}"
+    what += ", tensor parallelism's collectives free (a bound)" if opts.free_tp_collectives else ""
     with tempfile.TemporaryDirectory() as root:
         if opts.mode:
             pc.random_tokens(1 << 20).tofile(f"{root}/tokens.bin")
