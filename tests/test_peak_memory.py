@@ -13,7 +13,7 @@ sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import peak_memory as bench  # noqa: E402
 
 # Within 10% (the full table in docs/benchmarks.md: median 2.6%, max 6.8%): one layout whose blocks run
-# torch's sequence-parallel plans (all-gathered norm outputs kept), one pipeline (receive buffers per
+# sequence parallelism (all-gathered norm outputs kept), one pipeline (receive buffers per
 # microbatch, activations in flight per stage).
 LAYOUTS = [row for row in bench.LAYOUTS if row[0] in ("tp 2 + sp", "pp 2 1f1b")]
 

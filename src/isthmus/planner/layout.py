@@ -83,8 +83,8 @@ class Runtime:
     eager_llama_block: bool = False
     """What isthmus's eager Llama block keeps in fp32 beyond the lean accounting, as measured on CPU
     ranks (saved-tensor hooks per block, torch.profiler's memory events per rank:
-    benchmarks/peak_memory.py): under torch's sequence-parallel plans the matmuls keep the
-    all-gathered norm outputs. (Its RMSNorm keeps the input and the per-token rsqrt alone, as a
+    benchmarks/peak_memory.py): under sequence parallelism the matmuls keep the all-gathered
+    norm outputs. (Its RMSNorm keeps the input and the per-token rsqrt alone, as a
     fused kernel: two tensors of the hidden size per norm with its output; its attention kernels,
     SDPA and the context-parallel ones, take K and V grouped, at their own size.) isthmus's own
     runtime counts the same block under bf16 (``autocast``). Off for the `torchtitan` runtime, its

@@ -104,8 +104,9 @@ def layer_activation_bytes(
         per_norm = 1 if runtime.pointwise_recompute else 2
         outside = sb * h * (2 * per_norm * e + 2 * mask)
         if sp and tp > 1 and eager:
-            # torch's sequence-parallel plans all-gather each norm's output for the matmuls after
-            # it, which keep the gathered copy (Megatron keeps the shard and gathers again in backward).
+            # isthmus's sequence parallelism (torch's plans too) all-gathers each norm's output for
+            # the matmuls after it, which keep the gathered copy (Megatron keeps the shard and
+            # gathers again in backward).
             outside -= 2 * sb * h * e
             gathered = 2 * sb * h * e
     # Inside (split over tp): Q, K, V, attention output (proj input), MLP activations: SwiGLU's two
