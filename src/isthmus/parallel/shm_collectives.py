@@ -103,6 +103,15 @@ def _host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+def _rank_order_sum(parts: list[Tensor], out: Tensor) -> Tensor:
+    """``parts[0] + parts[1] + ...`` into ``out``, in rank order: every rank adds the same numbers in the
+    same order, so all hold the same bits. ``out`` may be this rank's own tensor: the slots hold copies."""
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
+    return out
+
+
 class SharedMemoryCollectives(BackendCollectives):
     """The shared-memory collectives over one group's ranks (see the module docstring); what shared
     memory cannot serve goes through the backend, on every rank alike."""
@@ -122,11 +131,7 @@ class SharedMemoryCollectives(BackendCollectives):
         if not t.is_contiguous() or not self._serves(t):
             super().all_reduce(t)
             return
-        parts = self._exchange(t)
-        flat = t.view(-1)
-        torch.add(parts[0].view(-1), parts[1].view(-1), out=flat)
-        for part in parts[2:]:
-            flat.add_(part.view(-1))
+        _rank_order_sum(self._exchange(t), out=t)
 
     def all_gather(self, t: Tensor, dim: int) -> Tensor:
         if not self._serves(t):
@@ -138,10 +143,7 @@ class SharedMemoryCollectives(BackendCollectives):
             return super().reduce_scatter(t, dim)
         chunk = t.shape[dim] // self.world
         parts = [part.narrow(dim, self.rank * chunk, chunk) for part in self._exchange(t)]
-        out = torch.add(parts[0], parts[1]).contiguous()
-        for part in parts[2:]:
-            out.add_(part)
-        return out
+        return _rank_order_sum(parts, out=torch.empty(parts[0].shape, dtype=t.dtype))
 
     def _serves(self, t: Tensor) -> bool:
         """Whether shared memory takes ``t``. Every rank passes the same shapes in the same order, so
