@@ -121,6 +121,18 @@ class _ScatterToSP(torch.autograd.Function):
         return ctx.comm.all_gather(grad, SEQ_DIM), None  # type: ignore[attr-defined]
 
 
+def _entry(sequence_parallel: bool) -> type[torch.autograd.Function]:
+    """What a tensor-parallel region's input passes through: the sequence all-gathered under sequence
+    parallelism, else the identity whose backward sums the input's gradient."""
+    return _GatherFromSP if sequence_parallel else _CopyToTP
+
+
+def _exit(sequence_parallel: bool) -> type[torch.autograd.Function]:
+    """What a tensor-parallel region's partial output passes through: summed and scattered over the
+    sequence under sequence parallelism, else summed."""
+    return _ScatterToSP if sequence_parallel else _ReduceFromTP
+
+
 class ShardedLinear(nn.Module):
     """A bias-free Linear whose ``weight`` is a DTensor sharded over the TP mesh, computed on its local
     shard: column-parallel (Shard(0): this rank's output features) or row-parallel (Shard(1): this
@@ -147,9 +159,7 @@ class ShardedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.to_local() if isinstance(self.weight, DTensor) else self.weight
         out = F.linear(x, weight)
-        if not self.row:
-            return out
-        return (_ScatterToSP if self.sequence_parallel else _ReduceFromTP).apply(out, self.comm)
+        return _exit(self.sequence_parallel).apply(out, self.comm) if self.row else out
 
 
 def first_of_shard(vocab: int, mesh: DeviceMesh) -> int:
@@ -182,7 +192,7 @@ class VocabShardedEmbedding(nn.Module):
         local = ids - self.first
         outside = (local < 0) | (local >= weight.shape[0])
         rows = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return (_ScatterToSP if self.sequence_parallel else _ReduceFromTP).apply(rows, self.comm)
+        return _exit(self.sequence_parallel).apply(rows, self.comm)
 
 
 class VocabShardedHead(ShardedLinear):
@@ -193,13 +203,12 @@ class VocabShardedHead(ShardedLinear):
     def __init__(
         self, linear: nn.Linear, mesh: DeviceMesh, comm: BackendCollectives, sequence_parallel: bool = False
     ) -> None:
-        super().__init__(linear, mesh, Shard(0), comm)
+        super().__init__(linear, mesh, Shard(0), comm, sequence_parallel)
         self.mesh = mesh
         self.vocab: int = linear.out_features
-        self.gather = sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
-        local = super().forward((_GatherFromSP if self.gather else _CopyToTP).apply(x, self.comm))
+        local = super().forward(_entry(self.sequence_parallel).apply(x, self.comm))
         # The global shape given, not inferred: a vocabulary the group does not divide shards unevenly.
         shape = torch.Size((*local.shape[:-1], self.vocab))
         return DTensor.from_local(local, self.mesh, [Shard(-1)], run_check=False, shape=shape, stride=_strides(shape))
@@ -284,7 +293,7 @@ class SequenceShardedNorm(RMSNorm):
 
 
 def _enter_tp_hook(comm: BackendCollectives, sequence_parallel: bool) -> Callable[[nn.Module, tuple], tuple]:
-    enter = _GatherFromSP if sequence_parallel else _CopyToTP
+    enter = _entry(sequence_parallel)
 
     def hook(_: nn.Module, args: tuple) -> tuple:
         return (enter.apply(args[0], comm), *args[1:])
