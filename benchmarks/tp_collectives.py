@@ -11,8 +11,9 @@ before each, rank 0's time per call: best and median; each call sums a fresh cop
 [8, 256, 256] in fp32 (2 MiB, what a tp 2 block all-reduces twice forward and twice backward) and a
 half and a quarter of it. Sequence parallelism's pair moves the same activations along the sequence
 (dim 1): the all-gather of a rank's half [8, 128, 256] into the whole, the reduce-scatter of the
-whole into a half. Each call's result is compared with gloo's: shared memory must give the same bits. The loss figures are the forward and backward of the mean cross-entropy of [8, 256,
-2048] logits sharded over the vocabulary: torch's `loss_parallel` on a DTensor against isthmus's
+whole into a half. Each call's result is compared with gloo's: shared memory must give the same
+bits. The loss figures are the forward and backward of the mean cross-entropy of [8, 256, 2048]
+logits sharded over the vocabulary: torch's `loss_parallel` on a DTensor against isthmus's
 `vocab_parallel_cross_entropy`, and, for scale, a plain cross-entropy of one rank's half alone.
 """
 

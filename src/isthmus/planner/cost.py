@@ -65,8 +65,8 @@ class BlockCost:
 
 def tp_span(site: SiteSpans, runtime: Runtime) -> comm.Span:
     """The tensor-parallel group's span, its links as its collectives take them (all-reduces, or with
-    sequence parallelism all-gathers and reduce-scatters): through the node's shared memory where the runtime moves
-    them there and the group stays in one node with that path."""
+    sequence parallelism all-gathers and reduce-scatters): through the node's shared memory where the
+    runtime moves them there and the group stays in one node with that path."""
     host = site.dc.host_memory
     if runtime.tp_host_memory and host is not None and site.tp.nodes == 1 and site.tp.dcs == 1:
         return replace(site.tp, intra=host)

@@ -92,8 +92,9 @@ class Runtime:
     82.4 GiB, 88.5 GB, counted 85.1 GB)."""
     tp_host_memory: bool = False
     """Tensor parallelism moves its collectives (all-reduces; with sequence parallelism all-gathers and
-    reduce-scatters) through shared memory where its group stays in one node that has that path (``Datacenter.host_memory``: CPU ranks on one host,
-    `isthmus.parallel.shm_collectives`); False: over the node's links like every other collective."""
+    reduce-scatters) through shared memory where its group stays in one node that has that path
+    (``Datacenter.host_memory``: CPU ranks on one host, `isthmus.parallel.shm_collectives`); False:
+    over the node's links like every other collective."""
     autocast: bool = False
     """isthmus's mixed precision, what its block keeps in bf16, measured on one block (saved-tensor
     hooks, ``benchmarks/peak_memory.py --block``, exact to the byte but each norm's rsqrt and
