@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import csv
 import shlex
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +111,14 @@ class PublishedRun:
         words = [w.replace(";", ",") for w in shlex.split(self.args)]
         return ["simulate", *words, "--runtime", self.runtime, "--json"]
 
+    def option(self, flag: str) -> str:
+        """The value of one flag of ``args`` (``--micro-batch``), or of one ``--plan`` field (``pp``)."""
+        words = shlex.split(self.args)
+        if flag.startswith("--"):
+            return words[words.index(flag) + 1]
+        fields = dict(f.split("=", 1) for f in words[words.index("--plan") + 1].split(";"))
+        return fields[flag]
+
 
 def published_runs() -> tuple[PublishedRun, ...]:
     """Every row of ``published_runs.csv`` (beside this module), in file order."""
@@ -126,3 +136,17 @@ def published_runs() -> tuple[PublishedRun, ...]:
             )
         )
     return tuple(rows)
+
+
+def implied_micro_batch(runs: Sequence[tuple[float, float]], pp: int) -> float:
+    """The micro-batch under which published step times of one model and pipeline at several data-parallel
+    sizes fit one 1F1B schedule, for a source that gives the times but not its micro-batch (MT-NLG).
+
+    ``runs``: (samples per pipeline per step, seconds per step). Under 1F1B a step takes (m + pp - 1) t
+    for m = samples / b microbatches of t seconds each, i.e. samples * t / b + (pp - 1) t: a line in the
+    samples whose intercept over its slope is (pp - 1) b. The least-squares line through the runs gives b.
+    """
+    if len(runs) < 2 or pp < 2:
+        raise ValueError("implied_micro_batch needs two or more runs of a pipeline (pp >= 2)")
+    slope, intercept = statistics.linear_regression([s for s, _ in runs], [t for _, t in runs])
+    return intercept / slope / (pp - 1)
