@@ -46,6 +46,7 @@ SUITE = "python3 -m venv .venv && . .venv/bin/activate && pip install -c constra
 NOT_HERE = {
     SUITE: "the test suite itself (this test is in it); .ci/run runs exactly this line, checked below",
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128": "the CUDA wheel: this machine has no GPU and no route to download.pytorch.org",
+    "python benchmarks/gpu_calibrate.py --out calibration": "needs a GPU; tests/test_gpu_calibrate.py runs the same code with --device cpu --quick",
     "torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint NODE0:29500 "
     "-m isthmus train --parallel.dp_replicate 2 --parallel.dp_shard 4 --parallel.tp 2": "a second node: NODE0 names another machine (the one-node torchrun command runs)",
 }
