@@ -17,7 +17,7 @@ import statistics
 import sys
 
 from isthmus.cli.main import main as isthmus_main
-from isthmus.planner.reference import PublishedRun, implied_micro_batch, published_runs
+from isthmus.planner.reference import PublishedRun, published_runs, source_micro_batch
 
 
 def predict(row: PublishedRun) -> dict:
@@ -82,22 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     for src in by_source:
         rows = [r for r in published_runs() if r.source == src]
-        if implied := _implied(rows):
+        if implied := source_micro_batch(rows):
             print(
                 f"{src}: the published times fit one 1F1B pipeline at micro-batch {implied:.2f} (rows run {rows[0].option('--micro-batch')})"
             )
     return 0
-
-
-def _implied(rows: list[PublishedRun]) -> float | None:
-    """The micro-batch a source's step times imply, where its rows are one model and pipeline at several dp."""
-    if len(rows) < 2 or rows[0].metric != "step_time_s":
-        return None
-    if len({(r.option("--model"), r.option("pp"), r.option("--train.batch_size")) for r in rows}) != 1:
-        return None
-    pp = int(rows[0].option("pp"))
-    runs = [(int(r.option("--train.batch_size")) / int(r.option("dp_replicate")), r.published) for r in rows]
-    return implied_micro_batch(runs, pp) if pp > 1 else None
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import pytest
 from isthmus.models.flavors import get_flavor, gpt3
 from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.memory import layer_activation_bytes, model_state_bytes
-from isthmus.planner.reference import implied_micro_batch, published_runs
+from isthmus.planner.reference import implied_micro_batch, published_runs, source_micro_batch
 from procs import run_isthmus
 
 # The comparison itself lives in the benchmark script, so the docs table and this test run the same code.
@@ -68,11 +68,11 @@ def test_mtnlg_rows_take_the_micro_batch_their_times_imply() -> None:
     """Smith et al. 2022 give three step times at dp 8, 10, 12 but no micro-batch: the rows run the integer
     nearest the one under which the three fit a single 1F1B pipeline, and say so in `assumed`."""
     rows = [r for r in published_runs() if r.source == "smith2022-mtnlg"]
-    runs = [(int(r.option("--train.batch_size")) / int(r.option("dp_replicate")), r.published) for r in rows]
-    implied = implied_micro_batch(runs, int(rows[0].option("pp")))
-    assert 1.5 < implied < 2.5, implied
+    implied = source_micro_batch(rows)
+    assert implied is not None and 1.5 < implied < 2.5, implied
     for r in rows:
         assert int(r.option("--micro-batch")) == round(implied) and "implied_micro_batch" in r.assumed
+    assert source_micro_batch([r for r in published_runs() if r.source == "korthikanti2022"]) is None
 
 
 def test_activation_bytes_follow_korthikanti_2022() -> None:

@@ -150,3 +150,17 @@ def implied_micro_batch(runs: Sequence[tuple[float, float]], pp: int) -> float:
         raise ValueError("implied_micro_batch needs two or more runs of a pipeline (pp >= 2)")
     slope, intercept = statistics.linear_regression([s for s, _ in runs], [t for _, t in runs])
     return intercept / slope / (pp - 1)
+
+
+def source_micro_batch(rows: Sequence[PublishedRun]) -> float | None:
+    """The micro-batch a source's step times imply (:func:`implied_micro_batch`) where its rows are one
+    model, batch and pipeline at several data-parallel sizes; None for any other set of rows."""
+    if len(rows) < 2 or any(r.metric != "step_time_s" for r in rows):
+        return None
+    if len({(r.option("--model"), r.option("pp"), r.option("--train.batch_size")) for r in rows}) != 1:
+        return None
+    pp = int(rows[0].option("pp"))
+    if pp < 2 or any("dp_replicate" not in r.args for r in rows):
+        return None
+    runs = [(int(r.option("--train.batch_size")) / int(r.option("dp_replicate")), r.published) for r in rows]
+    return implied_micro_batch(runs, pp)
