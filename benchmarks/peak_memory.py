@@ -34,7 +34,7 @@ import torch
 from isthmus.launch.warm import start_rank_server
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.autoplan import local_runtime, local_topology
-from isthmus.planner.cost import rank_memory, stage_costs
+from isthmus.planner.cost import rank_memory, ranks_tp_on_host, stage_costs
 from isthmus.planner.layout import LayoutSpec, Workload
 from isthmus.planner.placement import place
 from isthmus.train.short_run import max_steps_override
@@ -119,8 +119,12 @@ def planned(layout: LayoutSpec, flavor: str, dtype: str = "fp32", compiled: bool
     """The planner's peak memory of each pipeline stage."""
     work = Workload(get_flavor(flavor), BATCH, SEQ, dtype)
     runtime = local_runtime().with_compile(compiled)
-    stages = stage_costs(work, layout, runtime, place(local_topology(layout.world), layout))
-    return [rank_memory(work, layout, runtime, r, st.layers).total for r, st in enumerate(stages)]
+    pl = place(local_topology(layout.world), layout)
+    stages = stage_costs(work, layout, runtime, pl)
+    return [
+        rank_memory(work, layout, runtime, r, st.layers, tp_shared_file=ranks_tp_on_host(pl, runtime, r)).total
+        for r, st in enumerate(stages)
+    ]
 
 
 def measure(

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from isthmus.errors import RunFailed
 from isthmus.parallel import shm_collectives
 from isthmus.parallel.shm_collectives import SharedMemoryCollectives, build_collectives
+from isthmus.planner import memory
 from multirank import run_ranks
 
 PREFIX = "isthmus-allreduce-"
@@ -53,8 +54,21 @@ def against_gloo() -> list[bool]:
     reduce.all_reduce(column_major)
     equal.append(torch.equal(column_major, reference))
     assert reduce.slot_bytes == 4 << 20, reduce.slot_bytes  # grew once, to the largest case's power of two
+    # The planner's count of the file each rank maps (planner.memory.shared_file_bytes), from the largest tensor.
+    assert len(reduce._map) == memory.shared_file_bytes(2, max(n * d.itemsize for n, d in CASES))
     assert not _leftovers(), _leftovers()  # every map's file was unlinked once all ranks had it
     return equal
+
+
+def test_the_planner_sizes_the_file_as_it_is_laid_out() -> None:
+    # planner.memory may not import this module (tests/test_import_rules.py): it keeps a copy of the layout.
+    assert (memory.SHARED_FILE_LINE, memory.SHARED_FILE_MIN_SLOT, memory.SHARED_FILE_MAX_SLOT) == (
+        shm_collectives._LINE,
+        shm_collectives._MIN_SLOT,
+        shm_collectives._MAX_SLOT,
+    )
+    assert memory.shared_file_bytes(2, 1000) == 2 * 64 + 4 * (1 << 20)  # the smallest slot
+    assert memory.shared_file_bytes(2, (2 << 20) + 1) == 2 * 64 + 4 * (4 << 20)  # the next power of two
 
 
 def test_two_ranks_sum_bit_for_bit_as_gloo_does() -> None:

@@ -68,9 +68,15 @@ def tp_span(site: SiteSpans, runtime: Runtime) -> comm.Span:
     sequence parallelism all-gathers and reduce-scatters): through the node's shared memory where the
     runtime moves them there and the group stays in one node with that path."""
     host = site.dc.host_memory
-    if runtime.tp_host_memory and host is not None and site.tp.nodes == 1 and site.tp.dcs == 1:
+    if host is not None and tp_on_host(site, runtime):
         return replace(site.tp, intra=host)
     return site.tp
+
+
+def tp_on_host(site: SiteSpans, runtime: Runtime) -> bool:
+    """Whether the tensor-parallel group's collectives go through the node's shared memory: the
+    runtime moves them there and the group stays in one node that has that path."""
+    return runtime.tp_host_memory and site.dc.host_memory is not None and site.tp.nodes == 1 and site.tp.dcs == 1
 
 
 @lru_cache(maxsize=8192)
@@ -314,11 +320,24 @@ def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placemen
     return worst
 
 
+def ranks_tp_on_host(pl: Placement, runtime: Runtime, r: int) -> bool:
+    """Whether pipeline rank ``r``'s tensor-parallel collectives go through shared memory in every
+    datacenter that runs it."""
+    return all(tp_on_host(pl.sites[i], runtime) for i in pl.stage_sites[r])
+
+
 def rank_memory(
-    work: Workload, layout: LayoutSpec, runtime: Runtime, r: int, layers: int, fsdp: bool | None = None
+    work: Workload,
+    layout: LayoutSpec,
+    runtime: Runtime,
+    r: int,
+    layers: int,
+    fsdp: bool | None = None,
+    tp_shared_file: bool = False,
 ) -> MemoryBreakdown:
     """Rank ``r``'s peak memory holding ``layers`` blocks; ``fsdp`` overrides whether FSDP2 holds
-    the weights (default: the layout's data-parallel kind)."""
+    the weights (default: the layout's data-parallel kind); ``tp_shared_file``: its tensor-parallel
+    group exchanges through the host's shared memory (:func:`tp_on_host`)."""
     return device_memory(
         work.args,
         runtime,
@@ -340,6 +359,7 @@ def rank_memory(
         microbatches=layout.microbatches,
         virtual_stages=layout.pp_virtual_stages,
         fsdp=layout.data_parallel_kind == "fsdp" if fsdp is None else fsdp,
+        tp_shared_file=tp_shared_file,
     )
 
 
@@ -513,7 +533,11 @@ def estimate(
     reps = {key: (r, rank_sync(work, layout, runtime, pl, r, stages[r])) for key, r in first_of.items()}
     syncs = [reps[(id(st), pl.stage_sites[r])][1] for r, st in enumerate(stages)]
     memory = max(
-        (rank_memory(work, layout, runtime, r, stages[r].layers) for r, _ in reps.values()), key=lambda mb: mb.total
+        (
+            rank_memory(work, layout, runtime, r, stages[r].layers, tp_shared_file=ranks_tp_on_host(pl, runtime, r))
+            for r, _ in reps.values()
+        ),
+        key=lambda mb: mb.total,
     )
     # A microbatch takes its compute or its ZeRO-3 gathers, whichever is longer, when they overlap.
     busy = [

@@ -31,6 +31,23 @@ USABLE_FRACTION = 0.95
 local batch 2, selective recomputation) reported 82.4 GiB, 92% of the device."""
 
 
+SHARED_FILE_LINE = 64
+SHARED_FILE_MIN_SLOT = 1 << 20
+SHARED_FILE_MAX_SLOT = 256 << 20
+"""The file layout of ``isthmus.parallel.shm_collectives`` (which the planner may not import; its
+test holds these equal): one cache line per rank's counter, then two banks of one slot per rank, a
+slot the largest tensor served rounded up to a power of two, 1 MiB to 256 MiB."""
+
+
+def shared_file_bytes(tp: int, largest: float) -> float:
+    """Bytes of the shared file a tensor-parallel group of ``tp`` CPU ranks on one host exchanges
+    through, which every rank maps and reads whole: ``largest`` is the group's largest collective
+    (a block's hidden states: an all-reduce, or the input of sequence parallelism's reduce-scatter)."""
+    served = int(min(largest, SHARED_FILE_MAX_SLOT))
+    slot = max(SHARED_FILE_MIN_SLOT, 1 << max(0, served - 1).bit_length())
+    return SHARED_FILE_LINE * tp + 2 * tp * slot
+
+
 @dataclass(frozen=True)
 class MemoryBreakdown:
     """Bytes on one device at its peak."""
@@ -232,12 +249,14 @@ def device_memory(
     virtual_stages: int = 1,
     modules: Sequence[int] | None = None,
     fsdp: bool = False,
+    tp_shared_file: bool = False,
 ) -> MemoryBreakdown:
     """Peak memory of one device of one pipeline rank. ``modules``: the blocks of each of its stage
     modules (default: ``layers`` split evenly over ``virtual_stages``), what every-other-block
     recomputation goes by: it wraps blocks 0, 2, ... of each module (:func:`alternate_share`).
     ``fsdp``: FSDP2 holds the weights (``LayoutSpec.data_parallel_kind``), with its mixed precision
-    under bf16 where the runtime uses it (:func:`fsdp_mixed_precision`)."""
+    under bf16 where the runtime uses it (:func:`fsdp_mixed_precision`). ``tp_shared_file``: the
+    tensor-parallel collectives go through a shared file on the host (:func:`shared_file_bytes`)."""
     sizes = list(modules) if modules is not None else _module_sizes(max(1, layers), virtual_stages)
     wrapped = sum((k + 1) // 2 for k in sizes) / max(1, layers)
     # Backward starts at a module's last block with every stored activation held: recomputing it
@@ -278,6 +297,8 @@ def device_memory(
     if (shard > 1 or gathered is not None) and zero_stage == 3 and pp == 1:
         gathered_w = gathered if gathered is not None else runtime.weight_bytes
         transient += 2 * (layer_matmul_params(args) / tp) * gathered_w  # this and the prefetched block
+    if tp > 1 and tp_shared_file:  # kept from the first collective on, like the receive buffers above
+        transient += shared_file_bytes(tp, ELEM_BYTES[residual] * micro_batch * seq_len / cp * args.dim)
     if first:
         activations += ELEM_BYTES[residual] * micro_batch * seq_len / cp * args.dim * in_flight / (tp if sp else 1)
     if last:

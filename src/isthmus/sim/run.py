@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from statistics import mean
 
 from isthmus.models.flops import flops_per_token
-from isthmus.planner.cost import Estimate, bottleneck_of, estimate, figures_json, recompute_flops_per_token
+from isthmus.planner.cost import (
+    Estimate,
+    bottleneck_of,
+    estimate,
+    figures_json,
+    ranks_tp_on_host,
+    recompute_flops_per_token,
+)
 from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory
 from isthmus.planner.topology import Topology
@@ -177,6 +184,7 @@ def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
         # Each simulated stage module wraps blocks 0, 2, ... of its own, as the runtime does.
         modules=[o.layers for o in plan.stages.values()],
         fsdp=lay.data_parallel_kind == "fsdp",
+        tp_shared_file=ranks_tp_on_host(sim.placement, sim.runtime, r),
     )
 
 
