@@ -297,10 +297,11 @@ def device_memory(
     if (shard > 1 or gathered is not None) and zero_stage == 3 and pp == 1:
         gathered_w = gathered if gathered is not None else runtime.weight_bytes
         transient += 2 * (layer_matmul_params(args) / tp) * gathered_w  # this and the prefetched block
+    hidden = ELEM_BYTES[residual] * micro_batch * seq_len / cp * args.dim  # one microbatch's hidden states
     if tp > 1 and tp_shared_file:  # kept from the first collective on, like the receive buffers above
-        transient += shared_file_bytes(tp, ELEM_BYTES[residual] * micro_batch * seq_len / cp * args.dim)
+        transient += shared_file_bytes(tp, hidden)
     if first:
-        activations += ELEM_BYTES[residual] * micro_batch * seq_len / cp * args.dim * in_flight / (tp if sp else 1)
+        activations += hidden * in_flight / (tp if sp else 1)
     if last:
         transient += (e + 8) * micro_batch * seq_len / cp * args.vocab_size / tp  # logits, fp32 softmax and grad
     return MemoryBreakdown(w, g, o, activations, transient)
