@@ -59,9 +59,10 @@ from isthmus.parallel.rendezvous import loopback_store_server, served_group_args
 from isthmus.planner.compute import CAUSAL_SKIP, gemm_fraction
 from isthmus.planner.cost import estimate
 from isthmus.planner.layout import RUNTIMES, Workload
-from isthmus.planner.topology import DeviceKind, Topology, device_kinds, parse_topology
+from isthmus.planner.topology import DeviceKind, Topology, device_kinds, load_topology
 from isthmus.profile.measure import fit_gemm_curve, model_gemms
 from isthmus.train.optim import build_optimizer
+from plan_vs_measured import train_argv  # the script's folder is on sys.path
 
 LOSS_RTOL = 1e-4
 """fp32 losses on the device against the CPU's: summation order differs, nothing else may."""
@@ -135,12 +136,10 @@ def timed(fn: Callable[[], Any], device: torch.device, reps: int, inner: int = 1
 def train_losses(device: str, work: Path, tag: str, *flags: str) -> list[float]:
     """Losses of 4 fp32 steps of `isthmus train --model.flavor tiny` on ``device``."""
     jsonl = work / f"{tag}.jsonl"
-    cmd = [
-        sys.executable, "-m", "isthmus", "train", "--model.flavor", "tiny", "--train.steps", "4",
-        "--train.dtype", "fp32", "--train.device", device, "--train.val_every", "0",
-        "--metrics.progress", "false", "--metrics.log_every", "1", "--metrics.jsonl", str(jsonl),
-        "--train.run_dir", str(work / tag), *flags,
-    ]  # fmt: skip
+    cmd = train_argv(
+        "tiny", 4, work / tag, "--train.dtype", "fp32", "--train.device", device,
+        "--metrics.log_every", "1", "--metrics.jsonl", str(jsonl), *flags,
+    )  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} exited {done.returncode}: {done.stderr.strip()[-1500:]}")
@@ -293,20 +292,11 @@ def collectives(device: torch.device, shapes: Shapes) -> dict[str, Any]:
 
 
 def one_device(kind: DeviceKind) -> Topology:
-    """A topology of one device of ``kind`` (its links are never used)."""
-    fields = {
-        "memory_gb": kind.memory_bytes / 1e9,
-        "memory_bandwidth_gb_s": kind.memory_bandwidth / 1e9,
-        "peak_tflops": {k: v / 1e12 for k, v in kind.peak_flops.items()},
-        "gemm_max_fraction": kind.gemm_max_fraction,
-        "gemm_half_dim": kind.gemm_half_dim,
-        "memory_bw_fraction": kind.memory_bw_fraction,
-        "kernel_launch_us": kind.kernel_launch_s * 1e6,
-        "default_dtype": kind.default_dtype,
-    }
-    link = {"bandwidth_gb_s": 100, "latency_us": 5}
-    dc = {"name": "one", "device": "calibrated", "nodes": 1, "devices_per_node": 1, "intra_node": link, "fabric": link}
-    return parse_topology({"name": "calibration", "devices": {"calibrated": fields}, "datacenters": [dc]})
+    """A topology of one device of ``kind`` (a one-datacenter preset reshaped, as
+    ``autoplan.local_topology`` reshapes ``local``; its links are never used by one device)."""
+    base = load_topology("meta-h100")
+    dc = replace(base.datacenters[0], kind=kind, nodes=1, devices_per_node=1)
+    return replace(base, name="calibration", datacenters=(dc,))
 
 
 def predict(kind: DeviceKind, shapes: Shapes, micro: int, seq: int, ac: str) -> float:
