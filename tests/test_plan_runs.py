@@ -11,8 +11,9 @@ import pytest
 
 from isthmus.config import build_config
 from isthmus.errors import ConfigError
+from isthmus.layout.plan import PLANNED_KEYS, plan_overrides_of
 from isthmus.layout.spec import LayoutSpec
-from procs import run_isthmus
+from procs import run_isthmus, tiny_run
 
 PLAN = [
     "plan",
@@ -89,3 +90,42 @@ def test_a_plan_that_breaks_a_rule_names_the_key(plan_file: Path) -> None:
         train_config("tiny", ["--parallel.plan", str(plan_file), "--parallel.nproc", "3"])
     with pytest.raises(ConfigError, match="parallel.plan = 'nowhere.json'"):
         build_config(None, [("parallel.plan", "nowhere.json")])
+
+
+def test_a_plan_cannot_choose_where_files_go(tmp_path: Path) -> None:
+    """A plan is data someone else may have written: one that names another run's folder and asks to
+    overwrite it is refused in one line before anything is touched, and that run keeps its files."""
+    other = tmp_path / "other"
+    kept = {"checkpoints/step-000002/isthmus.json": "{}", "final/model.pt": "weights", "metrics.jsonl": '{"step": 2}\n'}
+    for name, text in kept.items():
+        (other / name).parent.mkdir(parents=True, exist_ok=True)
+        (other / name).write_text(text)
+    plan = tmp_path / "plan.json"
+    hostile = {"parallel": {"nproc": 1}, "train": {"run_dir": str(other), "overwrite": True}}
+    plan.write_text(json.dumps({"layouts": [hostile]}))
+    done = run_isthmus("train", *tiny_run(2), "--parallel.plan", str(plan), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.splitlines() == [
+        f"isthmus: error: parallel.plan = {str(plan)!r}: sets train.overwrite and train.run_dir, which a plan may "
+        "not set (a plan sets the layout, its batch and precision, never where files go or what is replaced)"
+    ]
+    assert {str(p.relative_to(other)): p.read_text() for p in other.rglob("*") if p.is_file()} == kept
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "key", ["train.run_dir", "train.overwrite", "model.init_from", "parallel.plan", "parallel.plan_topology"]
+)
+def test_no_key_a_plan_may_set_names_a_path_or_destroys(key: str) -> None:
+    """Every key of the plan's sections that names a path or replaces a run (the other sections,
+    checkpoint, data and metrics among them, are not read from a plan at all)."""
+    assert key not in PLANNED_KEYS
+    section, name = key.split(".")
+    with pytest.raises(ConfigError, match=f"sets {key}, which a plan may not set"):
+        plan_overrides_of({"layouts": [{"parallel": {"nproc": 1}, section: {name: "x"}}]})
+
+
+def test_every_key_the_planner_writes_is_one_a_plan_may_set(plan_file: Path) -> None:
+    best = json.loads(plan_file.read_text())["layouts"][0]
+    written = {f"{s}.{k}" for s in ("parallel", "geo", "train", "model") for k in best.get(s, {})}
+    assert written and written <= PLANNED_KEYS
