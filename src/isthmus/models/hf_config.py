@@ -9,6 +9,7 @@ planner and preflight can learn a checkpoint's shape cheaply.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -36,65 +37,100 @@ def read_hf_config(folder: Path) -> dict[str, Any]:
     return config
 
 
+MAX_SIZE = 2**31 - 1
+"""Largest size a config.json may give: JSON integers have no limit, and products of sizes past this
+overflow the planner's and torch's size arithmetic long before memory would refuse them."""
+
+
+def _refuse(path: Path, key: str, value: object, rule: str) -> CheckpointError:
+    return CheckpointError(f"{path}: {key} = {value!r}: {rule}")
+
+
+def json_size(config: dict[str, Any], key: str, path: Path) -> int:
+    """A required size: a JSON integer in 1..MAX_SIZE."""
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE:
+        raise _refuse(path, key, value, f"must be a positive integer up to {MAX_SIZE:,}")
+    return value
+
+
+def json_positive(value: object, key: str, path: Path) -> float:
+    """A positive, finite JSON number (an epsilon, a base)."""
+    number = value if isinstance(value, float) else math.nan
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = float(value) if value < 2**1000 else math.inf  # float() of a larger one overflows
+    if not 0 < number < math.inf:
+        raise _refuse(path, key, value, "must be a positive number")
+    return number
+
+
+def json_flag(config: dict[str, Any], key: str, path: Path) -> bool:
+    """An optional true or false (null: false)."""
+    value = config.get(key)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _refuse(path, key, value, "must be true or false")
+    return value
+
+
 def _rope_theta(config: dict[str, Any], path: Path) -> float:
     """rope_theta at the top level (transformers 4) or in ``rope_parameters`` (transformers 5);
     any scaling (rope_scaling, or a rope_type other than default) is refused."""
     if config.get("rope_scaling"):
-        raise CheckpointError(f"{path}: rope_scaling = {config['rope_scaling']!r}: isthmus supports plain RoPE only")
+        raise _refuse(path, "rope_scaling", config["rope_scaling"], "isthmus supports plain RoPE only")
     params = config.get("rope_parameters") or {}
     if not isinstance(params, dict):
-        raise CheckpointError(f"{path}: rope_parameters = {params!r}: must be a JSON object")
+        raise _refuse(path, "rope_parameters", params, "must be a JSON object")
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
-        raise CheckpointError(
-            f"{path}: rope_parameters.rope_type = {rope_type!r}: isthmus supports plain RoPE (default) only"
-        )
-    return float(params.get("rope_theta", config.get("rope_theta", HF_DEFAULT_ROPE_THETA)))
+        raise _refuse(path, "rope_parameters.rope_type", rope_type, "isthmus supports plain RoPE (default) only")
+    if "rope_theta" in params:
+        return json_positive(params["rope_theta"], "rope_parameters.rope_theta", path)
+    return json_positive(config.get("rope_theta", HF_DEFAULT_ROPE_THETA), "rope_theta", path)
 
 
 def _refuse_variants(config: dict[str, Any], path: Path) -> None:
     model_type = config.get("model_type", "llama")
     if model_type != "llama":
-        raise CheckpointError(f"{path}: model_type = {model_type!r}: isthmus imports llama only")
+        raise _refuse(path, "model_type", model_type, "isthmus imports llama only")
     architectures = config.get("architectures", [ARCHITECTURE])
     if architectures != [ARCHITECTURE]:
-        raise CheckpointError(f"{path}: architectures = {architectures!r}: isthmus imports [{ARCHITECTURE!r}] only")
+        raise _refuse(path, "architectures", architectures, f"isthmus imports [{ARCHITECTURE!r}] only")
     for key in ("attention_bias", "mlp_bias"):
-        if config.get(key):
-            raise CheckpointError(f"{path}: {key} = {config[key]!r}: isthmus's layers have no biases")
+        if json_flag(config, key, path):
+            raise _refuse(path, key, config[key], "isthmus's layers have no biases")
     act = config.get("hidden_act", "silu")
     if act != "silu":
-        raise CheckpointError(f"{path}: hidden_act = {act!r}: isthmus's MLP is SiLU-gated (silu) only")
-
-
-def _field(config: dict[str, Any], key: str, path: Path) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise CheckpointError(f"{path}: {key} = {value!r}: must be a positive integer")
-    return value
+        raise _refuse(path, "hidden_act", act, "isthmus's MLP is SiLU-gated (silu) only")
 
 
 def args_from_hf_config(config: dict[str, Any], path: Path) -> ModelArgs:
-    """The `ModelArgs` of a Llama ``config.json`` (parsed; ``path`` names it in errors)."""
+    """The `ModelArgs` of a Llama ``config.json`` (parsed; ``path`` names it in errors).
+
+    Every field isthmus reads is checked here, its type and its range, so a damaged or hostile file
+    ends in one line naming the field."""
     _refuse_variants(config, path)
-    dim = _field(config, "hidden_size", path)
-    heads = _field(config, "num_attention_heads", path)
-    kv_heads = config.get("num_key_value_heads") or heads
-    head_dim = config.get("head_dim")
-    if head_dim is not None and head_dim * heads != dim:
-        raise CheckpointError(
-            f"{path}: head_dim = {head_dim!r}: isthmus needs hidden_size / num_attention_heads = {dim / heads:g}"
-        )
+    dim = json_size(config, "hidden_size", path)
+    heads = json_size(config, "num_attention_heads", path)
+    # transformers reads a missing or null count as "as many as the query heads".
+    kv_heads = heads if config.get("num_key_value_heads") is None else json_size(config, "num_key_value_heads", path)
+    if config.get("head_dim") is not None:
+        head_dim = json_size(config, "head_dim", path)
+        if head_dim * heads != dim:
+            raise _refuse(
+                path, "head_dim", head_dim, f"isthmus needs hidden_size / num_attention_heads = {dim / heads:g}"
+            )
     return ModelArgs(
         dim=dim,
-        n_layers=_field(config, "num_hidden_layers", path),
+        n_layers=json_size(config, "num_hidden_layers", path),
         n_heads=heads,
-        n_kv_heads=_field({"num_key_value_heads": kv_heads}, "num_key_value_heads", path),
-        ffn_dim=_field(config, "intermediate_size", path),
-        vocab_size=_field(config, "vocab_size", path),
+        n_kv_heads=kv_heads,
+        ffn_dim=json_size(config, "intermediate_size", path),
+        vocab_size=json_size(config, "vocab_size", path),
         mlp="swiglu",
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        norm_eps=float(config.get("rms_norm_eps", HF_DEFAULT_NORM_EPS)),
+        tie_embeddings=json_flag(config, "tie_word_embeddings", path),
+        norm_eps=json_positive(config.get("rms_norm_eps", HF_DEFAULT_NORM_EPS), "rms_norm_eps", path),
         rope_theta=_rope_theta(config, path),
     )
 

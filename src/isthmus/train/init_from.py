@@ -12,7 +12,6 @@ optimizer starts fresh. Only safetensors and JSON are read: no pickle, so the da
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,11 +25,9 @@ from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.hf import HfTensor, from_hf_rows, hf_name_map
 from isthmus.models.llama import build_model, canonical_name
-from isthmus.models.pretrained import is_hf_folder, safetensors_header
+from isthmus.models.pretrained import hf_weight_files, is_hf_folder, safetensors_header
 from isthmus.train.export import load_exported
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
@@ -99,30 +96,13 @@ def _local_box(p: DTensor) -> Box | None:
     return tuple(offset), tuple(shape)
 
 
-def _hf_files(folder: Path) -> dict[str, Path]:
-    """HF tensor name -> the safetensors file that holds it (single file or sharded index)."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: folder / file for name, file in weight_map.items()}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
-    single = folder / SINGLE_FILE
-    if not single.is_file():
-        raise CheckpointError(
-            f"{folder}: holds neither {SINGLE_FILE} nor {INDEX_FILE} (only safetensors weights are read)"
-        )
-    return dict.fromkeys(safetensors_header(single), single)
-
-
 def _shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor's full shape by canonical name, from a model built on meta (no memory)."""
     return {name: tuple(t.shape) for name, t in build_model(args).state_dict().items()}
 
 
 def _open_hf(folder: Path, args: ModelArgs) -> PretrainedWeights:
-    files = _hf_files(folder)
+    files = hf_weight_files(folder)
     expected = _shapes(args)
     headers: dict[Path, dict] = {}
     located = {}
