@@ -10,13 +10,19 @@ waits they filled. Bad settings end in one line, exit 2, before any rank starts.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from isthmus.cli import main
-from isthmus.train.bubbles import prefill_alone
+from isthmus.config import JobConfig
+from isthmus.data.requests import RequestLimits, read_request_file
+from isthmus.data.tokenizer import ByteTokenizer
+from isthmus.errors import DataError
+from isthmus.train.bubbles import load_requests, prefill_alone
+from procs import last_line, run_isthmus, tiny_run
 
 # The trained model is wider than `tiny`, so that its stages leave each other waits of several
 # milliseconds; the requests are served by `tiny` (short prompts, well under a millisecond each).
@@ -95,6 +101,8 @@ def test_filling_changes_no_training_value_and_serves_every_request(tmp_path: Pa
         (("--parallel.pp", "1", "--bubbles.prefill", "synthetic:2:4"), "needs parallel.pp > 1"),
         (("--bubbles.prefill", "synthetic:2:4", "--bubbles.model", "huge"), "bubbles.model = 'huge': must be empty or"),
         (("--bubbles.prefill", "{bad}"), '.jsonl:2: "tokens" must be a non-empty list of token ids in [0, 256)'),
+        (("--bubbles.prefill", "synthetic:2:100"), "LEN = 100 is more than train.seq_len = 64"),
+        (("--bubbles.prefill", f"synthetic:{10**12}:1"), "local rank(s) holds every request"),
         (
             ("--bubbles.prefill", "synthetic:2:4", "--geo.datacenters", "2", "--geo.dc_axis", "pp")
             + ("--geo.wan_schedule", "time_shared"),
@@ -113,3 +121,115 @@ def test_bad_bubbles_settings_are_one_line(
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("isthmus: error: ") and expected in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_a_request_longer_than_the_model_positions_is_refused_before_any_rank(tmp_path: Path) -> None:
+    """Issue 31, case 3: one request of 10^6 tokens under a pp 2 run was accepted and stalled the
+    ranks before step 1 (each rank prefilled it several times to time it). It is refused in one
+    line naming the file, the line and the limit, before any process starts."""
+    big = tmp_path / "big.jsonl"
+    big.write_text(json.dumps({"id": "big", "tokens": [7] * 10**6}) + "\n")
+    layout = ("--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.microbatches", "2")
+    start = time.monotonic()
+    proc = run_isthmus(
+        "train",
+        *tiny_run(4),
+        *layout,
+        "--bubbles.prefill",
+        str(big),
+        "--train.run_dir",
+        str(tmp_path / "run"),
+        timeout=90,
+    )
+    took = time.monotonic() - start
+    line = last_line(proc.stderr)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert line.startswith(f"isthmus: error: bubbles.prefill: {big}:1: ") and "train.seq_len = 32" in line, line
+    assert not (tmp_path / "run").exists() and took < 60
+
+
+LIMITS = RequestLimits(max_tokens=32, max_total_tokens=100, total_rule="the test's limit")
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+@pytest.mark.parametrize(
+    ("lines", "expected"),
+    [
+        ([b"hello"], ":1: not JSON (Expecting value)"),
+        ([b'{"id": 1, "prompt": "a"}', b"[1, 2]"], ':2: needs "id" and one of "prompt"'),
+        ([b'{"id": [1], "prompt": "a"}'], ':1: "id" must be a non-empty string or an integer, not [1]'),
+        ([b'{"id": true, "prompt": "a"}'], ':1: "id" must be a non-empty string or an integer, not true'),
+        ([b'{"id": 1, "prompt": ""}'], ':1: "prompt" must be a non-empty string'),
+        ([b'{"id": 1, "prompt": 5}'], ':1: "prompt" must be a non-empty string'),
+        ([b'{"id": 1, "tokens": []}'], ':1: "tokens" must be a non-empty list of token ids in [0, 256)'),
+        ([b'{"id": 1, "tokens": [1.0]}'], ':1: "tokens" must be a non-empty list'),
+        ([b'{"id": 1, "tokens": "12"}'], ':1: "tokens" must be a non-empty list'),
+        ([b'{"id": 1, "prompt": "a", "tokens": [1]}'], ':1: needs "id" and one of'),
+        ([b'{"id": 1, "prompt": "a"}', b'{"id": "1", "prompt": "b"}'], ":2: id '1' appears twice"),
+        (
+            [b'{"id": 1, "prompt": "a"}', b'{"id": 2, "prompt": "\xff"}'],
+            ":2: not UTF-8 (invalid start byte at byte 21)",
+        ),
+        (
+            [b'{"id": "long", "prompt": "' + b"a" * 40 + b'"}'],
+            ":1: request 'long' has 40 tokens, more than train.seq_len = 32",
+        ),
+        (
+            [json.dumps({"id": 9, "tokens": [0] * 33}).encode()],
+            ":1: request '9' has 33 tokens, more than train.seq_len = 32",
+        ),
+        (
+            [b'{"id": 1, "prompt": "' + b"a" * 4000 + b'"}'],
+            ":1: longer than 3,072 bytes, the most a request of at most",
+        ),
+        ([b""], " holds no requests"),
+        ([b"", b"  ", b""], " holds no requests"),
+    ],
+)
+def test_a_bad_request_file_is_one_line_naming_its_line(tmp_path: Path, lines: list[bytes], expected: str) -> None:
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    with pytest.raises(DataError) as e:
+        read_request_file(path, 256, LIMITS, _utf8_len)
+    assert str(e.value).startswith(f"bubbles.prefill: {path}") and expected in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_huge_request_file_stops_at_the_line_past_the_limit(tmp_path: Path) -> None:
+    """Requests beyond what the ranks have memory for are refused at the line that passes it; the
+    rest of the file is not read (nor a line beyond the longest a request may take)."""
+    path = tmp_path / "many.jsonl"
+    with path.open("w") as f:
+        for i in range(2_000):
+            f.write(json.dumps({"id": i, "tokens": [1] * 30}) + "\n")
+        f.write("x" * 10**6)
+    with pytest.raises(DataError, match=r"many.jsonl:4: the requests up to here hold 120 tokens, more than 100: "):
+        read_request_file(path, 256, LIMITS, _utf8_len)
+    path.write_bytes(b'{"id": 1, "prompt": "a"}\n' + b"x" * 10**7)
+    with pytest.raises(DataError, match=r"many.jsonl:2: longer than 3,072 bytes"):
+        read_request_file(path, 256, LIMITS, _utf8_len)
+
+
+def test_a_line_as_long_as_the_limit_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "r.jsonl"
+    head = b'{"id": 1, "prompt": "a"}'
+    path.write_bytes(head + b" " * (LIMITS.max_line_bytes - len(head)) + b"\r\n")
+    assert [(r.line, r.id, r.prompt) for r in read_request_file(path, 256, LIMITS, _utf8_len)] == [(1, "1", "a")]
+
+
+def test_a_prompt_is_checked_again_once_a_rank_has_tokenized_it(tmp_path: Path) -> None:
+    """Under a BPE the run trains, preflight cannot count a prompt's tokens: the rank does, before
+    it times or serves any request."""
+    path = tmp_path / "r.jsonl"
+    path.write_text('{"id": "ok", "prompt": "abcd"}\n\n{"id": "x", "prompt": "abcdefghi"}\n')
+    cfg = JobConfig()
+    cfg.train.seq_len, cfg.bubbles.prefill = 8, str(path)
+    with pytest.raises(
+        DataError, match=rf"^bubbles.prefill: {path}:3: request 'x' has 9 tokens, more than train.seq_len = 8"
+    ):
+        load_requests(cfg, ByteTokenizer(), 256)
+    cfg.train.seq_len = 9
+    assert [r.tokens for r in load_requests(cfg, ByteTokenizer(), 256)] == [list(b"abcd"), list(b"abcdefghi")]

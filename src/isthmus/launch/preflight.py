@@ -8,8 +8,16 @@ from pathlib import Path
 
 from isthmus.config import JobConfig, synthetic_spec
 from isthmus.data.corpus import default_cache_dir, is_bin, load_bin
-from isthmus.data.requests import read_request_file
-from isthmus.data.tokenizer import BPE_FILE, HF_PREFIX, PretrainedTokenizer, hf_tokenizer_file
+from isthmus.data.requests import TOKEN_BYTES, RequestLimits, check_synthetic, iter_request_file
+from isthmus.data.tokenizer import (
+    BPE_FILE,
+    HF_PREFIX,
+    ByteTokenizer,
+    PretrainedTokenizer,
+    RawTokenizer,
+    Tokenizer,
+    hf_tokenizer_file,
+)
 from isthmus.errors import ConfigError, DataError
 from isthmus.launch.environ import launcher_world
 from isthmus.layout.dims import ParallelDims, check_layout
@@ -67,22 +75,28 @@ def preflight(cfg: JobConfig) -> ModelArgs:
             True,
             "cannot be combined with parallel.pp > 1 (embedding and head live on different stages)",
         )
-    _check_bubbles(cfg, vocab)
-    if cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible()):
+    on_cpu = cfg.train.device == "cpu" or (cfg.train.device == "auto" and not _cuda_visible())
+    if on_cpu:
         _check_fits_in_memory(cfg, args, dims, bin_ids)
         if cfg.train.compile:
             from isthmus.parallel.compile import check_cpu_toolchain  # loads torch: only for a compiled run
 
             check_cpu_toolchain()
+    # After the run's own memory check: the requests get what the run leaves of this machine's memory.
+    _check_bubbles(cfg, vocab, bin_ids is not None, args, dims, on_cpu)
 
     # The key signs checkpoints and the final model: an unreadable or short one stops here, before any process starts.
     checkpoint_key(cfg.checkpoint.key_file)
     return args
 
 
-def _check_bubbles(cfg: JobConfig, vocab: int | None) -> None:
-    """bubbles.model names a flavor, and a bubbles.prefill file reads as requests (ids below the
-    tokenizer's vocabulary, which the serving model shares)."""
+def _check_bubbles(
+    cfg: JobConfig, vocab: int | None, bin_data: bool, args: ModelArgs, dims: ParallelDims, on_cpu: bool
+) -> None:
+    """bubbles.model names a flavor, and bubbles.prefill's requests fit: each in the serving model's
+    context (train.seq_len), all of them in the memory the run leaves on this machine (every local
+    rank holds them all; a run on CPU takes its estimate first), every id below the tokenizer's
+    vocabulary (which the serving model shares)."""
     b = cfg.bubbles
     if not b.prefill:
         return
@@ -93,8 +107,36 @@ def _check_bubbles(cfg: JobConfig, vocab: int | None) -> None:
         # link's token inside that wait: the token's collectives would run off the main thread, in an
         # order no rank agrees on. Not built; refused rather than left to hang.
         raise ConfigError("bubbles.prefill", b.prefill, "cannot be combined with geo.wan_schedule = time_shared (yet)")
-    if synthetic_spec(b.prefill) is None:
-        read_request_file(Path(b.prefill), vocab or 256)
+    ram = _physical_memory()
+    ranks = cfg.parallel.nproc
+    run = _local_need(estimate_rank_memory(cfg, args, dims), ranks) if on_cpu else 0.0
+    limits = RequestLimits(
+        max_tokens=cfg.train.seq_len,
+        max_total_tokens=max(0, int((ram - run) // (TOKEN_BYTES * ranks))),
+        total_rule=(
+            f"each of the {ranks} local rank(s) holds every request ({TOKEN_BYTES} bytes a token) in what this "
+            f"machine's {_gib(ram)} leaves after the run's {_gib(run)}; serve fewer requests per run"
+        ),
+    )
+    spec = synthetic_spec(b.prefill)
+    if spec is not None:
+        check_synthetic(b.prefill, *spec, limits)
+        return
+    tokenizer = _prompt_tokenizer(cfg, vocab, bin_data)
+    count = (lambda text: len(tokenizer.encode(text))) if tokenizer is not None else None
+    for _ in iter_request_file(Path(b.prefill), vocab or 256, limits, count):
+        pass
+
+
+def _prompt_tokenizer(cfg: JobConfig, vocab: int | None, bin_data: bool) -> Tokenizer | None:
+    """The tokenizer the ranks will encode prompts with, where it is known before they start (not a
+    BPE, which rank 0 trains on the corpus)."""
+    if bin_data:
+        assert vocab is not None
+        return ByteTokenizer() if vocab <= 256 else RawTokenizer(vocab)
+    if cfg.data.tokenizer.startswith(HF_PREFIX):
+        return PretrainedTokenizer.from_spec(cfg.data.tokenizer)
+    return ByteTokenizer() if cfg.data.tokenizer == "byte" else None
 
 
 def _cuda_visible() -> bool:
@@ -223,11 +265,11 @@ def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, b
     All local ranks share the machine. Model state (fp32 weights and gradients, two AdamW moments,
     sharded by ZeRO as FSDP2 runs it, divided by tp and pp) decides first; then activations.
     """
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ram = _physical_memory()
     m = estimate_rank_memory(cfg, args, dims)
     ranks = cfg.parallel.nproc
     state = (m.weights + m.grads + m.optimizer) * ranks
-    need = m.total * ranks + PROCESS_BASELINE_BYTES * ranks
+    need = _local_need(m, ranks)
     if need <= ram:
         return
     if state + PROCESS_BASELINE_BYTES * ranks > ram:
@@ -255,6 +297,15 @@ def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, b
         f"and {_gib(m.weights + m.grads + m.optimizer)} of model state); lower train.seq_len or "
         "train.batch_size, raise train.grad_accum, or set parallel.activation_checkpoint = full",
     )
+
+
+def _physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _local_need(m: MemoryBreakdown, ranks: int) -> float:
+    """Bytes the run's ranks on this machine need together: each rank's estimate and its process."""
+    return (m.total + PROCESS_BASELINE_BYTES) * ranks
 
 
 def _gib(n: float) -> str:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from isthmus.config import JobConfig, synthetic_spec
-from isthmus.data.requests import read_request_file
+from isthmus.data.requests import RequestLimits, check_request_length, check_synthetic, read_request_file
 from isthmus.data.tokenizer import Tokenizer
 from isthmus.errors import full_disk_as
 from isthmus.log import get_logger
@@ -39,11 +39,20 @@ def synthetic_requests(n: int, length: int, vocab: int, seed: int) -> list[Reque
 
 
 def load_requests(cfg: JobConfig, tokenizer: Tokenizer, vocab: int) -> list[Request]:
+    """bubbles.prefill's requests as token ids. Preflight checked them before any rank started; a
+    prompt's length is checked again here, where it is first known for a tokenizer trained by the run."""
+    limits = RequestLimits(max_tokens=cfg.train.seq_len)
     spec = synthetic_spec(cfg.bubbles.prefill)
     if spec is not None:
+        check_synthetic(cfg.bubbles.prefill, *spec, limits)
         return synthetic_requests(*spec, vocab, cfg.train.seed)
-    raw = read_request_file(Path(cfg.bubbles.prefill), vocab)
-    return [Request(r.id, r.tokens if r.tokens is not None else tokenizer.encode(r.prompt or "")) for r in raw]
+    path = Path(cfg.bubbles.prefill)
+    out = []
+    for r in read_request_file(path, vocab, limits):
+        tokens = r.tokens if r.tokens is not None else tokenizer.encode(r.prompt or "")
+        check_request_length(f"bubbles.prefill: {path}:{r.line}", r.id, len(tokens), limits)
+        out.append(Request(r.id, tokens))
+    return out
 
 
 def serving_model(cfg: JobConfig, run_args: ModelArgs, vocab: int, device: torch.device) -> nn.Module:
