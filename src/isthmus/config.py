@@ -196,7 +196,7 @@ class MetricsConfig:
 @dataclass
 class BubblesConfig:
     prefill: str = ""
-    """Prefill requests to run in the pipeline's bubbles: a JSONL file ({"id": ..., "prompt": "text"} or "tokens": [ids] per line) or synthetic:N:LEN (N prompts of LEN random tokens, seeded by train.seed); outputs go to <run_dir>/prefill.jsonl; "" = off."""
+    """Prefill requests to run in the pipeline's bubbles: a JSONL file ({"id": ..., "prompt": "text"} or "tokens": [ids] per line) or synthetic:N:LEN (N prompts of LEN random tokens, seeded by train.seed); each request at most train.seq_len tokens; outputs go to <run_dir>/prefill.jsonl; "" = off."""
     model: str = ""
     """The model that serves the prefill requests (a frozen copy on every pipeline rank): "" = the run's own model at the weights it starts from (model.init_from, else train.seed's initialisation), or a flavor name (initialised from train.seed, the tokenizer's vocabulary)."""
 
