@@ -24,7 +24,8 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass, field
+import stat
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ _STEP_DIR = re.compile(r"step-(\d+)")
 _CHUNK = 1 << 20
 KEY_ENV = "ISTHMUS_CHECKPOINT_KEY_FILE"
 MIN_KEY_BYTES = 16
+MAX_KEY_BYTES = 4096
+"""A key file is a short secret: a longer file, or one that never ends (/dev/zero), is not one."""
 _SIGNATURE = "manifest_hmac_sha256"
 
 
@@ -85,15 +88,25 @@ def checkpoint_key(key_file: str = "", option: str = "checkpoint.key_file") -> b
     """The key that signs and verifies checkpoints: the file ``key_file`` (given as ``option``),
     else the file ``$ISTHMUS_CHECKPOINT_KEY_FILE`` names; None when neither is set (no signing).
 
-    The key is the file's bytes without surrounding whitespace, at least `MIN_KEY_BYTES` of them.
+    The key is the file's bytes without surrounding whitespace, at least `MIN_KEY_BYTES` of them; the
+    file is a regular one of at most `MAX_KEY_BYTES`.
     """
     name, path = (option, key_file) if key_file else (KEY_ENV, os.environ.get(KEY_ENV, ""))
     if not path:
         return None
+    rule = f"a key is a file of {MIN_KEY_BYTES} to {MAX_KEY_BYTES} bytes (e.g. head -c 32 /dev/urandom | base64 > FILE)"
     try:
-        key = Path(path).expanduser().read_bytes().strip()
+        # Non-blocking: opening a FIFO would otherwise wait for a writer before fstat could refuse it.
+        fd = os.open(Path(path).expanduser(), os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ConfigError(name, path, f"is not a regular file; {rule}")
+            raw = f.read(MAX_KEY_BYTES + 1)  # the size stat reports may change while the file is read
     except OSError as e:
         raise ConfigError(name, path, f"cannot be read ({e.strerror or type(e).__name__})") from None
+    if len(raw) > MAX_KEY_BYTES:
+        raise ConfigError(name, path, f"holds more than {MAX_KEY_BYTES} bytes; {rule}")
+    key = raw.strip()
     if len(key) < MIN_KEY_BYTES:
         raise ConfigError(
             name,
@@ -168,11 +181,49 @@ def read_manifest(directory: Path, key: bytes | None = None) -> Manifest:
         if isinstance(layout, dict) and "geo_sync" in layout:
             # Checkpoints saved before the manifest took the config's key name (geo.sync) read alike.
             layout["sync"] = layout.pop("geo_sync")
-        return Manifest(**body)
+        manifest = Manifest(**body)
+        _check_fields(path, manifest)
+        return manifest
     except CheckpointError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{path}: not a valid checkpoint manifest ({type(e).__name__}: {e})") from None
+
+
+_FIELD_TYPES: dict[str, type] = {"step": int, "model": dict, "layout": dict, "config": str, "sampler": dict}
+_FIELD_TYPES.update(scheduler=dict, files=dict)
+
+
+def _check_fields(path: Path, manifest: Manifest) -> None:
+    """Each field of the kind `Manifest` declares, and each file entry a bare name with a size and a sha256.
+
+    The checksum proves only that the manifest is whole, not who wrote it: a field of another kind
+    would otherwise fail wherever a resume or an export first uses it.
+    """
+    assert set(_FIELD_TYPES) == {f.name for f in fields(Manifest)}
+    for name, kind in _FIELD_TYPES.items():
+        value = getattr(manifest, name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointError(f"{path}: {name} is {_short(value)}; it must be a {_KIND_NAMES[kind]}")
+    if manifest.step < 0:
+        raise CheckpointError(f"{path}: step is {manifest.step}; it must be at least 0")
+    for file, entry in manifest.files.items():
+        # A bare name: verification reads every file listed, and must read only the checkpoint's own.
+        if file in ("", ".", "..") or "/" in file or "\\" in file or file.startswith(MANIFEST_FILE):
+            raise CheckpointError(f"{path}: files lists {file!r}, not a file of the checkpoint directory")
+        size, sha = (entry.get("bytes"), entry.get("sha256")) if isinstance(entry, dict) else (None, None)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0 or not isinstance(sha, str):
+            raise CheckpointError(
+                f'{path}: files entry {file} is {_short(entry)}; it must be {{"bytes": size, "sha256": digest}}'
+            )
+
+
+_KIND_NAMES = {int: "whole number", dict: "JSON object", str: "string"}
+
+
+def _short(value: Any, most: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 def _check_signature(path: Path, key: bytes, body: dict[str, Any], signature: Any) -> None:
