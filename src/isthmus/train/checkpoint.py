@@ -18,6 +18,9 @@ What goes where:
 
 Loading runs no code a checkpoint could bring: every DCP read goes through `checkpoint_reader`
 (DCP's reader with a restricted unpickler for ``.metadata``), and nothing else here unpickles.
+Nothing a checkpoint holds ends in a traceback either: its metadata is checked against this
+model's tensors before any is read, and its RNG, geo, sampler and scheduler states, which another
+hand may have written, are refused in one line when they do not read back.
 
 The optimizer state is keyed by parameter name here rather than through DCP's
 ``get_optimizer_state_dict``: that helper maps one optimizer to one module, while a pipeline rank
@@ -40,7 +43,9 @@ import random
 import shutil
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -63,6 +68,7 @@ from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.llama import canonical_name
 from isthmus.train.checkpoint_manifest import (
+    MANIFEST_FILE,
     PARTIAL_SUFFIX,
     Manifest,
     checkpoint_key,
@@ -75,7 +81,7 @@ from isthmus.train.checkpoint_manifest import (
     verify_checkpoint,
     write_manifest,
 )
-from isthmus.train.checkpoint_reader import load_kwargs, read_metadata
+from isthmus.train.checkpoint_reader import load_data_only, read_metadata
 
 StateTree = dict[str, Any]
 
@@ -356,7 +362,8 @@ class Checkpointer:
         """
         start = time.perf_counter()
         path, manifest = point.path, point.manifest
-        state.sampler.load_state_dict(manifest.sampler)
+        with _saved_state(path / MANIFEST_FILE, "sampler"):
+            state.sampler.load_state_dict(manifest.sampler)
         saved = point.saved
         same_layout = manifest.layout == self.layout
         rng_key = f"rank{self.rank}" if same_layout else "rank0"
@@ -372,22 +379,19 @@ class Checkpointer:
         tree: StateTree = _replica_tree(state.replica, model, optim)
         if rng_meta is not None:
             tree["rng"] = {rng_key: torch.empty(tuple(rng_meta.size), dtype=torch.uint8)}
-        try:
-            dcp.load(
-                tree, checkpoint_id=str(path), process_group=self.group, no_dist=self.world == 1, **load_kwargs(path)
-            )
-        except Exception as e:  # DCP wraps each rank's failure in its own types; one line is what a user needs
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            raise CheckpointError(f"{path}: cannot be loaded into this model ({type(e).__name__}: {first})") from None
+        _check_shapes(path, saved, tree)
+        load_data_only(tree, path, self.group, no_dist=self.world == 1)
 
         for m, part in zip(state.modules, parts, strict=True):
             set_model_state_dict(m, {k: model[k] for k in part})
         local = _local_optimizer(state.optimizer)
         for name, p in _local_params(state.optimizer, state.modules):
             local.state[p] = optim[name]
-        state.scheduler.load_state_dict(_per_group(manifest.scheduler, len(state.optimizer.param_groups)))
+        with _saved_state(path / MANIFEST_FILE, "scheduler"):
+            state.scheduler.load_state_dict(_per_group(manifest.scheduler, len(state.optimizer.param_groups)))
+            last_lr = [float(lr) for lr in state.scheduler.get_last_lr()]
         # The scheduler sets each group's lr only when it steps: put back the lr of the next step.
-        for group, lr in zip(state.optimizer.param_groups, state.scheduler.get_last_lr(), strict=True):
+        for group, lr in zip(state.optimizer.param_groups, last_lr, strict=True):
             group["lr"] = lr
         if self.rank == 0 and state.geo is None and any(k.startswith("geo.") for k in saved):
             self.log.info(
@@ -395,7 +399,8 @@ class Checkpointer:
                 manifest.layout.get("sync"),
             )
         if "rng" in tree:
-            set_rng_state(_rng_from_tensor(tree["rng"][rng_key]))
+            with _saved_state(path, f"rng.{rng_key}", "is not a saved RNG state"):
+                set_rng_state(_rng_from_tensor(tree["rng"][rng_key]))
         if not same_layout:
             self.log.info(
                 "checkpoint: saved under layout %s, loaded under %s (resharded; every rank takes rank 0's RNG states)",
@@ -418,15 +423,10 @@ class Checkpointer:
             self.log.info("checkpoint: %s holds no geo state; geo.sync starts from the loaded model", point.path)
             return
         tree = {k: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for k, meta in mine.items()}
-        dcp.load(
-            {"geo": {f"rank{self.rank}": tree}},
-            checkpoint_id=str(point.path),
-            process_group=self.group,
-            no_dist=self.world == 1,
-            **load_kwargs(point.path),
-        )
+        load_data_only({"geo": {f"rank{self.rank}": tree}}, point.path, self.group, no_dist=self.world == 1)
         try:
-            geo.load_state_dict(geo_state(tree))
+            with _saved_state(point.path, f"geo.rank{self.rank}", "is not a saved geo.sync state"):
+                geo.load_state_dict(geo_state(tree))
         except IsthmusError as e:
             raise CheckpointError(f"{point.path}: {e}") from None
 
@@ -572,6 +572,43 @@ def _check_geo_layout(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -
     )
 
 
+@contextmanager
+def _saved_state(path: Path, what: str, rule: str = "does not fit this run") -> Iterator[None]:
+    """Within the block, a state the checkpoint holds that fails to read back is one line naming it.
+
+    These states are JSON (the manifest's fields, the RNG and geo bytes), so a checkpoint written
+    by another hand fails in whatever way its values lead the code to.
+    """
+    try:
+        yield
+    except IsthmusError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, OverflowError, RuntimeError) as e:
+        line = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{path}: {what} {rule} ({type(e).__name__}: {line})") from None
+
+
+def _flat(tree: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """(DCP key, tensor) of every tensor in a nested state tree: dict keys joined by dots, as DCP names them."""
+    if isinstance(tree, torch.Tensor):
+        yield prefix, tree
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flat(value, f"{prefix}.{key}" if prefix else key)
+
+
+def _check_shapes(path: Path, saved: dict[str, Any], tree: StateTree) -> None:
+    """Every tensor this rank loads is in the checkpoint with this model's shape: refused before reading."""
+    for key, tensor in _flat(tree):
+        meta = saved.get(key)
+        if meta is None:
+            raise CheckpointError(f"{path}: holds no entry {key}; saved for another model")
+        if tuple(meta.size) != tuple(tensor.shape):
+            raise CheckpointError(
+                f"{path}: entry {key} has shape {tuple(meta.size)}; this model's is {tuple(tensor.shape)}"
+            )
+
+
 def _replica_tree(replica: str, model: dict[str, torch.Tensor], optim: dict[str, Any]) -> StateTree:
     """The model and optimizer entries, under ``<replica>.`` when this replica keeps its own."""
     entries: StateTree = {"model": model, "optim": optim}
@@ -599,5 +636,5 @@ def load_model_weights(path: Path, key: bytes | None = None) -> dict[str, torch.
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": model}, checkpoint_id=str(path), no_dist=True, **load_kwargs(path))
+        load_data_only({"model": model}, path)
     return model
