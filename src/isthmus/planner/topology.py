@@ -317,17 +317,33 @@ def _no_unknown(table: dict[str, Any], allowed: set[str], where: str) -> None:
             raise ConfigError(f"{where}.{key}", table[key], f"unknown key; keys are: {', '.join(sorted(allowed))}")
 
 
+def _finite(v: object) -> float | None:
+    """A TOML number as a finite float; None for anything else (inf, nan, an integer too large for a float)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def _number(table: dict[str, Any], key: str, where: str, positive: bool = True, required: bool = True) -> float | None:
+    """A finite number, above 0 when ``positive`` (else 0 or more): every figure of a topology is a
+    rate, a size or a time, and an infinite one breaks the arithmetic of whoever reads it."""
     if key not in table:
         if required:
             raise ConfigError(f"{where}.{key}", None, "is required")
         return None
     v = table[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ConfigError(f"{where}.{key}", v, "must be a number")
-    if positive and not v > 0:
-        raise ConfigError(f"{where}.{key}", v, "must be positive")
-    return float(v)
+    f = _finite(v)
+    if f is None or (f <= 0 if positive else f < 0):
+        raise ConfigError(
+            f"{where}.{key}",
+            v,
+            "must be a positive finite number" if positive else "must be a finite number, 0 or more",
+        )
+    return f
 
 
 def _integer(table: dict[str, Any], key: str, where: str) -> int:
@@ -336,6 +352,8 @@ def _integer(table: dict[str, Any], key: str, where: str) -> int:
         raise ConfigError(f"{where}.{key}", v, "must be an integer" if key in table else "is required")
     if v < 1:
         raise ConfigError(f"{where}.{key}", v, "must be at least 1")
+    if v > MAX_DEVICES_PER_DC:
+        raise ConfigError(f"{where}.{key}", v, f"must be at most {MAX_DEVICES_PER_DC:,}")
     return v
 
 
@@ -399,9 +417,10 @@ def _overhead(table: dict[str, Any], key: str, where: str, default: float, signe
     if key not in table:
         return default
     v = table[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (v < 0 and not signed):
+    f = _finite(v)
+    if f is None or (f < 0 and not signed):
         raise ConfigError(f"{where}.{key}", v, "must be a number of microseconds" + ("" if signed else ", 0 or more"))
-    return float(v) * 1e-6
+    return f * 1e-6
 
 
 def _dtype(table: dict[str, Any], where: str, default: str) -> str:
@@ -417,8 +436,6 @@ def _parse_link(raw: Any, where: str) -> Link:
     _no_unknown(raw, _LINK_KEYS, where)
     bw = _number(raw, "bandwidth_gb_s", where)
     lat = _number(raw, "latency_us", where, positive=False)
-    if lat < 0:  # type: ignore[operator]
-        raise ConfigError(f"{where}.latency_us", lat, "must be 0 or more")
     return Link(bw * 1e9, lat * 1e-6)  # type: ignore[operator]
 
 
@@ -435,6 +452,12 @@ def _parse_datacenter(i: int, raw: Any, kinds: dict[str, DeviceKind]) -> Datacen
         raise ConfigError(f"{where}.device", device, f"unknown device kind; kinds are: {', '.join(kinds)}")
     nodes = _integer(raw, "nodes", where)
     per_node = _integer(raw, "devices_per_node", where)
+    if nodes * per_node > MAX_DEVICES_PER_DC:
+        raise ConfigError(
+            f"{where}.nodes",
+            nodes,
+            f"gives {nodes * per_node:,} devices; at most {MAX_DEVICES_PER_DC:,} per datacenter",
+        )
     intra = _parse_link(raw.get("intra_node"), f"{where}.intra_node")
     if "fabric" not in raw and nodes > 1:
         raise ConfigError(f"{where}.fabric", None, "is required when nodes > 1")
