@@ -32,6 +32,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--out", required=True, help="the file to write, FILE.safetensors (--format hf: a new or empty folder)"
     )
     export.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --out file (--format hf: an existing model folder, one with config.json); "
+        "without it an existing file or a non-empty folder is refused",
+    )
+    export.add_argument(
         "--checkpoint",
         nargs="?",
         const="latest",
@@ -56,7 +62,7 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
 
     setup_logging()  # a skipped damaged checkpoint is a warning line
     export = export_run_hf if ns.format == "hf" else export_run
-    done = export(ns.run, ns.out, ns.checkpoint, checkpoint_key(ns.key_file, "--key-file"))
+    done = export(ns.run, ns.out, ns.checkpoint, checkpoint_key(ns.key_file, "--key-file"), ns.overwrite)
     origin = "final model" if done["origin"] == "final" else f"checkpoint {done['origin']} (step {done['step']})"
     sys.stdout.write(
         f"exported the {origin} of {ns.run}: {done['tensors']} tensors, {done['parameters']:,} parameters, "

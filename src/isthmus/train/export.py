@@ -14,8 +14,10 @@ metadata value, the tensors' sha256 among them, that `load_exported` checks when
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import re
 import tempfile
 import tomllib
 from dataclasses import dataclass
@@ -26,13 +28,14 @@ import torch
 from safetensors import safe_open
 
 from isthmus.data.tokenizer import BPE_FILE, META_FILE, PretrainedTokenizer, Tokenizer, load_tokenizer
-from isthmus.errors import CheckpointError, IsthmusError, UnsafeCheckpoint
+from isthmus.errors import CheckpointError, IsthmusError, UnsafeCheckpoint, is_no_space, no_space
 from isthmus.log import get_logger
 from isthmus.models.args import ModelArgs
 from isthmus.models.llama import Transformer, build_model
+from isthmus.models.pretrained import model_args_from_json
 from isthmus.train.checkpoint import load_model_weights
 from isthmus.train.checkpoint_manifest import committed_checkpoints, read_manifest, sign, signature_matches
-from isthmus.train.final_model import ARGS_FILE, MODEL_FILE, load_final_state, load_model_args, verify_final_model
+from isthmus.train.final_model import ARGS_FILE, MODEL_FILE, load_final_model, verify_final_model
 
 FORMAT_VERSION = "1"
 _PREFIX = "isthmus."
@@ -127,7 +130,8 @@ def find_source(run: Path, checkpoint: str | None = None, key: bytes | None = No
     final = run / "final"
     if checkpoint is None and (final / MODEL_FILE).is_file() and (final / ARGS_FILE).is_file():
         verify_final_model(final, key)
-        return ModelSource(load_final_state(final), load_model_args(final), config, "final", None)
+        args, state = load_final_model(final)
+        return ModelSource(state, args, config, "final", None)
     root = _checkpoint_root(run, config)
     # Like `find_latest_good`, but each candidate is verified once, by the load itself.
     for _, directory in committed_checkpoints(root):
@@ -204,11 +208,26 @@ def export_model(source: ModelSource, tokenizer: dict[str, Any], out: Path, key:
     return export_summary(out, source, tensors, out)
 
 
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+"""How safetensors' writer (Rust) reports a system error: only as text, ``... (os error 28)``."""
+
+
 def write_failed(out: Path, e: Exception) -> IsthmusError:
-    """The one line for an export that could not be written: the system's reason, or the first line of
-    safetensors' own error."""
+    """The one line for an export that could not be written: a full disk is a run that failed
+    (exit 3, as for the trainer's writes); else the system's reason, or the first line of
+    safetensors' own error (bad input, exit 2)."""
+    code = _RUST_OS_ERROR.search(str(e))
+    if is_no_space(e) or (code is not None and int(code.group(1)) in (errno.ENOSPC, errno.EDQUOT)):
+        return no_space("export", out, "--out")
     reason = e.strerror if isinstance(e, OSError) and e.strerror else (str(e).splitlines() or [type(e).__name__])[0]
     return IsthmusError(f"--out {out}: cannot be written ({reason})")
+
+
+def refuse_existing(out: Path, overwrite: bool) -> None:
+    """Refuse to replace what ``out`` already names unless told to: an export is never the only copy of
+    a model, but what it would replace may be."""
+    if out.exists() and not out.is_dir() and not overwrite:
+        raise IsthmusError(f"--out {out}: exists; set --overwrite to replace it, or choose another")
 
 
 def export_summary(out: Path, source: ModelSource, tensors: dict[str, torch.Tensor], weights: Path) -> dict[str, Any]:
@@ -224,16 +243,22 @@ def export_summary(out: Path, source: ModelSource, tensors: dict[str, torch.Tens
 
 
 def export_run(
-    run: str | Path, out: str | Path, checkpoint: str | None = None, key: bytes | None = None
+    run: str | Path,
+    out: str | Path,
+    checkpoint: str | None = None,
+    key: bytes | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """`isthmus export`: the weights of ``run`` (see `find_source`) and its tokenizer into the file ``out``.
 
-    Given ``key``, a checkpoint exported must be signed with it, and ``out`` is signed with it."""
+    Given ``key``, a checkpoint exported must be signed with it, and ``out`` is signed with it. An
+    existing file ``out`` is replaced only with ``overwrite``."""
     run, out = Path(run), Path(out)
     if out.suffix != ".safetensors":
         raise IsthmusError(f"--out {out}: must end in .safetensors")
     if not out.parent.is_dir():
         raise IsthmusError(f"--out {out}: no such directory {out.parent}")
+    refuse_existing(out, overwrite)
     source = find_source(run, checkpoint, key)
     return export_model(source, _tokenizer_record(run), out, key)
 
@@ -287,7 +312,7 @@ def load_exported(path: str | Path, key: bytes | None = None) -> ExportedModel:
     if key is not None:
         _check_signature(path, key, metadata)
     try:
-        args = ModelArgs(**json.loads(metadata[_PREFIX + "model_args"]))
+        args = model_args_from_json(metadata[_PREFIX + "model_args"], path)
         config = json.loads(metadata[_PREFIX + "config"])
         tied = json.loads(metadata[_PREFIX + "tied"])
         tokenizer_record = json.loads(metadata[_PREFIX + "tokenizer"])

@@ -76,11 +76,14 @@ def tokenizer_files(run: Path | None) -> tuple[dict[str, str], dict[str, int], s
     return files, specials, f"tokenizer files {', '.join(sorted(files))} ({what})"
 
 
-def write_hf_folder(source: ModelSource, out: Path, run: Path | None = None) -> dict[str, Any]:
+def write_hf_folder(source: ModelSource, out: Path, run: Path | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Write ``source`` as an HF Llama folder ``out`` (built aside, then renamed), with the tokenizer
-    files of the run ``run`` (see `tokenizer_files`); returns a summary."""
+    files of the run ``run`` (see `tokenizer_files`); returns a summary. With ``overwrite`` an existing
+    model folder (one with a config.json) is replaced; any other non-empty folder, or a file, never is."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise IsthmusError(f"--out {out}: exists and is not an empty folder")
+        if not (overwrite and (out / HF_CONFIG_FILE).is_file()):
+            hint = "; --overwrite replaces only a model folder (one with config.json)" if overwrite else ""
+            raise IsthmusError(f"--out {out}: exists and is not an empty folder{hint}")
     if not out.parent.is_dir():
         raise IsthmusError(f"--out {out}: no such directory {out.parent}")
     if source.args.mlp != "swiglu":
@@ -102,7 +105,7 @@ def write_hf_folder(source: ModelSource, out: Path, run: Path | None = None) -> 
         for name, text in tok_files.items():
             (tmp / name).write_text(text, encoding="utf-8")
         if out.exists():
-            out.rmdir()  # empty, checked above
+            shutil.rmtree(out)  # empty, or a model folder --overwrite replaces (checked above)
         tmp.replace(out)
     except Exception as e:  # OSError, or safetensors' own error for a failed write
         shutil.rmtree(tmp, ignore_errors=True)
@@ -111,9 +114,13 @@ def write_hf_folder(source: ModelSource, out: Path, run: Path | None = None) -> 
 
 
 def export_run_hf(
-    run: str | Path, out: str | Path, checkpoint: str | None = None, key: bytes | None = None
+    run: str | Path,
+    out: str | Path,
+    checkpoint: str | None = None,
+    key: bytes | None = None,
+    overwrite: bool = False,
 ) -> dict[str, Any]:
     """`isthmus export --format hf`: the weights of ``run`` (see `find_source`) as an HF folder ``out``.
 
     Given ``key``, a checkpoint exported must be signed with it (the folder itself is not signed)."""
-    return write_hf_folder(find_source(Path(run), checkpoint, key), Path(out), Path(run))
+    return write_hf_folder(find_source(Path(run), checkpoint, key), Path(out), Path(run), overwrite)
