@@ -228,3 +228,34 @@ def test_a_key_file_that_never_ends_is_one_line_through_the_cli(tmp_path: Path) 
 def _no_leftover_logging() -> Iterator[None]:
     yield
     setup_logging(console=False)
+
+
+# --- the final model ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("change", "rule"),
+    [
+        ({"n_layers": 5}, "n_layers = 5: the weights hold 4 layers"),
+        ({"dim": "64"}, "dim = '64': must be a whole number"),
+        (
+            {"ffn_dim": 10**9},
+            "model.pt's layers.0.feed_forward.w1.weight has shape (176, 64); model_args.json makes it (1000000000, 64)",
+        ),
+        ({"n_layers": 10**9}, "n_layers = 1000000000: the weights hold 4 layers"),
+    ],
+)
+def test_final_model_args_the_weights_do_not_have_are_refused(
+    run: Path, tmp_path: Path, cli: pytest.CaptureFixture[str], change: dict[str, Any], rule: str
+) -> None:
+    """generate --run and export build the model model_args.json describes: checked against model.pt first."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    args_file = copy / "final" / "model_args.json"
+    args_file.write_text(json.dumps({**json.loads(args_file.read_text()), **change}))
+    for command in (
+        ["generate", "--run", str(copy), "--max-new-tokens", "2"],
+        ["export", "--run", str(copy), "--out", str(tmp_path / "model.safetensors")],
+    ):
+        cli.readouterr()
+        assert main(command) == 2
+        line = _error_line(cli.readouterr().err)
+        assert f"{args_file}: {rule}" in line, line

@@ -9,6 +9,8 @@ HMAC-SHA256 over them, which `verify_final_model` checks before `isthmus export`
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import fields
 from pathlib import Path
 from typing import BinaryIO, cast
 
@@ -18,7 +20,7 @@ from torch import nn
 
 from isthmus.errors import IsthmusError, full_disk_as, is_no_space, no_space
 from isthmus.models.args import ModelArgs
-from isthmus.models.llama import canonical_name
+from isthmus.models.llama import build_model, canonical_name
 from isthmus.train.checkpoint_manifest import file_digest, sign, signature_matches
 
 MODEL_FILE = "model.pt"
@@ -132,14 +134,49 @@ class _WriteErrors:
         self.f.flush()
 
 
+_ARG_KINDS: dict[str, tuple[type, ...]] = {"mlp": (str,), "tie_embeddings": (bool,)}
+_ARG_KINDS.update(norm_eps=(int, float), rope_theta=(int, float))
+
+
 def load_model_args(directory: Path) -> ModelArgs:
     path = directory / ARGS_FILE
     try:
-        return ModelArgs(**json.loads(path.read_text()))
+        args = ModelArgs(**json.loads(path.read_text()))
     except FileNotFoundError:
         raise IsthmusError(f"{path}: missing; is this a finished isthmus run?") from None
     except (ValueError, TypeError) as e:
         raise IsthmusError(f"{path}: not a valid model description ({e})") from None
+    for f in fields(ModelArgs):
+        value, kinds = getattr(args, f.name), _ARG_KINDS.get(f.name, (int,))
+        # bool is an int to isinstance; only tie_embeddings may be one.
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            what = "whole number" if kinds == (int,) else " or ".join(k.__name__ for k in kinds)
+            raise IsthmusError(f"{path}: {f.name} = {value!r}: must be a {what}")
+        if isinstance(value, int) and kinds == (int,) and value < 1:
+            raise IsthmusError(f"{path}: {f.name} = {value!r}: must be at least 1")
+    return args
+
+
+def load_final_model(directory: Path) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """The final model's shape and weights, the weights checked to be that shape's.
+
+    ``model_args.json`` decides how large a model `build_model` allocates, so it is held to what
+    ``model.pt`` holds before any model is built: first its number of layers (a model on meta is
+    built layer by layer), then every tensor's shape.
+    """
+    args, state = load_model_args(directory), load_final_state(directory)
+    path = directory / ARGS_FILE
+    layers = len({m.group(1) for name in state if (m := re.match(r"layers\.(\d+)\.", name))})
+    if args.n_layers != layers:
+        raise IsthmusError(f"{path}: n_layers = {args.n_layers}: the weights hold {layers} layers")
+    expected = {name: tuple(t.shape) for name, t in build_model(args).state_dict().items()}
+    for name in sorted(set(expected) | set(state)):
+        saved = tuple(state[name].shape) if name in state else None
+        if saved != expected.get(name):
+            held = f"has shape {saved}" if saved is not None else "is missing"
+            made = f"makes it {expected[name]}" if name in expected else "has no such tensor"
+            raise IsthmusError(f"{path}: {MODEL_FILE}'s {name} {held}; {ARGS_FILE} {made}")
+    return args, state
 
 
 def load_final_state(directory: Path) -> dict[str, torch.Tensor]:

@@ -24,7 +24,7 @@ from isthmus.errors import ConfigError, IsthmusError
 from isthmus.models.llama import KVCache, Transformer, build_model
 from isthmus.models.pretrained import init_source_args, is_hf_folder
 from isthmus.train.export import load_exported
-from isthmus.train.final_model import load_final_state, load_model_args, verify_final_model
+from isthmus.train.final_model import load_final_model, verify_final_model
 from isthmus.train.init_from import load_weights, open_weights
 
 DEFAULT_CONTEXT = 256
@@ -48,10 +48,10 @@ def load_model(source: str | Path, key: bytes | None = None) -> tuple[Transforme
         raise IsthmusError(f"--run {path}: no such run directory")
     final = path / "final"
     verify_final_model(final, key)
-    args = load_model_args(final)
+    args, state = load_final_model(final)
     tokenizer = load_tokenizer(path)
     model = build_model(args, device="cpu")
-    model.load_state_dict(load_final_state(final))
+    model.load_state_dict(state)
     return model.eval(), tokenizer, _trained_seq_len(path)
 
 
