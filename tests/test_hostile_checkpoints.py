@@ -77,7 +77,9 @@ def _edit_metadata(change: Callable[[Any], None]) -> Callable[[Path], None]:
 
 
 # --- data files --------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("zipped", "padded"), [(True, False), (False, False), (False, True)])
+@pytest.mark.parametrize(
+    ("zipped", "padded"), [(True, False), (False, False), (False, True)], ids=["zip", "legacy", "legacy_padded"]
+)
 def test_a_data_file_replaced_by_a_pickle_is_refused(
     run: Path, tmp: Path, tmp_path: Path, marker: Path, cli: pytest.CaptureFixture[str], zipped: bool, padded: bool
 ) -> None:
@@ -242,6 +244,7 @@ def _no_leftover_logging() -> Iterator[None]:
         ),
         ({"n_layers": 10**9}, "n_layers = 1000000000: the weights hold 4 layers"),
     ],
+    ids=["one_layer_more", "string_dim", "huge_ffn", "huge_n_layers"],
 )
 def test_final_model_args_the_weights_do_not_have_are_refused(
     run: Path, tmp_path: Path, cli: pytest.CaptureFixture[str], change: dict[str, Any], rule: str
