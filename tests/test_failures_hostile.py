@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from isthmus.cli import main
-from isthmus.config import JobConfig, settings_that_differ
+from isthmus.cli.train import shipped_configs_dir
+from isthmus.config import build_config
 from isthmus.data.tokenizer import byte_tokenizer_json
 from isthmus.errors import CheckpointError, ConfigError, RunFailed
 from isthmus.log import setup_logging
@@ -29,6 +30,7 @@ from isthmus.models.pretrained import init_source_args, safetensors_header
 from isthmus.planner.topology import load_topology, shipped_topologies_dir
 from isthmus.train.export import ModelSource, export_model
 
+TINY = shipped_configs_dir() / "tiny.toml"
 ARGS = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, vocab_size=260)
 
 
@@ -205,7 +207,7 @@ def test_an_infinite_bandwidth_is_refused_by_plan_simulate_and_emulate(
     tmp_path: Path, cli: pytest.CaptureFixture[str]
 ) -> None:
     path = str(_topology(tmp_path, "bandwidth_gb_s = 0.0025", "bandwidth_gb_s = inf"))
-    line = "isthmus: error: topology.wan[0].bandwidth_gb_s = inf: must be a finite number above 0"
+    line = "isthmus: error: topology.wan[0].bandwidth_gb_s = inf: must be a positive finite number"
     for argv in (
         ["plan", "--topology", path, "--model", "tiny"],
         ["simulate", "--topology", path, "--model", "tiny"],
@@ -277,19 +279,18 @@ def test_many_ranks_are_blamed_on_parallel_nproc(cli: pytest.CaptureFixture[str]
     assert "model.flavor" not in line
 
 
-def test_a_changed_setting_shows_the_resolved_value_of_a_default() -> None:
-    saved, current = JobConfig(), JobConfig()
-    saved.model.flavor = current.model.flavor = "tiny"
-    current.model.dim = 128
-    saved_model = {"dim": 64, "n_layers": 2}
-    current_model = {"dim": 128, "n_layers": 2}
-    differ = settings_that_differ(
-        saved.to_toml(), current.to_toml(), saved_model=saved_model, current_model=current_model
-    )
-    assert differ == ["model.dim: 64 -> 128"]
-    # A default the user now writes out is the same run.
-    current.model.dim = 64
-    assert (
-        settings_that_differ(saved.to_toml(), current.to_toml(), saved_model=saved_model, current_model=saved_model)
-        == []
-    )
+def test_a_changed_setting_shows_the_resolved_value_of_a_default(tmp_path: Path) -> None:
+    from isthmus.launch.rundir import _check_same_settings
+    from isthmus.models.resolve import resolve_model_args
+    from isthmus.train.checkpoint_manifest import DCP_METADATA_FILE, Manifest, write_manifest
+
+    saved = build_config(TINY, [])
+    model = resolve_model_args(saved.model, 256).__dict__
+    (tmp_path / DCP_METADATA_FILE).write_bytes(b"")
+    write_manifest(tmp_path, Manifest(step=2, model=model, layout={}, config=saved.to_toml(), sampler={}, scheduler={}))
+    current = build_config(TINY, [("model.dim", "128")])
+    with pytest.raises(ConfigError) as e:
+        _check_same_settings(tmp_path, current)
+    assert "(model.dim: 64 -> 128)" in str(e.value), e.value
+    # The flavor's value written out is the same run.
+    _check_same_settings(tmp_path, build_config(TINY, [("model.dim", "64")]))

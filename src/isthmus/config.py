@@ -295,9 +295,17 @@ how long it trains, where and how it logs. Everything else (model, data, optimiz
 
 
 def settings_that_differ(
-    saved_toml: str, current_toml: str, may_change: tuple[str, ...] = RESUME_MAY_CHANGE
+    saved_toml: str,
+    current_toml: str,
+    may_change: tuple[str, ...] = RESUME_MAY_CHANGE,
+    saved_model: dict[str, Any] | None = None,
+    current_model: dict[str, Any] | None = None,
 ) -> list[str]:
-    """``key: saved -> current`` for every setting (outside ``may_change``) where two resolved configs differ."""
+    """``key: saved -> current`` for every setting (outside ``may_change``) where two resolved configs differ.
+
+    ``saved_model`` and ``current_model`` are the model shapes each config resolved to (`ModelArgs`
+    fields): a ``[model]`` key left to the flavor is compared, and shown, as its resolved value, since
+    the TOML omits it."""
 
     def flat(text: str) -> dict[str, Any]:
         try:
@@ -311,7 +319,10 @@ def settings_that_differ(
             for key, value in values.items()
         }
 
-    saved, current = flat(saved_toml), flat(current_toml)
+    def resolved(values: dict[str, Any], model: dict[str, Any] | None) -> dict[str, Any]:
+        return {**{f"model.{k}": v for k, v in (model or {}).items()}, **values}
+
+    saved, current = resolved(flat(saved_toml), saved_model), resolved(flat(current_toml), current_model)
     keys = sorted(set(saved) | set(current))
     return [
         f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"

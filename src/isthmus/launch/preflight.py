@@ -272,6 +272,16 @@ def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, b
     need = _local_need(m, ranks)
     if need <= ram:
         return
+    one_rank = (m.weights + m.grads + m.optimizer) + PROCESS_BASELINE_BYTES
+    if ranks > 1 and one_rank <= ram and state + PROCESS_BASELINE_BYTES * ranks > ram:
+        # One rank fits; it is their number that does not (each is a whole Python process with torch).
+        raise ConfigError(
+            "parallel.nproc",
+            ranks,
+            f"{ranks} ranks need about {_gib(state + PROCESS_BASELINE_BYTES * ranks)} on this machine's {_gib(ram)} "
+            f"(each {_gib(PROCESS_BASELINE_BYTES)} for its process and {_gib(state / ranks)} of model state); "
+            f"start at most {int(ram // one_rank)} here",
+        )
     if state + PROCESS_BASELINE_BYTES * ranks > ram:
         if bin_ids is not None and cfg.model.vocab_size is None:
             path, max_id = bin_ids
@@ -280,9 +290,13 @@ def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, b
                 f"need about {_gib(state)} for weights, gradients and optimizer state on this machine's "
                 f"{_gib(ram)}: set model.vocab_size, or check data.bin_dtype ({cfg.data.bin_dtype})"
             )
+        # With model.init_from the weights' own shape is what does not fit, not the flavor.
+        key, value = (
+            ("model.init_from", cfg.model.init_from) if cfg.model.init_from else ("model.flavor", cfg.model.flavor)
+        )
         raise ConfigError(
-            "model.flavor",
-            cfg.model.flavor,
+            key,
+            value,
             f"needs about {_gib(state)} for weights, gradients and optimizer state on this machine's "
             f"{_gib(ram)}; use `isthmus plan` for large models or a smaller flavor",
         )

@@ -29,11 +29,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from isthmus.config import RUN_DIR_PLACEHOLDERS, JobConfig, settings_that_differ
-from isthmus.errors import CheckpointError, ConfigError
+from isthmus.errors import CheckpointError, ConfigError, IsthmusError
 from isthmus.log import get_logger
+from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.train.checkpoint_manifest import committed_checkpoints, read_manifest
 
 LOCK_FILE = ".lock"
@@ -259,10 +260,16 @@ def _check_same_settings(checkpoint: Path, cfg: JobConfig) -> None:
     older good one, and checks again); a manifest that does not read is left to it.
     """
     try:
-        saved = read_manifest(checkpoint).config
+        manifest = read_manifest(checkpoint)
     except CheckpointError:
         return
-    differ = settings_that_differ(saved, cfg.to_toml())
+    try:
+        current_model: dict[str, Any] | None = resolve_model_args(cfg.model, expected_vocab(cfg.data)).__dict__
+    except IsthmusError:
+        current_model = None  # a shape that does not resolve is refused later, in its own line
+    differ = settings_that_differ(
+        manifest.config, cfg.to_toml(), saved_model=manifest.model, current_model=current_model
+    )
     if differ:
         raise ConfigError(
             "checkpoint.resume",
