@@ -291,12 +291,9 @@ def _check_fits_in_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims, b
                 f"{_gib(ram)}: set model.vocab_size, or check data.bin_dtype ({cfg.data.bin_dtype})"
             )
         # With model.init_from the weights' own shape is what does not fit, not the flavor.
-        key, value = (
-            ("model.init_from", cfg.model.init_from) if cfg.model.init_from else ("model.flavor", cfg.model.flavor)
-        )
+        source = ("model.init_from", cfg.model.init_from) if cfg.model.init_from else ("model.flavor", cfg.model.flavor)
         raise ConfigError(
-            key,
-            value,
+            *source,
             f"needs about {_gib(state)} for weights, gradients and optimizer state on this machine's "
             f"{_gib(ram)}; use `isthmus plan` for large models or a smaller flavor",
         )
