@@ -30,6 +30,9 @@ REGISTRY = Path("/run/isthmus-emulate")
 NETNS_ETC = Path("/etc/netns")
 """``ip netns exec NS`` bind-mounts the files of ``/etc/netns/NS/`` over those of ``/etc``."""
 
+SHM = Path("/dev/shm")
+"""Shared by every namespace: what a run's processes leave here outlives its namespaces."""
+
 _RUN_RE = re.compile(r"^ist-([0-9a-f]{6})-")
 
 
@@ -100,7 +103,11 @@ def kill_namespace_processes(name: str, grace_s: float = 2.0) -> None:
     Only processes in a namespace this emulator made can be here, so they are ours; while any
     lives, deleting the name would leave the namespace (and its veths) alive behind it.
     """
-    pids = namespace_pids(name)
+    _kill(namespace_pids(name), grace_s)
+
+
+def _kill(pids: list[int], grace_s: float) -> None:
+    """SIGTERM ``pids``, then SIGKILL those alive after ``grace_s``."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -135,13 +142,37 @@ def _remove_etc(name: str) -> None:
         pass
 
 
-def delete_prefix(prefix: str) -> list[str]:
-    """Remove every namespace whose name starts with ``prefix`` (datacenters first, bridge last)."""
+def shared_memory_files(prefix: str) -> set[Path]:
+    """The files in /dev/shm that processes in the namespaces of ``prefix`` have mapped or open
+    (multiprocessing's named semaphores, shared buffers). Only the run's processes run there, so
+    once they are gone nothing else uses these files."""
+    files: set[Path] = set()
+    for pid in (p for name in list_namespaces(prefix) for p in namespace_pids(name)):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            fds = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+        except OSError:  # it ended meanwhile
+            continue
+        mapped = [fields[5] for line in maps if len(fields := line.split(maxsplit=5)) == 6]
+        files |= {Path(f) for f in mapped + fds if f.startswith(f"{SHM}/") and not f.endswith(" (deleted)")}
+    return files
+
+
+def delete_prefix(prefix: str, shm: set[Path] | frozenset[Path] = frozenset()) -> list[str]:
+    """Remove every namespace whose name starts with ``prefix`` (datacenters first, bridge last), and
+    then the files in /dev/shm its processes held (:func:`shared_memory_files`, with ``shm``: those
+    noted before some of them were stopped)."""
     assert prefix.startswith(PREFIX), prefix
     names = list_namespaces(prefix)
+    files = shm | shared_memory_files(prefix)
+    # Every namespace's processes at once: one grace period for the run, not one per namespace.
+    _kill([pid for name in names for pid in namespace_pids(name)], grace_s=2.0)
     # The bridge namespace goes last: each DC's veth peer lives in it until that DC is gone.
     for name in sorted(names, key=lambda n: n.endswith("-wan")):
         delete_namespace(name)
+    for f in files:
+        if f.parent == SHM:
+            f.unlink(missing_ok=True)
     return names
 
 
