@@ -27,12 +27,14 @@ from isthmus.launch.emulate import (
     MIN_WINDOW_KIB,
     EmulatedDatacenter,
     EmulatedNetwork,
+    HelperDied,
     launch_emulated,
 )
 from isthmus.launch.environ import environ
 from isthmus.launch.rundir import CLAIMED_ENV, claim_run_dir
 from isthmus.log import get_logger
 from isthmus.planner.topology import Topology, load_topology
+from isthmus.train.checkpoint_manifest import resume_note
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -224,15 +226,21 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
         get_logger().info("the topology's part of the train command: %s", " ".join(added))
     log_dir = Path(ns.log_dir) if ns.log_dir else None
     with _claimed_run_dir(command) as (argv, env):
-        rc = launch_emulated(
-            net,
-            argv,
-            env=env,
-            log_dir=log_dir,
-            timeout_s=ns.timeout,
-            fault_tolerant=fault_tolerant,
-            max_restarts=ns.dc_restarts,
-        )
+        try:
+            rc = launch_emulated(
+                net,
+                argv,
+                env=env,
+                log_dir=log_dir,
+                timeout_s=ns.timeout,
+                fault_tolerant=fault_tolerant,
+                max_restarts=ns.dc_restarts,
+            )
+        except HelperDied as e:
+            # Nothing in the ranks' output says it: the line names what died and where to go on from.
+            cfg = command.config
+            root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.train.run_dir) / "checkpoints"
+            raise RunFailed(f"the emulated run failed: {e}; {resume_note(root, cfg.checkpoint.every)}") from None
     return _exit_code(rc, ns.timeout, log_dir, Path(command.config.train.run_dir) / "logs", net.world_size)
 
 

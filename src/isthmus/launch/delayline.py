@@ -19,7 +19,9 @@ which bounds the WAN rates worth emulating with latency (:data:`DELAY_LINE_CEILI
 
 It enters each datacenter's namespace only to attach to that TUN (``setns``), then returns to the
 ``-wan`` namespace, so the emulator's teardown and its reaper stop it with that namespace's
-processes (:func:`isthmus.launch.netns.kill_namespace_processes`).
+processes (:func:`isthmus.launch.netns.kill_namespace_processes`). The emulator also watches it:
+ranks whose WAN stopped moving would only wait in their collectives, so its death stops the run
+and names it (:class:`isthmus.launch.emulate.HelperDied`).
 """
 
 from __future__ import annotations

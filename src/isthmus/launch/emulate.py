@@ -21,10 +21,17 @@ holds each packet for half the pair's RTT before delivering it into the destinat
 datacenters is delayed: a fault-tolerant run's Lighthouse, on the bridge, is reached through
 ``wan0`` at once. With RTT 0 (the default) none of this exists and traffic takes ``wan0`` straight.
 
-Everything made here (namespaces, bridge, veths, qdiscs, the hosts files of ``/etc/netns``) is
-removed on exit, on an exception, on SIGINT / SIGTERM / SIGHUP; when this process is killed with
-SIGKILL, its reaper (:mod:`isthmus.launch.reaper`, started with the network) stops the run's
-processes and removes it. The root namespace is never touched.
+Everything made here (namespaces, bridge, veths, qdiscs, the hosts files of ``/etc/netns``, the
+files the run's processes had in ``/dev/shm``) is removed on exit, on an exception, on SIGINT /
+SIGTERM / SIGHUP; when this process is killed with SIGKILL, its reaper (:mod:`isthmus.launch.reaper`,
+started with the network) stops the run's processes and removes it. The root namespace is never touched.
+
+The helpers this process starts (the reaper, the delay line, the rendezvous store or torchft
+Lighthouse, each datacenter's agent) are watched while the run goes on: none of them ends by itself
+before the run does, and the ranks cannot tell that one has gone (a dead delay line only makes their
+collectives wait, until the group timeout blames a rank). When one dies, every datacenter is
+stopped at once and :class:`HelperDied` names it; under ``geo.fault_tolerant`` a datacenter whose
+agent died is lost as when its ranks fail, and the others train on.
 
 What a rank reads to know where it runs (set by :func:`launch_emulated` for every rank):
 
@@ -60,7 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from isthmus.errors import ConfigError
+from isthmus.errors import ConfigError, RunFailed
 from isthmus.launch import netns
 from isthmus.launch.delayline import DELAY_LINE_CEILING_MBIT, TUN_IFNAME, DelayLineSpec, delay_line_argv
 from isthmus.launch.reaper import dismiss_reaper, start_reaper
@@ -83,6 +90,9 @@ LIGHTHOUSE_ADDRESS = f"{SUBNET}.1"
 """The torchft Lighthouse of a fault-tolerant run: on the bridge, in no datacenter, so any may die."""
 LIGHTHOUSE_PORT = 29510
 PROBE_PORT = 5201
+HELPER_DEATH_GRACE_S = 2.0
+"""How long ranks get to stop on SIGTERM once a helper died: those in a collective cannot (the WAN
+or a peer they wait for is gone), and nothing they could still finish is worth a longer wait."""
 
 
 @dataclass
@@ -190,6 +200,34 @@ def _dc_address(i: int) -> str:
     return f"{SUBNET}.{_FIRST_HOST + i}"
 
 
+def _how_it_ended(returncode: int) -> str:
+    if returncode < 0 and -returncode in signal.valid_signals():
+        return f"killed by {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+@dataclass(frozen=True)
+class Helper:
+    """A process the emulator started that must run as long as the run does."""
+
+    name: str
+    """How a user's error line names it: ``the WAN delay line between dc0 and dc1``."""
+    proc: subprocess.Popen[Any]
+
+    def death(self) -> str | None:
+        """``<name> (pid N) died (killed by SIGKILL)`` once it has ended; None while it runs."""
+        code = self.proc.poll()
+        return None if code is None else f"{self.name} (pid {self.proc.pid}) died ({_how_it_ended(code)})"
+
+
+class HelperDied(RunFailed):
+    """A helper of the emulation died during the run; every datacenter was stopped."""
+
+    def __init__(self, death: str) -> None:
+        self.death = death
+        super().__init__(f"{death}; stopped every datacenter and removed the network")
+
+
 @dataclass
 class Emulation:
     """A live emulated network; made and removed by :func:`emulated_network`."""
@@ -198,6 +236,9 @@ class Emulation:
     run_id: str
     dcs: list[DatacenterNamespace]
     _children: list[subprocess.Popen[Any]] = field(default_factory=list, repr=False)
+    helpers: list[Helper] = field(default_factory=list)
+    """What :meth:`dead_helper` watches (the agents are watched by the launcher: they end when the run does)."""
+    _shm: set[Path] = field(default_factory=set, repr=False)
 
     @property
     def prefix(self) -> str:
@@ -239,10 +280,32 @@ class Emulation:
         self._children.append(proc)
         return proc
 
+    def dead_helper(self) -> str | None:
+        """The first helper that has died, as :meth:`Helper.death` says it; None while all run."""
+        return next((d for h in self.helpers if (d := h.death()) is not None), None)
+
+    def stop_orphans(self, agent: subprocess.Popen[Any]) -> None:
+        """SIGKILL the ranks of an agent that died (noting their /dev/shm files first, as :meth:`stop`):
+        they are in its process group (run_in's session), which outlives its leader while they run,
+        so its number names no one else's group."""
+        self._shm |= netns.shared_memory_files(self.prefix)
+        try:
+            os.killpg(agent.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, procs: Sequence[subprocess.Popen[Any]], grace_s: float) -> None:
+        """:func:`stop_process_groups`, noting first what the run's processes hold in /dev/shm: a
+        process killed with SIGKILL (multiprocessing's resource tracker among them) removes nothing
+        there, and :meth:`close` removes it instead."""
+        self._shm |= netns.shared_memory_files(self.prefix)
+        stop_process_groups(procs, grace_s)
+
     def close(self) -> None:
-        """Stop the children, then remove every namespace of this run (veths and qdiscs go with them)."""
-        stop_process_groups(self._children, grace_s=3.0)
-        netns.delete_prefix(self.prefix)
+        """Stop the children, then remove every namespace of this run (veths and qdiscs go with them)
+        and the files its processes left in /dev/shm."""
+        self.stop(self._children, grace_s=3.0)
+        netns.delete_prefix(self.prefix, self._shm)
         netns.unregister_run(self.run_id)
 
 
@@ -440,6 +503,10 @@ def _add_delay_route(em: Emulation, dc: DatacenterNamespace) -> None:
     _shape(em.network, dc, em.dcs, dev=TUN_IFNAME)
 
 
+def _between(names: list[str]) -> str:
+    return " and ".join(names) if len(names) <= 2 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def start_delay_line(em: Emulation) -> None:
     """Start the forwarder that delays the WAN (:mod:`isthmus.launch.delayline`) in the bridge's
     namespace; it is stopped with the emulation's other children, and with that namespace's processes."""
@@ -449,7 +516,8 @@ def start_delay_line(em: Emulation) -> None:
         addresses=[dc.address for dc in em.dcs],
         delay_s=[[em.network.rtt_ms(i, j) / 2e3 if i != j else 0.0 for j in range(n)] for i in range(n)],
     )
-    line = _serve(em, em.bridge_namespace, delay_line_argv(spec), "WAN delay line")
+    name = f"the WAN delay line between {_between([dc.name for dc in em.dcs])}"
+    line = _serve(em, em.bridge_namespace, delay_line_argv(spec), "WAN delay line", name)
     if line != "ready":
         raise RuntimeError(f"the WAN delay line did not start in {em.bridge_namespace}: {line}")
 
@@ -478,6 +546,7 @@ def emulated_network(net: EmulatedNetwork, clean_stale: bool = True) -> Iterator
             netns.register_run(run_id)
             # Before anything is made: whatever exists of the run when this process dies is reaped.
             reaper = start_reaper(run_id)
+            em.helpers.append(Helper("the emulator's reaper", reaper))
             _build(em)
             if net.delayed:
                 start_delay_line(em)
@@ -676,9 +745,10 @@ while True:
 """
 
 
-def _serve(em: Emulation, namespace: str, argv: Sequence[str], what: str) -> str:
-    """Start ``argv`` in ``namespace`` as a child of the emulation (stopped with the others at
-    teardown) and return the first line it prints, which says it is ready."""
+def _serve(em: Emulation, namespace: str, argv: Sequence[str], what: str, name: str) -> str:
+    """Start ``argv`` in ``namespace`` as a helper of the emulation called ``name`` (watched while the
+    run goes on, stopped with the others at teardown) and return the first line it prints, which says
+    it is ready."""
     proc = subprocess.Popen(
         ["ip", "netns", "exec", namespace, *argv],
         stdout=subprocess.PIPE,
@@ -686,6 +756,7 @@ def _serve(em: Emulation, namespace: str, argv: Sequence[str], what: str) -> str
         start_new_session=True,
     )
     em._children.append(proc)
+    em.helpers.append(Helper(name, proc))
     assert proc.stdout is not None
     ready, _, _ = select.select([proc.stdout], [], [], 60.0)
     line = proc.stdout.readline().strip() if ready else ""
@@ -702,7 +773,7 @@ def serve_lighthouse(
     wan = em.bridge_namespace
     netns.sh("ip", "-n", wan, "addr", "add", f"{LIGHTHOUSE_ADDRESS}/24", "dev", BRIDGE)
     args = [LIGHTHOUSE_ADDRESS, str(port), str(heartbeat_timeout_ms), str(join_timeout_ms)]
-    line = _serve(em, wan, [sys.executable, "-c", _LIGHTHOUSE, *args], "torchft lighthouse")
+    line = _serve(em, wan, [sys.executable, "-c", _LIGHTHOUSE, *args], "torchft lighthouse", "the torchft lighthouse")
     if not line.startswith("http://"):
         raise RuntimeError(f"the torchft lighthouse did not start in {wan}: {line}")
     return line
@@ -712,28 +783,47 @@ def serve_rendezvous_store(em: Emulation, port: int = RDZV_PORT) -> None:
     """Serve the agents' c10d rendezvous store on dc0's address until the emulation's teardown,
     which stops it after every agent has exited."""
     argv = [sys.executable, "-c", _RDZV_STORE, em.dcs[0].address, str(port)]
-    _serve(em, em.dcs[0].namespace, argv, "rendezvous store")
+    _serve(em, em.dcs[0].namespace, argv, "rendezvous store", f"the agents' rendezvous store in {em.dcs[0].name}")
 
 
-def _wait_all(procs: list[subprocess.Popen[Any]], names: list[str], timeout_s: float | None, grace_s: float) -> int:
+def _agent_death(em: Emulation, procs: list[subprocess.Popen[Any]]) -> tuple[int, str] | None:
+    """(index, what died) of the first datacenter whose agent was killed by a signal: its ranks are
+    left without it, and nobody else would stop them; an agent that exits (even with a failure) says
+    its ranks' end and is not a death."""
+    for i, p in enumerate(procs):
+        code = p.poll()
+        if code is not None and code < 0:
+            return i, Helper(f"the torchrun agent of {em.dcs[i].name}", p).death() or ""
+    return None
+
+
+def _wait_all(em: Emulation, procs: list[subprocess.Popen[Any]], timeout_s: float | None, grace_s: float) -> int:
     """geo.fault_tolerant: a datacenter that fails does not stop the others; wait for every one.
 
-    Returns 0 when at least one datacenter completed (the run survived), else the first failure's code."""
+    Returns 0 when at least one datacenter completed (the run survived), else the first failure's code.
+    Raises :class:`HelperDied` when a helper of the emulation died (the Lighthouse, the delay line)."""
     log = get_logger()
+    names = [dc.name for dc in em.dcs]
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     reported: set[int] = set()
+    death = None
     try:
         while True:
+            death = em.dead_helper()
+            if death is not None:
+                break
             codes = [p.poll() for p in procs]
             for i, c in enumerate(codes):
                 if c not in (None, 0) and i not in reported:
                     reported.add(i)
+                    if c < 0:  # its agent was killed: a datacenter lost, as when its ranks fail
+                        em.stop_orphans(procs[i])
+                        ended = f"{Helper(f'the torchrun agent of {names[i]}', procs[i]).death()}; stopped its ranks"
+                    else:
+                        ended = f"datacenter {names[i]} ended with exit code {c}"
                     others = [n for j, n in enumerate(names) if codes[j] is None]
                     log.warning(
-                        "datacenter %s ended with exit code %d; %s train on",
-                        names[i],
-                        c,
-                        ", ".join(others) if others else "no other datacenter is running to",
+                        "%s; %s train on", ended, ", ".join(others) if others else "no other datacenter is running to"
                     )
             if all(c is not None for c in codes):
                 done = [n for n, c in zip(names, codes) if c == 0]
@@ -752,16 +842,30 @@ def _wait_all(procs: list[subprocess.Popen[Any]], names: list[str], timeout_s: f
     except SystemExit as e:
         rc = e.code if isinstance(e.code, int) else 1
     with _signals_ignored():
-        stop_process_groups(procs, grace_s)
+        em.stop(procs, grace_s if death is None else HELPER_DEATH_GRACE_S)
+    if death is not None:
+        raise HelperDied(death)
     return rc
 
 
-def _wait_first_failure(procs: list[subprocess.Popen[Any]], timeout_s: float | None, grace_s: float) -> int:
-    """Wait for every agent; on the first non-zero exit, Ctrl-C, SIGTERM or timeout stop the rest."""
+def _wait_first_failure(
+    em: Emulation, procs: list[subprocess.Popen[Any]], timeout_s: float | None, grace_s: float
+) -> int:
+    """Wait for every agent; on the first non-zero exit, Ctrl-C, SIGTERM or timeout stop the rest.
+
+    Raises :class:`HelperDied` when a helper of the emulation or an agent died."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rc = 0
+    death = None
     try:
         while True:
+            death = em.dead_helper()
+            lost = _agent_death(em, procs)
+            if lost is not None:
+                em.stop_orphans(procs[lost[0]])
+                death = death or lost[1]
+            if death is not None:
+                break
             codes = [p.poll() for p in procs]
             failed = [c for c in codes if c not in (None, 0)]
             if failed:
@@ -779,7 +883,9 @@ def _wait_first_failure(procs: list[subprocess.Popen[Any]], timeout_s: float | N
     except SystemExit as e:  # SIGTERM / SIGHUP through _signals_raise
         rc = e.code if isinstance(e.code, int) else 1
     with _signals_ignored():
-        stop_process_groups(procs, grace_s)
+        em.stop(procs, grace_s if death is None else HELPER_DEATH_GRACE_S)
+    if death is not None:
+        raise HelperDied(death)
     return rc
 
 
@@ -851,9 +957,9 @@ def launch_emulated(
                 )
             log.info("started %d rank(s) in %d emulated datacenter(s)", net.world_size, len(em.dcs))
             if fault_tolerant:
-                rc = _wait_all(procs, [dc.name for dc in em.dcs], timeout_s, grace_s)
+                rc = _wait_all(em, procs, timeout_s, grace_s)
             else:
-                rc = _wait_first_failure(procs, timeout_s, grace_s)
+                rc = _wait_first_failure(em, procs, timeout_s, grace_s)
         except KeyboardInterrupt:  # while starting
             rc = 128 + signal.SIGINT
         except SystemExit as e:
@@ -869,6 +975,8 @@ __all__ = [
     "EmulatedDatacenter",
     "EmulatedNetwork",
     "Emulation",
+    "Helper",
+    "HelperDied",
     "emulated_network",
     "launch_emulated",
     "serve_lighthouse",

@@ -11,9 +11,11 @@ So the owner starts this reaper as soon as it registers a run:
 - reading a pipe whose write end only the owner holds (the kernel closes it when the owner dies,
   however it dies; subprocess makes pipes close-on-exec, so no child inherits it).
 
-At EOF the reaper kills every process inside the run's namespaces and removes them
-(:func:`isthmus.launch.netns.delete_prefix`). When the owner has torn down by itself, it writes
-``done`` first and the reaper exits at once, touching nothing.
+At EOF the reaper kills every process inside the run's namespaces and removes them, with the files
+those processes held in /dev/shm (:func:`isthmus.launch.netns.delete_prefix`). When the owner has
+torn down by itself, it writes ``done`` first and the reaper exits at once, touching nothing. The
+owner watches the reaper in turn: a run that has lost it would have no one left to clean up after a
+SIGKILL, so its death stops the run (:class:`isthmus.launch.emulate.HelperDied`).
 """
 
 from __future__ import annotations
