@@ -132,6 +132,50 @@ def gone(pid: int, timeout: float = 10) -> bool:
     return False
 
 
+def parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def session_pids(sid: int) -> list[int]:
+    """Every live process of session ``sid`` (a run started in a session of its own: its launcher, the
+    rank server, the resource tracker, the ranks); zombies are gone."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            found.append(int(entry.name))
+    return found
+
+
+def session_gone(sid: int, timeout: float = 10) -> list[int]:
+    """Wait up to ``timeout`` seconds for session ``sid`` to have no live process; returns those left."""
+    deadline = time.monotonic() + timeout
+    while (left := session_pids(sid)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def shm_files(pids: list[int]) -> set[Path]:
+    """The files in /dev/shm that any of ``pids`` has mapped (multiprocessing's named semaphores, shared
+    memory collectives' buffers) and that still exist."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+        except OSError:
+            continue
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith("/dev/shm/") and not fields[5].endswith("(deleted)"):
+                found.add(Path(fields[5]))
+    return found
+
+
 def last_line(err: str) -> str:
     """The one line a failure ends in; asserts nothing else on stderr looks like an error or a traceback."""
     lines = err.rstrip().splitlines()

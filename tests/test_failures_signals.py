@@ -10,12 +10,13 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from isthmus.train.checkpoint_manifest import verify_checkpoint
-from procs import Train, gone, last_line
+from procs import Train, descendants, gone, last_line, parent_of, session_gone, shm_files
 
 SIGNAL_AT = 4
 # name: (signal, ranks, to the whole process group, extra args)
@@ -112,3 +113,73 @@ def test_a_non_finite_loss_names_the_step_and_the_checkpoint(runs: dict[str, tup
         r"a new run starts over; lower train.lr \(now 1e\+30\)",
         last_line(run.err),
     ), run.err[-2000:]
+
+
+# name: what is done to a two-rank run after it logged a step (tests/procs' Train: a session of its own)
+ENDINGS = {
+    # A rank that cannot answer its signal (stopped here; deep in one long operation in the wild) while the
+    # whole process group is signalled, as `timeout`, systemd and Slurm stop a job and a terminal sends Ctrl-C.
+    "sigterm_group_stopped_rank": (signal.SIGTERM, "group"),
+    "sigint_group_stopped_rank": (signal.SIGINT, "group"),
+    "sigkill_launcher": (signal.SIGKILL, "launcher"),
+    "sigkill_rank_server": (signal.SIGKILL, "server"),
+}
+
+
+@pytest.fixture(scope="module")
+def ended(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Train, list[int], set[Path], set[Path]]]:
+    """Each run of ENDINGS after its ending: the processes of its session still alive 10 s after the
+    signal, the /dev/shm files its processes had mapped, and those of them that are still there."""
+    tmp = tmp_path_factory.mktemp("endings")
+    started = {name: Train(tmp / name, tmp / "cache", "--parallel.nproc", "2") for name in ENDINGS}
+    shm: dict[str, set[Path]] = {}
+    signalled: dict[str, float] = {}
+    for name, (signum, target) in ENDINGS.items():
+        run = started[name]
+        run.wait_for_step(SIGNAL_AT)
+        rank1 = run.rank_pid(1)
+        shm[name] = shm_files([run.proc.pid, *descendants(run.proc.pid)])
+        if target == "group":
+            os.kill(rank1, signal.SIGSTOP)
+            os.killpg(run.proc.pid, signum)
+        elif target == "launcher":
+            os.kill(run.proc.pid, signum)
+        else:
+            os.kill(parent_of(rank1), signum)
+        signalled[name] = time.monotonic()
+    out = {}
+    for name, run in started.items():
+        left = session_gone(run.proc.pid, timeout=max(0.0, signalled[name] + 10 - time.monotonic()))
+        left_cmd = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in left}
+        for pid in left:  # (so that a failure leaves nothing running either)
+            os.kill(pid, signal.SIGKILL)
+        run.wait()
+        out[name] = (run, left_cmd, shm[name], {f for f in shm[name] if f.exists()})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ENDINGS))
+def test_no_process_of_a_run_outlives_its_ending(
+    name: str, ended: dict[str, tuple[Train, list[int], set[Path], set[Path]]]
+) -> None:
+    run, left, mapped, kept = ended[name]
+    assert not left, f"still alive 10 s after the signal: {left}"
+    assert mapped and not kept, f"left in /dev/shm: {kept}"
+    signum, target = ENDINGS[name]
+    if target == "group":
+        assert run.code == 128 + signum, run.err[-3000:]
+        assert re.fullmatch(
+            rf"isthmus: interrupted \({signal.Signals(signum).name}\) at step \d+; nothing to resume from "
+            r"\(checkpoint.every = 0\): a new run starts over",
+            last_line(run.err),
+        )
+    elif target == "launcher":
+        assert run.code == -signal.SIGKILL
+    else:
+        assert run.code == 3, run.err[-3000:]
+        assert re.fullmatch(
+            r"isthmus: error: the rank server \(pid \d+\), which every rank is forked from, died \(SIGKILL\) "
+            r"and its ranks with it; no restart \(parallel.max_restarts = 0\); see \S+/logs",
+            last_line(run.err),
+        )

@@ -31,7 +31,8 @@ ALLOWED: dict[str, set[str]] = {
     "geo": {"errors", "log", "config", "layout", "models", "parallel"},
     "train": {"errors", "log", "config", "layout", "models", "data", "parallel", "geo"},
     "api": {"errors", "log", "config", "layout", "models", "parallel", "train"},
-    "profile": {"errors", "log", "config", "layout", "models", "parallel", "train", "api", "planner"},
+    # launch: the measurements' two ranks fork from the launcher's rank server, and end as its ranks do.
+    "profile": {"errors", "log", "config", "layout", "models", "parallel", "train", "api", "planner", "launch"},
     "launch": {"errors", "log", "config", "layout", "models", "data", "parallel", "geo", "train", "planner"},
     "cli": {
         "errors",

@@ -51,8 +51,14 @@ from isthmus.errors import EXIT_USAGE, Interrupted, IsthmusError, RunFailed, ful
 from isthmus.launch.environ import environ, launcher_world
 from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
 from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
-from isthmus.launch.stop import Stopped, StopState, interrupted_line, stop_on_signals
-from isthmus.launch.warm import START_METHOD, start_rank_server, starts_local_ranks
+from isthmus.launch.stop import STOP_SIGNALS, Stopped, StopState, interrupted_line, stop_on_signals
+from isthmus.launch.warm import (
+    START_METHOD,
+    become_rank,
+    rank_server_death,
+    start_rank_server,
+    starts_local_ranks,
+)
 from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
 from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_store_environ
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
@@ -67,6 +73,9 @@ def launched_externally() -> bool:
     """True inside a process started by torchrun (or another launcher that sets the env:// variables)."""
     return launcher_world() is not None
 
+
+SHUTDOWN_GRACE_S = 3
+"""How long the ranks of a stopped run have to unwind by themselves before they are killed."""
 
 LOOPBACK_IFNAME = "lo0" if sys.platform == "darwin" else "lo"
 """The loopback interface, where gloo binds for a run on one machine (GLOO_SOCKET_IFNAME)."""
@@ -88,6 +97,8 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None, environ: dict[str
     `isthmus.launch.warm`'s server has the environment the server started with), its store's
     address among it (`isthmus.parallel.rendezvous`).
     """
+    if environ is not None:  # forked from the launcher's server (`isthmus.launch.warm`), not run in place
+        become_rank()
     os.environ.update(environ or {})
     rank = int(os.environ.get("RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
@@ -411,6 +422,9 @@ def _launch_ranks(cfg: JobConfig, launch_dir: Path) -> TrainResult:
                 local_addr=LOOPBACK,
                 max_restarts=cfg.parallel.max_restarts,
                 monitor_interval=0.2,
+                # A rank deep in one long operation runs its signal handler only when the operation
+                # returns: after this long the agent kills it rather than wait its default 30 s.
+                shutdown_timeout=SHUTDOWN_GRACE_S,
                 start_method=START_METHOD,
                 logs_specs=DefaultLogsSpecs(log_dir=str(launch_dir / "elastic")),
             )
@@ -459,12 +473,18 @@ def _launch_failure(cfg: JobConfig, e: ChildFailedError, monitor: StallMonitor, 
     failures = e.failures
     first = min(failures)
     failure = failures[first]
-    if failure.exitcode in (128 + 2, 128 + 15):  # the ranks got Ctrl-C (or SIGTERM) before the launcher did
+    if failure.exitcode in [128 + s for s in STOP_SIGNALS]:  # the ranks got the signal before the launcher did
         signum = failure.exitcode - 128
         return Interrupted(signum, _interrupted(cfg, signum, launch_dir))
-    detail = _first_line(failure.message) or f"exit code {failure.exitcode}"
     restarts = cfg.parallel.max_restarts
     left = f"after {restarts} restart(s), none left" if restarts else "no restart"
+    server = rank_server_death()
+    if server is not None:  # the ranks died with it (`isthmus.launch.warm.become_rank`)
+        return RunFailed(
+            f"the rank server (pid {server[0]}), which every rank is forked from, died ({server[1]}) and its "
+            f"ranks with it; {left} (parallel.max_restarts = {restarts}); see {logs}"
+        )
+    detail = _first_line(failure.message) or f"exit code {failure.exitcode}"
     return RunFailed(
         f"rank {failure.local_rank} failed ({detail}); {left} (parallel.max_restarts = {restarts}); see {logs}"
     )

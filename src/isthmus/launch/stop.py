@@ -1,11 +1,12 @@
-"""Stopping a run on SIGINT (Ctrl-C) or SIGTERM: one line that says where it stopped and how to go on.
+"""Stopping a run on SIGINT (Ctrl-C), SIGTERM or SIGHUP: one line that says where it stopped and how to go on.
 
 The first signal raises :class:`Stopped` in the main thread, so the trainer unwinds as after any
 failure (a checkpoint save in flight stays uncommitted, metrics are closed) and the process exits
 with 128 + the signal's number. A second signal while that runs exits at once: the user insists.
 
 Under the local launcher torch's agent catches the launcher's signal, sends the same signal to
-every rank and waits for them; each rank stops as above, quietly, and the launcher prints the line.
+every rank and waits for them (`isthmus.launch.local.SHUTDOWN_GRACE_S`) before it kills those still
+running; each rank stops as above, quietly, and the launcher prints the line.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from types import FrameType
 
 from isthmus.train.checkpoint_manifest import resume_note
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""Ctrl-C, a stop from ``kill``, ``timeout``, systemd or Slurm, and a terminal that closed."""
 
 
 class Stopped(BaseException):
-    """Raised by the first SIGINT or SIGTERM. A BaseException, as KeyboardInterrupt is, so that no
+    """Raised by the first of :data:`STOP_SIGNALS`. A BaseException, as KeyboardInterrupt is, so that no
     ``except Exception`` on the way swallows it."""
 
     def __init__(self, signum: int) -> None:
@@ -40,7 +42,7 @@ class StopState:
 
 @contextmanager
 def stop_on_signals(on_stop: Callable[[], None] | None = None) -> Iterator[StopState]:
-    """Within the block, SIGINT and SIGTERM raise :class:`Stopped` (main thread only, as Python's
+    """Within the block, :data:`STOP_SIGNALS` raise :class:`Stopped` (main thread only, as Python's
     signal handlers are), after calling ``on_stop``; the handlers before it are put back after."""
     state = StopState()
 

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from isthmus.api import clip_grad_norm, parallelize, shard_batch, step
 from isthmus.config import TrainConfig
+from isthmus.launch.warm import run_quietly_as_rank
 from isthmus.layout.dims import ParallelDims
 from isthmus.models.flavors import get_flavor
 from isthmus.models.llama import build_model, init_weights
@@ -284,7 +285,9 @@ def _two_ranks(worker: Callable[..., None], worker_args: Any, timeout_s: float, 
     # The pair's store is served here, bound before they start (`isthmus.parallel.rendezvous`).
     with tempfile.TemporaryDirectory() as tmp, loopback_store_server() as port:
         out = os.path.join(tmp, "result.json")
-        procs = [ctx.Process(target=worker, args=(rank, *worker_args(port, out))) for rank in range(2)]
+        procs = [
+            ctx.Process(target=run_quietly_as_rank, args=(worker, rank, *worker_args(port, out))) for rank in range(2)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
