@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,7 @@ from isthmus.planner.autoplan import choose_local_layout, local_topology, thread
 from isthmus.planner.topology import load_topology
 from isthmus.profile.measure import fit_alpha_beta, fit_gemm_curve
 from isthmus.train.device import PEAK_CACHE_FILE, cpu_peak_key
+from procs import descendants, isthmus_argv, session_gone
 
 
 def profile(argv: list[str]) -> int:
@@ -340,3 +345,29 @@ def test_bad_overhead_key_is_one_line() -> None:
         ConfigError, match=r"devices.cpu-o.tp_block_us = -1: must be a number of microseconds, 0 or more"
     ):
         parse_topology(tomllib.loads(_with_overheads(-1, 0, 0)))
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_two_rank_measurements_is_one_line(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT to the whole process group) while the measurements' two processes run: the
+    command's one line and exit 130, no traceback from those processes, and nothing of it left."""
+    out = tmp_path / "me.toml"
+    argv = ["profile", "--out", str(out), "--seconds", "5", "--model", "tiny", "--batch", "4", "--seq-len", "32"]
+    proc = subprocess.Popen(
+        isthmus_argv(*argv), stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 120
+        # The launcher, the resource tracker, the rank server and the two measuring processes.
+        while len(descendants(proc.pid)) < 4:
+            assert proc.poll() is None and time.monotonic() < deadline, "the two-rank measurements never started"
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err[-3000:]
+    assert err.splitlines() == ["isthmus: interrupted"], err[-3000:]
+    assert not session_gone(proc.pid), "a process of the profile outlived it"
+    assert not out.exists()

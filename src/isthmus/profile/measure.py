@@ -288,10 +288,10 @@ def _two_ranks(worker: Callable[..., None], worker_args: Any, timeout_s: float, 
         procs = [
             ctx.Process(target=run_quietly_as_rank, args=(worker, rank, *worker_args(port, out))) for rank in range(2)
         ]
-        for p in procs:
-            p.start()
         deadline = time.monotonic() + timeout_s
-        try:
+        try:  # (a Ctrl-C while they start kills those started, before their store goes)
+            for p in procs:
+                p.start()
             for p in procs:
                 p.join(max(0.0, deadline - time.monotonic()))
         finally:
