@@ -8,6 +8,7 @@ and a run's progress by its ``metrics.jsonl``.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -30,8 +31,12 @@ BASE_ARGS = [*tiny_run(100000), "--metrics.log_every", "1000"]
 
 
 def isthmus_argv(*args: str) -> list[str]:
-    """``isthmus ARGS`` as this interpreter runs it (the installed script may belong to another venv)."""
-    return [sys.executable, "-m", "isthmus", *args]
+    """``isthmus ARGS`` as this interpreter runs it (the installed script may belong to another venv),
+    told to stop (SIGTERM) when the test process dies: a suite stopped by ``timeout`` or a kill leaves
+    no run of its own behind (util-linux's setpriv sets the death signal and execs the command, so
+    the pid is the command's)."""
+    die_with_us = ["setpriv", "--pdeathsig", "TERM", "--"] if shutil.which("setpriv") else []
+    return [*die_with_us, sys.executable, "-m", "isthmus", *args]
 
 
 def run_isthmus(

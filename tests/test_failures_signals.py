@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -183,3 +185,25 @@ def test_no_process_of_a_run_outlives_its_ending(
             r"and its ranks with it; no restart \(parallel.max_restarts = 0\); see \S+/logs",
             last_line(run.err),
         )
+
+
+@pytest.mark.slow
+def test_a_run_the_suite_started_ends_with_the_suite(tmp_path: Path) -> None:
+    """A test process killed outright (``timeout`` stopping the suite, a kill -9) takes the runs it
+    started with it: their launcher is told (SIGTERM), and a launcher's ranks end with it (above)."""
+    tests = Path(__file__).parent
+    script = (
+        f"import sys, time; sys.path.insert(0, {str(tests)!r}); from pathlib import Path; from procs import Train; "
+        f"run = Train(Path({str(tmp_path / 'run')!r}), Path({str(tmp_path / 'cache')!r})); "
+        "print(run.proc.pid, flush=True); time.sleep(600)"
+    )
+    suite = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert suite.stdout is not None
+        launcher = int(suite.stdout.readline())
+        time.sleep(1)
+        suite.kill()
+        assert not session_gone(launcher, timeout=10), "the run outlived the process that started it"
+    finally:
+        suite.kill()
+        suite.wait()

@@ -14,7 +14,7 @@ import pytest
 from isthmus.launch.heartbeat import StallMonitor, read_beats
 from isthmus.launch.local import last_logged_step
 from multirank import run_ranks
-from procs import Train, gone, last_line
+from procs import Train, gone, last_line, session_gone
 
 TIMEOUT_S = 8
 
@@ -46,6 +46,9 @@ def test_a_stopped_rank_is_named_and_every_rank_stopped(tmp_path: Path) -> None:
     assert logs == run.dir / "logs" and (logs / "rank1.log").is_file()
     assert all(gone(pid) for pid in pids)
     assert took < TIMEOUT_S + 20, f"took {took:.0f} s to notice and stop"
+    # Nothing of the run outlives its launcher for long: not the rank server, not the resource tracker.
+    left = session_gone(run.proc.pid, timeout=5)
+    assert not left, [Path(f"/proc/{pid}/cmdline").read_bytes()[:120] for pid in left]
 
 
 def _beat(directory: Path, rank: int, pid: int, step: int, age: float) -> None:
