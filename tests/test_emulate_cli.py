@@ -7,7 +7,10 @@
   fault-tolerant one both datacenters are in the quorum of every outer step and bytes cross the WAN.
   A run that fails once started ends with one line and exit code 3.
 - SIGKILL of the `isthmus emulate` process mid-training: its reaper stops every rank and removes
-  the run's namespaces within seconds.
+  the run's namespaces and /dev/shm files within seconds.
+- SIGKILL of a helper the emulator started (the WAN delay line, a datacenter's agent) mid-training:
+  the run stops within seconds, ends with one line naming what died and exit code 3, and leaves no
+  process, namespace or /dev/shm file behind.
 
 The runs need root (ip netns, tc), as CI has; their traffic stays inside the namespaces they make.
 """
@@ -27,7 +30,7 @@ from typing import Any
 import pytest
 
 from isthmus.cli import main
-from procs import isthmus_argv
+from procs import descendants, isthmus_argv, last_line, shm_files, tiny_run
 
 needs_root = pytest.mark.skipif(
     not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
@@ -260,6 +263,90 @@ def _alive(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _run_processes(root: int, prefix: str) -> set[int]:
+    """Every process of the emulate run ``root``: its descendants (the reaper, the helpers, the agents and
+    their ranks) and whatever runs in its namespaces."""
+    return {*descendants(root), *_pids_in(prefix)}
+
+
+def _seconds_until_nothing_is_left(prefix: str, pids: set[int], shm: set[Path], since: float, limit_s: float) -> float:
+    """Seconds from ``since`` until no process of ``pids``, namespace of ``prefix`` or file of ``shm`` is left."""
+    from isthmus.launch import netns
+
+    while True:
+        left = (
+            [p for p in pids if _alive(p)],
+            netns.list_namespaces(prefix),
+            [f for f in shm if f.exists()],
+            list(netns.NETNS_ETC.glob(f"{prefix}*")),
+        )
+        if not any(left):
+            return time.monotonic() - since
+        assert time.monotonic() < since + limit_s, f"left {limit_s:g} s after the kill: {left}"
+        time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+# What to kill, told by what its command line holds, and how the last line names it.
+HELPERS = {
+    "delay_line": (("isthmus.launch.delayline",), "the WAN delay line between dc0 and dc1"),
+    "agent_of_dc1": (("isthmus.launch.agent", "--local-addr 10.213.0.101"), "the torchrun agent of dc1"),
+}
+
+
+@needs_root
+@pytest.mark.slow
+@pytest.mark.parametrize("helper", list(HELPERS))
+def test_a_helper_killed_mid_training_stops_the_run_and_is_named(tmp_path: Path, helper: str) -> None:
+    """A dead helper used to hang the ranks until their collectives timed out, then blame a rank."""
+    from isthmus.launch import netns
+    from isthmus.launch.local import last_logged_step
+
+    marks, named = HELPERS[helper]
+    metrics = tmp_path / "metrics.jsonl"
+    argv = [
+        *("emulate", "--topology", "emulated-2dc", "--wan-rtt-ms", "40", "--log-dir", str(tmp_path / "logs")),
+        *("--", "train", *tiny_run(400), "--train.run_dir", str(tmp_path / "run")),
+        *("--metrics.jsonl", str(metrics), "--metrics.progress", "false"),
+    ]
+    err_path = tmp_path / "emulate.err"
+    with err_path.open("w") as err:
+        proc = subprocess.Popen(isthmus_argv(*argv), stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+    prefix = None
+    try:
+        deadline = time.monotonic() + 180
+        prefix = _run_namespaces(err_path, deadline)
+        while last_logged_step(metrics) < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
+            time.sleep(0.1)
+        pids = _run_processes(proc.pid, prefix)
+        shm = shm_files(list(pids))
+        target = [p for p in pids if all(m in _cmdline(p) for m in marks)]
+        assert len(target) == 1, [_cmdline(p) for p in pids]
+        os.kill(target[0], signal.SIGKILL)
+        killed = time.monotonic()
+        rc = proc.wait(timeout=10)
+        assert rc == 3, err_path.read_text()[-3000:]
+        assert last_line(err_path.read_text()) == (
+            f"isthmus: error: the emulated run failed: {named} (pid {target[0]}) died (killed by SIGKILL); "
+            "stopped every datacenter and removed the network; "
+            "nothing to resume from (checkpoint.every = 0): a new run starts over"
+        )
+        _seconds_until_nothing_is_left(prefix, pids, shm, killed, 10.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()  # its reaper removes the rest
+            proc.wait()
+        if prefix is not None:
+            netns.delete_prefix(prefix)
+
+
 @needs_root
 @pytest.mark.slow
 def test_sigkill_of_emulate_mid_training_stops_every_rank_and_removes_the_network(tmp_path: Path) -> None:
@@ -298,15 +385,13 @@ def test_sigkill_of_emulate_mid_training_stops_every_rank_and_removes_the_networ
         while len(_records(metrics)) < 2:  # training, across both datacenters
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        ranks = _pids_in(prefix)
-        assert len(ranks) >= 6  # 2 agents + 4 ranks, and the rendezvous store
+        assert len(_pids_in(prefix)) >= 6  # 2 agents + 4 ranks, and the rendezvous store
+        pids = _run_processes(proc.pid, prefix)
+        shm = shm_files(list(pids))
         proc.send_signal(signal.SIGKILL)  # no teardown of its own can run
+        killed = time.monotonic()
         proc.wait(timeout=10)
-        deadline = time.monotonic() + 15
-        while netns.list_namespaces(prefix) or any(_alive(p) for p in ranks):
-            assert time.monotonic() < deadline, (netns.list_namespaces(prefix), [p for p in ranks if _alive(p)])
-            time.sleep(0.2)
-        assert not any(netns.NETNS_ETC.glob(f"{prefix}*"))
+        _seconds_until_nothing_is_left(prefix, pids, shm, killed, 10.0)
     finally:
         if proc.poll() is None:
             proc.kill()
