@@ -123,6 +123,7 @@ ENDINGS = {
     # whole process group is signalled, as `timeout`, systemd and Slurm stop a job and a terminal sends Ctrl-C.
     "sigterm_group_stopped_rank": (signal.SIGTERM, "group"),
     "sigint_group_stopped_rank": (signal.SIGINT, "group"),
+    "sighup_group_stopped_rank": (signal.SIGHUP, "group"),  # the terminal closed
     "sigkill_launcher": (signal.SIGKILL, "launcher"),
     "sigkill_rank_server": (signal.SIGKILL, "server"),
 }
