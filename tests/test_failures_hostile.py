@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,7 @@ from isthmus.models.hf_config import hf_config_from_args
 from isthmus.models.pretrained import init_source_args, safetensors_header
 from isthmus.planner.topology import load_topology, shipped_topologies_dir
 from isthmus.train.export import ModelSource, export_model
+from mounts import tmpfs
 
 TINY = shipped_configs_dir() / "tiny.toml"
 ARGS = ModelArgs(dim=16, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=32, vocab_size=260)
@@ -242,15 +241,8 @@ def test_export_with_overwrite_replaces_the_file(tmp_path: Path) -> None:
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    if os.geteuid() != 0:
-        pytest.fail("the full-disk test mounts a small tmpfs, which needs root; run it as root")
-    mnt = tmp_path / "small"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8k", "tmpfs", str(mnt)], check=True)
-    try:
+    with tmpfs(tmp_path / "small", "size=8k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 @pytest.mark.parametrize("form", ["isthmus", "hf"])

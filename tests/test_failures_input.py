@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import tomllib
 import warnings
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from isthmus.cli.train import shipped_configs_dir
 from isthmus.config import JobConfig, apply_toml, build_config, parse_overrides, toml_string
 from isthmus.launch.preflight import preflight
 from isthmus.log import get_logger, route_library_warnings, setup_logging
+from mounts import tmpfs
 from procs import run_isthmus
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,15 +152,8 @@ def test_a_path_that_is_not_utf8_is_refused(capsys: pytest.CaptureFixture[str]) 
 @pytest.fixture
 def read_only(tmp_path: Path) -> Iterator[Path]:
     """A read-only file system (root cannot write there either, unlike a folder without permission bits)."""
-    if os.geteuid() != 0:
-        pytest.fail("this test mounts a read-only tmpfs, which needs root; run it as root")
-    mnt = tmp_path / "ro"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(mnt)], check=True)
-    try:
+    with tmpfs(tmp_path / "ro", "ro,size=64k") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", str(mnt)], check=False)
 
 
 def test_folders_a_run_cannot_write_are_refused(

@@ -28,26 +28,17 @@ from isthmus.log import setup_logging
 from isthmus.train import checkpoint_manifest
 from isthmus.train.checkpoint_manifest import MANIFEST_FILE, checkpoint_key
 from procs import run_isthmus
-from test_checkpoint_security import _error_line, _recompute_manifest, _RunsCode, _train_args, cli, marker
+from test_checkpoint_security import _error_line, _recompute_manifest, _RunsCode, _train_args, cli, marker, run, tmp
 
-__all__ = ["cli", "marker"]  # fixtures shared with test_checkpoint_security
+__all__ = [
+    "cli",
+    "marker",
+    "run",
+    "tmp",
+]  # fixtures shared with test_checkpoint_security (each module trains its own run)
 
 STEP = "step-000004"
 DATA = "__0_0.distcp"
-
-
-@pytest.fixture(scope="module")
-def tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hostile")
-
-
-@pytest.fixture(scope="module")
-def run(tmp: Path) -> Path:
-    """A finished 4-step run checkpointed at steps 2 and 4."""
-    run_dir = tmp / "run"
-    assert main(_train_args(tmp, run_dir)) == 0
-    setup_logging(console=False)
-    return run_dir
 
 
 def _hostile_copy(run: Path, tmp_path: Path, change: Callable[[Path], None]) -> tuple[Path, Path]:
