@@ -141,8 +141,8 @@ def run(topology: Path, mbit: float, rtt_ms: float, steps: int, prefill: str, ou
 
 def served_equal_alone(run_dir: Path) -> dict[str, int]:
     """Every request the run served (its prefill.jsonl) against the same prefill run alone, outside
-    training (`isthmus.train.bubbles.prefill_alone`)."""
-    from isthmus.train.bubbles import prefill_alone
+    training (`isthmus.serve.prefill.prefill_alone`)."""
+    from isthmus.serve.prefill import prefill_alone
 
     served = [json.loads(line) for line in (run_dir / "prefill.jsonl").read_text().splitlines()]
     alone = prefill_alone(run_dir)

@@ -88,7 +88,7 @@ def _timed(fn: Any) -> float:
 
 def measure(opts: argparse.Namespace, root: str) -> dict[str, Any]:
     """Every measurement, on this rank; rank 0's numbers are the ones reported."""
-    from isthmus.train.checkpoint import load_model_weights
+    from isthmus.checkpoint.state import load_model_weights
 
     trainer = _trainer(opts, root)
     ck, state = trainer.checkpointer, trainer.train_state

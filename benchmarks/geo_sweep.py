@@ -14,9 +14,9 @@ import argparse
 import sys
 
 from isthmus.models.flavors import get_flavor
-from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import load_topology
+from isthmus.planner.workload import RUNTIMES
 
 BANDWIDTHS = (3000.0, 1000.0, 300.0, 100.0, 30.0, 10.0, 3.0, 1.0)
 

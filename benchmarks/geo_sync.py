@@ -561,7 +561,7 @@ def sweep(ns: argparse.Namespace, main: list[Summary] | None, main_recs: dict[st
 
 
 def print_sweep(rows: dict[float, list[dict[str, Any]]], main: list[Summary] | None, ns: argparse.Namespace) -> None:
-    from isthmus.planner.layout import RUNTIMES
+    from isthmus.planner.workload import RUNTIMES
 
     print(
         f"\n### Sweep: {FLAVOR}, {TOPOLOGY}, step time per strategy, measured vs predicted (same topology, every WAN "

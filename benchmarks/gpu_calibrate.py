@@ -27,7 +27,7 @@ Each part prints as it finishes; everything lands in ``<out>/calibration.json``,
 Why a script and not `isthmus profile`: profile measures a CPU rank's runtime work against gloo; a
 GPU's constants come from kernels and need a GPU, which this project borrows for minutes at a time,
 so everything to measure is in one prepared run. ``--device cpu --quick`` runs the same code at the
-``small`` flavor's shapes (tests/test_gpu_calibrate.py), so the script works before the GPU comes.
+``small`` flavor's shapes (tests/profile/test_gpu_calibrate.py), so the script works before the GPU comes.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ from isthmus.models.llama import build_model
 from isthmus.parallel.rendezvous import loopback_store_server, served_group_args
 from isthmus.planner.compute import CAUSAL_SKIP, gemm_fraction
 from isthmus.planner.cost import estimate
-from isthmus.planner.layout import RUNTIMES, Workload
 from isthmus.planner.topology import DeviceKind, Topology, device_kinds, load_topology
+from isthmus.planner.workload import RUNTIMES, Workload
 from isthmus.profile.measure import fit_gemm_curve, model_gemms
 from isthmus.train.optim import build_optimizer
 from plan_vs_measured import train_argv  # the script's folder is on sys.path

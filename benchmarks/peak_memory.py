@@ -35,8 +35,8 @@ from isthmus.launch.warm import start_rank_server
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.autoplan import local_runtime, local_topology
 from isthmus.planner.cost import rank_memory, ranks_tp_on_host, stage_costs
-from isthmus.planner.layout import LayoutSpec, Workload
 from isthmus.planner.placement import place
+from isthmus.planner.workload import LayoutSpec, Workload
 from isthmus.train.short_run import max_steps_override
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -213,8 +213,8 @@ def block_bytes(flavor: str, batch: int, precision: str) -> int:
 def print_block(flavor: str) -> None:
     """Per precision, what one block keeps per token (the growth from batch 4 to 8) and per block
     (the rest: weight copies, rotary tables), against the planner's per-token accounting."""
-    from isthmus.planner.layout import RUNTIMES
     from isthmus.planner.memory import layer_activation_bytes
+    from isthmus.planner.workload import RUNTIMES
 
     args = get_flavor(flavor)
     print(f"{flavor}, one block at {SEQ} tokens per sequence, batch 4 and 8 (saved-tensor hooks)\n")

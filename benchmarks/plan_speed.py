@@ -13,9 +13,9 @@ import sys
 import time
 
 from isthmus.models.flavors import get_flavor
-from isthmus.planner.layout import RUNTIMES
 from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import load_topology
+from isthmus.planner.workload import RUNTIMES
 
 
 def main(argv: list[str] | None = None) -> int:

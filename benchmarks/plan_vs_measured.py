@@ -32,8 +32,8 @@ from pathlib import Path
 
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.autoplan import SIMPLEST_WITHIN, choose_layout, local_runtime, local_topology
-from isthmus.planner.layout import LayoutSpec, Workload
 from isthmus.planner.search import SearchSpace
+from isthmus.planner.workload import LayoutSpec, Workload
 from isthmus.sim import simulate
 
 BATCH, SEQ = 16, 128

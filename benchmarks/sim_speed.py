@@ -1,7 +1,7 @@
 """The simulator's benchmarks: how long one step on 1,024 GPUs takes to simulate, and its checks.
 
     python benchmarks/sim_speed.py --markdown              # speed (docs/benchmarks.md)
-    python benchmarks/sim_speed.py --agreement --markdown  # simulator vs cost model, tests/test_sim.py's layouts
+    python benchmarks/sim_speed.py --agreement --markdown  # simulator vs cost model, tests/sim/test_sim.py's layouts
     python benchmarks/sim_speed.py --megatron --markdown   # Megatron-LM 2021 Table 1 through the simulator
 
 Each case is one optimizer step of GPT-3 175B (gpt3-145.6b with 96 layers) or a Megatron Table 1
@@ -17,10 +17,10 @@ import sys
 import time
 
 from isthmus.models.flavors import gpt3
-from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.reference import MEGATRON_2021_TABLE1, SEQ_LEN, megatron_layout
 from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import load_topology
+from isthmus.planner.workload import RUNTIMES, LayoutSpec, Workload
 from isthmus.sim import simulate
 
 GPT3_175B = gpt3(96, 12288, 96)
@@ -69,10 +69,11 @@ def print_rows(head: list[str], rows: list[list[str]], markdown: bool) -> None:
 
 
 def agreement(markdown: bool) -> None:
-    """The layouts of tests/test_sim.py::test_simulator_agrees_with_the_cost_model."""
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests"))
-    from isthmus.models.flavors import get_flavor
+    """The layouts of tests/sim/test_sim.py::test_simulator_agrees_with_the_cost_model."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "tests" / "sim"))
     from test_sim import AGREE  # the test's own list, so the table and the test never differ
+
+    from isthmus.models.flavors import get_flavor
 
     rows, worst = [], 0.0
     for flavor, topology, lay, batch, seq in AGREE:

@@ -40,8 +40,8 @@ from typing import Any
 from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.cost import estimate
-from isthmus.planner.layout import RUNTIMES, Workload
 from isthmus.planner.topology import load_topology
+from isthmus.planner.workload import RUNTIMES, Workload
 from isthmus.sim import simulate
 from isthmus.train.short_run import capped, max_steps_override
 

@@ -26,8 +26,8 @@ from isthmus.layout.dims import Meshes, ParallelDims, check_layout
 from isthmus.layout.spec import LayoutSpec
 from isthmus.models.llama import Transformer, build_model
 from isthmus.parallel.parallelize import ParallelModel, apply_layout
+from isthmus.profile.device import resolve_device
 from isthmus.train import step as _step
-from isthmus.train.device import resolve_device
 from isthmus.train.grad import clip_grad_norm as _clip
 from isthmus.train.step import LossFn
 

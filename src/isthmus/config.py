@@ -694,3 +694,21 @@ def validate_geo(cfg: GeoConfig) -> None:
                 cfg.overlap_steps,
                 f"must be in [0, geo.inner_steps = {cfg.inner_steps}): a result must land before the next sync",
             )
+
+
+def resolved_outer_dtype(cfg: GeoConfig, kind: str | None = None) -> WireDtype:
+    """The outer-gradient wire dtype after resolving ``auto`` (fp32 as DiLoCo, int4 as Streaming DiLoCo)."""
+    if cfg.outer_dtype != "auto":
+        return cfg.outer_dtype
+    return "int4" if (kind or cfg.sync) == "streaming_diloco" else "fp32"
+
+
+def ranks_per_datacenter(cfg: GeoConfig, world_size: int) -> int:
+    """Data-parallel ranks per datacenter; ConfigError when the ranks do not split evenly."""
+    if world_size % cfg.datacenters:
+        raise ConfigError(
+            "geo.datacenters",
+            cfg.datacenters,
+            f"must divide the {world_size} data-parallel ranks into equal datacenters",
+        )
+    return world_size // cfg.datacenters

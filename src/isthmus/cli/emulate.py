@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from isthmus.checkpoint.manifest import resume_note
 from isthmus.cli.train import config_name, find_config, parse_train_command, train_config
 from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError, Interrupted, IsthmusError, RunFailed
@@ -34,7 +35,6 @@ from isthmus.launch.environ import environ
 from isthmus.launch.rundir import CLAIMED_ENV, claim_run_dir
 from isthmus.log import get_logger
 from isthmus.planner.topology import Topology, load_topology
-from isthmus.train.checkpoint_manifest import resume_note
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

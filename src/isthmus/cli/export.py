@@ -55,10 +55,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(ns: argparse.Namespace, rest: list[str]) -> int:
     # Startup time: torch loads only when the sub-command runs.
+    from isthmus.checkpoint.manifest import checkpoint_key
     from isthmus.log import setup_logging
-    from isthmus.train.checkpoint_manifest import checkpoint_key
-    from isthmus.train.export import export_run
-    from isthmus.train.hf_export import export_run_hf
+    from isthmus.weights.export import export_run
+    from isthmus.weights.hf_export import export_run_hf
 
     setup_logging()  # a skipped damaged checkpoint is a warning line
     export = export_run_hf if ns.format == "hf" else export_run

@@ -40,8 +40,8 @@ def run(ns: argparse.Namespace, rest: list[str]) -> int:
     if ns.temperature < 0:
         raise ConfigError("--temperature", ns.temperature, "must be 0 (greedy) or positive")
     # Startup time: torch loads only once the arguments are known to be good.
-    from isthmus.train.checkpoint_manifest import checkpoint_key
-    from isthmus.train.generate import generate
+    from isthmus.checkpoint.manifest import checkpoint_key
+    from isthmus.serve.generate import generate
 
     key = checkpoint_key(ns.key_file, "--key-file")
     text = generate(

@@ -19,10 +19,10 @@ from isthmus.errors import ConfigError
 from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES, WAN_SCHEDULES
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.explain import explain, format_table, result_json
-from isthmus.planner.layout import PLANNED_DTYPES, RUNTIMES, Runtime
 from isthmus.planner.placement import runnable
 from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SPACE_FLAGS, SearchSpace, search
 from isthmus.planner.topology import Topology, load_topology
+from isthmus.planner.workload import PLANNED_DTYPES, RUNTIMES, Runtime
 
 SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
     ("n_layers", int),

@@ -78,7 +78,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     # A smoke run repeats each measurement once: its figures mean nothing, its path is the same.
     prof = measure(budget, threads, ns.model, ns.batch, ns.seq_len, repeats=3 if cap is None else 1)
     # What MFU divides by: measured again here, where the machine is known to be in use for nothing else.
-    from isthmus.train.device import (  # torch: not for plan/simulate
+    from isthmus.profile.device import (  # torch: not for plan/simulate
         PEAK_CACHE_FILE,
         default_cache_dir,
         remeasure_cpu_peaks,

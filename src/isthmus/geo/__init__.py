@@ -7,8 +7,9 @@ for what the trainer calls when, and :mod:`isthmus.geo.run` for what else it ask
 datacenters (one job, or one datacenter's job under ``geo.fault_tolerant``).
 """
 
+from isthmus.config import GeoConfig, ranks_per_datacenter, resolved_outer_dtype
+from isthmus.config import validate_geo as validate
 from isthmus.geo.accounting import TIERS, bytes_delta, format_bytes, total_over_ranks
-from isthmus.geo.config import GeoConfig, ranks_per_datacenter, resolved_outer_dtype, validate
 from isthmus.geo.groups import GeoGroups, build_geo_groups
 from isthmus.geo.strategy import GeoSync
 from isthmus.geo.sync import build_geo_sync

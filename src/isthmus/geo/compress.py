@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from isthmus.geo.config import WireDtype
+from isthmus.config import WireDtype
 
 QMAX = {"int8": 127, "int4": 7}
 

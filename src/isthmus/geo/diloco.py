@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from isthmus.config import GeoConfig, resolved_outer_dtype
 from isthmus.geo import compress
 from isthmus.geo.buckets import (
     Bucket,
@@ -59,7 +60,6 @@ from isthmus.geo.buckets import (
     unpack_grads,
     unpack_params,
 )
-from isthmus.geo.config import GeoConfig, resolved_outer_dtype
 from isthmus.geo.groups import GeoGroups
 from isthmus.geo.strategy import GeoSync, Work, copy_state
 

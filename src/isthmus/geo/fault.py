@@ -55,11 +55,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from isthmus.config import GeoConfig, resolved_outer_dtype
 from isthmus.errors import ConfigError, IsthmusError
 from isthmus.geo import accounting
 from isthmus.geo.accounting import Scope
 from isthmus.geo.buckets import unpack_params
-from isthmus.geo.config import GeoConfig, resolved_outer_dtype
 from isthmus.geo.diloco import DiLoCoSync, _Transfer
 from isthmus.geo.groups import GeoGroups
 from isthmus.geo.strategy import copy_state

@@ -23,15 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from isthmus.config import MetricsConfig
+from isthmus.config import GeoConfig, MetricsConfig
 from isthmus.geo.accounting import TIERS, bytes_delta, format_bytes, new_counter, total_over_ranks
-from isthmus.geo.config import GeoConfig
 from isthmus.geo.fault import FaultTolerantDiLoCo, FaultTolerantJob, build_fault_tolerant_sync, job_from_env
 from isthmus.geo.groups import build_geo_groups
 from isthmus.geo.strategy import GeoSync
 from isthmus.geo.sync import build_geo_sync
+from isthmus.layout.dims import MESH_DIMS, Meshes, ParallelDims
 from isthmus.log import get_logger
-from isthmus.parallel.dims import MESH_DIMS, Meshes, ParallelDims
 from isthmus.parallel.pipeline import count_cross_dc_sends, crosses_datacenters, local_stages
 from isthmus.parallel.striped import stripe_groups, stripe_stage
 from isthmus.parallel.timeshare import TimeShare, time_share_schedule, turn_groups

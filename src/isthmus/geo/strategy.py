@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from isthmus.config import GeoConfig
 from isthmus.errors import IsthmusError
 from isthmus.geo import accounting
 from isthmus.geo.accounting import Scope
-from isthmus.geo.config import GeoConfig
 from isthmus.geo.groups import GeoGroups
 from isthmus.parallel.striped import StripedWork, striped_all_gather, striped_all_reduce
 

@@ -21,11 +21,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from isthmus.config import GeoConfig
+from isthmus.config import validate_geo as validate
 from isthmus.errors import ConfigError
 from isthmus.geo import compress
 from isthmus.geo.accounting import format_bytes
 from isthmus.geo.buckets import build_buckets, local, pack_grads, unpack_grads
-from isthmus.geo.config import GeoConfig, validate
 from isthmus.geo.diloco import DiLoCoSync
 from isthmus.geo.groups import GeoGroups
 from isthmus.geo.strategy import GeoSync, copy_state

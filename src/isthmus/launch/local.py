@@ -46,6 +46,7 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalEx
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from isthmus.checkpoint.manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.config import JobConfig
 from isthmus.errors import EXIT_USAGE, Interrupted, IsthmusError, RunFailed, full_disk_as
 from isthmus.launch.environ import environ, launcher_world
@@ -61,8 +62,7 @@ from isthmus.launch.warm import (
 )
 from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
 from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_store_environ
-from isthmus.train.checkpoint_manifest import MANIFEST_FILE, committed_checkpoints
-from isthmus.train.device import resolve_device
+from isthmus.profile.device import resolve_device
 from isthmus.train.trainer import Progress, TrainResult, init_distributed, train
 
 LAUNCH_DIR_ENV = "ISTHMUS_LAUNCH_DIR"

@@ -6,9 +6,9 @@ import math
 import os
 from pathlib import Path
 
+from isthmus.checkpoint.manifest import checkpoint_key
 from isthmus.config import JobConfig, synthetic_spec
 from isthmus.data.corpus import default_cache_dir, is_bin, load_bin
-from isthmus.data.requests import TOKEN_BYTES, RequestLimits, check_synthetic, iter_request_file
 from isthmus.data.tokenizer import (
     BPE_FILE,
     HF_PREFIX,
@@ -28,7 +28,7 @@ from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.planner.autoplan import local_runtime
 from isthmus.planner.memory import MemoryBreakdown, device_memory
 from isthmus.planner.pipeline import in_flight
-from isthmus.train.checkpoint_manifest import checkpoint_key
+from isthmus.serve.requests import TOKEN_BYTES, RequestLimits, check_synthetic, iter_request_file
 
 
 def preflight(cfg: JobConfig) -> ModelArgs:

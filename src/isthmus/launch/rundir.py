@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from isthmus.checkpoint.manifest import committed_checkpoints, read_manifest
 from isthmus.config import RUN_DIR_PLACEHOLDERS, JobConfig, settings_that_differ
 from isthmus.errors import CheckpointError, ConfigError, IsthmusError
 from isthmus.log import get_logger
 from isthmus.models.resolve import expected_vocab, resolve_model_args
-from isthmus.train.checkpoint_manifest import committed_checkpoints, read_manifest
 
 LOCK_FILE = ".lock"
 LATEST = "latest"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
-from isthmus.train.checkpoint_manifest import resume_note
+from isthmus.checkpoint.manifest import resume_note
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 """Ctrl-C, a stop from ``kill``, ``timeout``, systemd or Slurm, and a terminal that closed."""

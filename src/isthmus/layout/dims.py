@@ -7,7 +7,7 @@ next because it only sends activations between neighbours. ``dc`` replicates lik
 ``dp_replicate``: without a geo sync strategy it simply widens the replicate group.
 
 Pure Python (the planner and the launcher use it without torch); :meth:`ParallelDims.build_mesh`
-imports torch when called. ``isthmus.parallel.dims`` re-exports everything for the runtime.
+imports torch when called.
 The config arrives as the protocols of :mod:`isthmus.layout.sections` (``ParallelConfig`` and
 ``JobConfig`` satisfy them): isthmus.config imports this package, not the other way round.
 """

@@ -26,9 +26,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from isthmus.layout import rules
+from isthmus.layout.dims import Meshes, ParallelDims
 from isthmus.layout.rules import DataParallelKind
 from isthmus.models.llama import Transformer
-from isthmus.parallel.dims import Meshes, ParallelDims
 
 
 def data_parallel_kind(dims: ParallelDims, zero_stage: int, geo_sync: bool = False) -> DataParallelKind:

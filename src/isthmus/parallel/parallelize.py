@@ -25,12 +25,12 @@ from torch import nn
 
 from isthmus.config import ParallelConfig
 from isthmus.layout import rules
+from isthmus.layout.dims import Meshes, ParallelDims
 from isthmus.models.llama import Transformer, init_weights
 from isthmus.parallel.ac import apply_ac
 from isthmus.parallel.compile import compile_blocks
 from isthmus.parallel.context import apply_cp, cp_positions
 from isthmus.parallel.data_parallel import DataParallelKind, apply_ddp, apply_fsdp, data_parallel_kind, fsdp_mesh
-from isthmus.parallel.dims import Meshes, ParallelDims
 from isthmus.parallel.pipeline import build_pipeline
 from isthmus.parallel.tp import apply_tp
 

@@ -27,10 +27,10 @@ from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, CP_IMPLS, PARALLEL_KEYS,
 from isthmus.models.args import ModelArgs
 from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.planner.cost import Estimate, estimate
-from isthmus.planner.layout import Runtime
 from isthmus.planner.pipeline import check_pipeline
 from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import DeviceKind, Topology, load_topology, parse_topology, shipped_topologies_dir
+from isthmus.planner.workload import Runtime
 
 PLAN_KEYS: dict[str, type] = {"nproc": int, **{k: type(getattr(LayoutSpec(), k)) for k in PARALLEL_KEYS}}
 """The ``[parallel]`` keys a plan may name, with their types (LayoutSpec's fields)."""
@@ -204,7 +204,7 @@ def local_runtime() -> Runtime:
     Its blocks keep what eager fp32 autograd keeps (``Runtime.eager_llama_block``, measured), and
     tensor parallelism sums through shared memory where the profile measured that path
     (``Runtime.tp_host_memory``)."""
-    from isthmus.planner.layout import RUNTIMES
+    from isthmus.planner.workload import RUNTIMES
 
     return replace(
         RUNTIMES["isthmus"], name="isthmus-cpu", dp_overlap=False, eager_llama_block=True, tp_host_memory=True

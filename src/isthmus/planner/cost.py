@@ -26,7 +26,6 @@ from isthmus.planner.compute import (
     shard_overhead,
 )
 from isthmus.planner.geo import dp_sync, pipeline_transfer, streaming_exposed
-from isthmus.planner.layout import COMPILED, TRAINED_DTYPES, LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import (
     USABLE_FRACTION,
     MemoryBreakdown,
@@ -37,6 +36,7 @@ from isthmus.planner.memory import (
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
 from isthmus.planner.placement import Placement, SiteSpans, place
 from isthmus.planner.topology import DeviceKind, Link, Topology
+from isthmus.planner.workload import COMPILED, TRAINED_DTYPES, LayoutSpec, Runtime, Workload
 
 RING_HIDDEN_SHARE = 0.3
 """Share of a block's forward that ring attention's KV hops can hide behind (its attention part)."""

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 from isthmus.planner import comm
 from isthmus.planner.comm import Span
-from isthmus.planner.layout import LayoutSpec, Runtime
 from isthmus.planner.placement import SiteSpans
 from isthmus.planner.topology import Link
+from isthmus.planner.workload import LayoutSpec, Runtime
 
 INITIAL_WINDOW_BYTES = 10 * 1448
 """A new or long-idle TCP flow's first window: 10 segments (RFC 6928, Linux's default)."""

@@ -11,7 +11,7 @@ for a GPT block (multi-head attention, 4h GELU MLP, dropout, softmax over a stor
 
 :func:`layer_activation_bytes` builds these from their parts, so grouped-query attention, SwiGLU,
 no dropout and fused attention (no S x S tensor) follow from the same accounting, and reproduces the
-table exactly for a GPT block (tests/test_planner_cost.py checks it).
+table exactly for a GPT block (tests/planner/test_planner_cost.py checks it).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from isthmus.layout import rules
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import layer_matmul_params
 from isthmus.planner.compute import ELEM_BYTES
-from isthmus.planner.layout import Runtime
+from isthmus.planner.workload import Runtime
 
 USABLE_FRACTION = 0.95
 """Share of device memory the plan may fill; the rest is context, communication buffers, fragmentation.

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 from isthmus.errors import ConfigError
 from isthmus.planner.comm import Span
-from isthmus.planner.layout import LayoutSpec
 from isthmus.planner.topology import Datacenter, DeviceKind, Link, Topology
+from isthmus.planner.workload import LayoutSpec
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,8 @@ from pathlib import Path
 from isthmus.layout.spec import PpSchedule
 from isthmus.models.flavors import gpt3
 from isthmus.planner.cost import Estimate, estimate
-from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.topology import Topology, load_topology
+from isthmus.planner.workload import RUNTIMES, LayoutSpec, Workload
 
 SEQ_LEN = 2048
 

@@ -37,7 +37,6 @@ from isthmus.planner.cost import (
     recompute_share,
     stage_costs,
 )
-from isthmus.planner.layout import Runtime, Workload
 from isthmus.planner.memory import (
     USABLE_FRACTION,
     MemoryBreakdown,
@@ -49,6 +48,7 @@ from isthmus.planner.memory import (
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
 from isthmus.planner.placement import Placement, PlacementCache, choose_dcs
 from isthmus.planner.topology import Datacenter, Topology
+from isthmus.planner.workload import Runtime, Workload
 
 DEFAULT_SEQ_LENS = (2048, 4096, 8192)
 DEFAULT_BATCH_TOKENS = 4 * 1024 * 1024

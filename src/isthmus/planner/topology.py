@@ -52,7 +52,7 @@ _LINK_KEYS = {"bandwidth_gb_s", "latency_us"}
 TCP_WINDOW_SHARE = 0.5
 """The share of a socket's receive buffer Linux offers as the TCP window (``tcp_adv_win_scale = 1``:
 the other half covers the kernel's per-packet overhead). One flow with a 64 KiB buffer at 80 ms
-measured 3.7 Mbit/s in the emulator (tests/test_wan_latency.py), 0.56 x 64 KiB per round trip."""
+measured 3.7 Mbit/s in the emulator (tests/geo/test_wan_latency.py), 0.56 x 64 KiB per round trip."""
 _WAN_KEYS = _LINK_KEYS | {"between", "window_kib"}
 
 

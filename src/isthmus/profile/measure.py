@@ -17,7 +17,7 @@ What it measures, as one rank sees it (torch on CPU, fp32), at the shapes of one
   the threads' speed-up scales the ``-<t>t`` kind;
 - gloo all-reduce between 2 local ranks over loopback (two forked ranks, one thread each,
   4 KB to 64 MB), fitted to the planner's alpha-beta form t = 2 latency + bytes / bandwidth;
-- the CPU peak that MFU divides by (isthmus.train.device), on 1 and on ``--threads`` threads, fp32
+- the CPU peak that MFU divides by (isthmus.profile.device), on 1 and on ``--threads`` threads, fp32
   and bf16: this machine's entries of the peak cache are rewritten with the new figures;
 - whole training steps of the model with 1 and with 3 blocks on those 2 ranks under tp, tp + sp,
   ZeRO-2 and ZeRO-3 (isthmus.api, as the trainer lays them out): what one block costs beyond the
@@ -61,8 +61,8 @@ from isthmus.parallel.rendezvous import loopback_store_server, served_group_args
 from isthmus.planner.autoplan import local_runtime
 from isthmus.planner.compute import layer_times
 from isthmus.planner.cost import estimate
-from isthmus.planner.layout import RUNTIMES, LayoutSpec, Workload
 from isthmus.planner.topology import device_kinds, parse_topology
+from isthmus.planner.workload import RUNTIMES, LayoutSpec, Workload
 from isthmus.train.optim import build_optimizer
 
 ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))

@@ -18,9 +18,9 @@ from isthmus.planner.comm import Span
 from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_ops
 from isthmus.planner.cost import BlockCost, block_cost
 from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside, streaming_equivalent
-from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.placement import SiteSpans
 from isthmus.planner.topology import DeviceKind
+from isthmus.planner.workload import LayoutSpec, Runtime, Workload
 
 Detail = tuple[float, float, str, str]
 """(offset from the op's start, seconds, name, category) of one interval inside an op."""

@@ -21,9 +21,9 @@ from isthmus.planner.cost import (
     ranks_tp_on_host,
     recompute_flops_per_token,
 )
-from isthmus.planner.layout import LayoutSpec, Runtime, Workload
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory
 from isthmus.planner.topology import Topology
+from isthmus.planner.workload import LayoutSpec, Runtime, Workload
 from isthmus.sim.engine import Event
 from isthmus.sim.program import Simulation
 

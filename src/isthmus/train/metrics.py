@@ -57,12 +57,12 @@ class ThroughputModel:
     tokens_per_step: int
     flops_per_token: int
     peak_flops: float
-    """Peak FLOP/s of one device (isthmus.train.device.peak_flops)."""
+    """Peak FLOP/s of one device (isthmus.profile.device.peak_flops)."""
     devices: float = 1.0
     """Devices' worth of compute in the run: the ranks, fewer when local ranks share cores."""
     correct_peak: Callable[[float, float, bool], float] | None = None
     """(peak, achieved FLOP/s per device, first time?) -> the corrected peak, called when a step
-    beats the peak (isthmus.train.device.correct_peak); None: MFU is only capped at 1."""
+    beats the peak (isthmus.profile.device.correct_peak); None: MFU is only capped at 1."""
     corrections: int = 0
 
     def flops_per_device(self, tokens_per_s: float) -> float:

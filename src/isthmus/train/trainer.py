@@ -20,31 +20,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from isthmus.checkpoint.manifest import checkpoint_key, resume_note
+from isthmus.checkpoint.state import Checkpointer, ResumePoint, TrainState
 from isthmus.config import JobConfig
 from isthmus.data.corpus import PreparedData, prepare_data
 from isthmus.data.loader import BatchSampler, val_batches
 from isthmus.errors import ConfigError, RunFailed, full_disk_as
 from isthmus.geo.run import build_geo_run
 from isthmus.geo.strategy import GeoSync
+from isthmus.layout.dims import ParallelDims, check_layout
 from isthmus.log import get_logger
 from isthmus.models.flops import count_params, flops_per_token
 from isthmus.models.llama import build_model
 from isthmus.models.resolve import resolve_model_args
-from isthmus.parallel.dims import ParallelDims, check_layout
 from isthmus.parallel.parallelize import ParallelModel, apply_layout
 from isthmus.parallel.rendezvous import group_store_args
-from isthmus.train.bubbles import BubbleRun, build_bubble_run
-from isthmus.train.checkpoint import Checkpointer, ResumePoint, TrainState
-from isthmus.train.checkpoint_manifest import checkpoint_key, resume_note
-from isthmus.train.device import correct_peak, describe_peak, devices_worth, peak_flops, resolve_device
-from isthmus.train.final_model import gather_full_state, save_final_model
+from isthmus.profile.device import correct_peak, describe_peak, devices_worth, peak_flops, resolve_device
+from isthmus.serve.prefill import BubbleRun, build_bubble_run
 from isthmus.train.grad import clip_grad_norm
-from isthmus.train.init_from import load_weights, open_weights
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
 from isthmus.train.short_run import max_steps_override
 from isthmus.train.step import forward_backward, loss_context, loss_function, shard_batch
 from isthmus.train.step_sum import StepSum
+from isthmus.weights.final_model import gather_full_state, save_final_model
+from isthmus.weights.init_from import load_weights, open_weights
 
 
 @dataclass

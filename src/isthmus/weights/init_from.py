@@ -1,0 +1,164 @@
+"""Start a run from saved weights (``model.init_from``): a Hugging Face Llama folder or an isthmus export.
+
+`open_weights` checks the source before the model is built: every tensor the model needs is
+present with the right shape and a float dtype (read from the safetensors headers only). Then
+`load_weights` fills this rank's parameters, whatever the layout. A rank whose shard is one block
+of the full tensor (TP, FSDP, HSDP: each dimension split over at most one mesh dimension) reads
+only that block from the file, converted to isthmus's rotary layout and the parameter's dtype;
+for other placements (FSDP over TP splits a dimension twice) it reads the one full tensor and
+slices it as DTensor does, one tensor at a time. Pipeline stages read only their own layers. The
+optimizer starts fresh. Only safetensors and JSON are read: no pickle, so the data never runs code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from isthmus.errors import CheckpointError
+from isthmus.log import get_logger
+from isthmus.models.args import ModelArgs
+from isthmus.models.llama import build_model, canonical_name
+from isthmus.models.pretrained import hf_weight_files, is_hf_folder, safetensors_header
+from isthmus.weights.export import load_exported
+from isthmus.weights.hf_names import HfTensor, from_hf_rows, hf_name_map
+
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+
+
+@dataclass
+class _Located:
+    file: Path
+    where: HfTensor
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A block of a tensor: (offset, shape) per dimension."""
+
+
+class PretrainedWeights:
+    """Tensors of a pretrained model by isthmus's canonical name, in isthmus's layout, read one block at a time."""
+
+    def __init__(self, args: ModelArgs, located: dict[str, _Located], exported: dict[str, torch.Tensor]) -> None:
+        self.args = args
+        self._shapes = _shapes(args)
+        self._located = located
+        self._exported = exported
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The whole tensor."""
+        shape = self._shapes[name]
+        return self.block(name, ((0,) * len(shape), shape))
+
+    def block(self, name: str, box: Box) -> torch.Tensor:
+        """The block ``box`` of the tensor ``name``; from an HF file only those bytes are read."""
+        offset, shape = box
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        if name in self._exported:
+            return self._exported[name][index]
+        loc = self._located[name]
+        with safe_open(str(loc.file), framework="pt") as f:
+            stored = f.get_slice(loc.where.name)
+            heads = loc.where.rope_heads
+            if not heads:
+                return stored[index]
+            # Permuted rows stay inside their head: read the whole heads the block touches, permute, cut.
+            head_rows = self.args.head_dim
+            first, last = offset[0] // head_rows, -(-(offset[0] + shape[0]) // head_rows)
+            rows = from_hf_rows(stored[first * head_rows : last * head_rows, index[1]], last - first)
+            start = offset[0] - first * head_rows
+            return rows[start : start + shape[0]]
+
+
+def _local_box(p: DTensor) -> Box | None:
+    """This rank's block of a DTensor when it is one chunk of the full tensor per dimension (each tensor
+    dimension sharded over at most one mesh dimension); None for other placements."""
+    offset, shape = [0] * p.dim(), list(p.shape)
+    coordinate = p.device_mesh.get_coordinate()
+    assert coordinate is not None, "a rank outside the parameter's mesh"
+    seen: set[int] = set()
+    for mesh_dim, placement in enumerate(p.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if type(placement) is not Shard or placement.dim in seen:
+            return None
+        seen.add(placement.dim)
+        d, parts = placement.dim, p.device_mesh.size(mesh_dim)
+        # DTensor's chunking (torch.chunk): equal chunks of ceil(n / parts), the last ones shorter or empty.
+        chunk = -(-shape[d] // parts)
+        start = min(chunk * coordinate[mesh_dim], shape[d])
+        offset[d], shape[d] = start, min(chunk, shape[d] - start)
+    return tuple(offset), tuple(shape)
+
+
+def _shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor's full shape by canonical name, from a model built on meta (no memory)."""
+    return {name: tuple(t.shape) for name, t in build_model(args).state_dict().items()}
+
+
+def _open_hf(folder: Path, args: ModelArgs) -> PretrainedWeights:
+    files = hf_weight_files(folder)
+    expected = _shapes(args)
+    headers: dict[Path, dict] = {}
+    located = {}
+    for ours, where in hf_name_map(args).items():
+        file = files.get(where.name)
+        if file is None:
+            raise CheckpointError(f"{folder}: the tensor {where.name} is missing")
+        if file not in headers:
+            headers[file] = safetensors_header(file)
+        info = headers[file].get(where.name) or {}
+        shape, dtype = tuple(info.get("shape", ())), info.get("dtype")
+        if shape != expected[ours]:
+            raise CheckpointError(
+                f"{file}: {where.name} has shape {list(shape)}, config.json says {list(expected[ours])}"
+            )
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(f"{file}: {where.name} is {dtype}; only {', '.join(FLOAT_DTYPES)} weights load")
+        located[ours] = _Located(file, where)
+    return PretrainedWeights(args, located, {})
+
+
+def open_weights(init_from: str, args: ModelArgs, key: bytes | None = None) -> PretrainedWeights:
+    """The weights ``model.init_from`` names, checked against ``args`` (their own shape, see
+    `init_source_args`); given ``key``, an isthmus export must be signed with it."""
+    path = Path(init_from)
+    if is_hf_folder(path):
+        weights = _open_hf(path, args)
+    else:
+        exported = load_exported(path, key)  # checks its sha256 (and signature) before use
+        for name, expected_shape in _shapes(args).items():
+            shape = tuple(exported.state[name].shape) if name in exported.state else None
+            if shape != expected_shape:
+                raise CheckpointError(f"{path}: {name} has shape {shape}, its metadata says {expected_shape}")
+        weights = PretrainedWeights(args, {}, exported.state)
+    get_logger().info("initial weights from %s", path)
+    return weights
+
+
+@torch.no_grad()
+def load_weights(modules: list[nn.Module], weights: PretrainedWeights) -> None:
+    """Copy ``weights`` into this rank's (possibly sharded, wrapped or pipeline-split) model parts."""
+    for module in modules:
+        for raw_name, p in module.named_parameters():
+            name = canonical_name(raw_name)
+            if weights.args.tie_embeddings and name == "output.weight":
+                # A tied head on a stage without the embedding is still the embedding.
+                name = "tok_embeddings.weight"
+            if not isinstance(p, DTensor):
+                p.copy_(weights.tensor(name))
+                continue
+            local = p.to_local()
+            box = _local_box(p)
+            if box is not None and box[1] == tuple(local.shape):
+                local.copy_(weights.block(name, box))
+                continue
+            # Other placements (a dimension sharded twice, strided FSDP-over-TP shards): slice a full
+            # copy the way DTensor does; src_data_rank=None: no communication.
+            full = weights.tensor(name).to(local.device, p.dtype)
+            local.copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
