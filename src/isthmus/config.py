@@ -26,6 +26,8 @@ RUN_DIR_PLACEHOLDERS = ("{config}", "{time}")
 
 @dataclass
 class ModelConfig:
+    """The model's shape: a named flavor, any field of it overridden, or pretrained weights."""
+
     flavor: str = "small"
     """Named model shape (see `isthmus.models.flavors`): tiny, small, llama3-8b, gpt3-1.7b, ..."""
     n_layers: int | None = None
@@ -55,6 +57,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """The text the model trains on and how it becomes tokens."""
+
     path: str = ""
     """Text file, folder of text files, or pre-tokenised .bin file; empty = the Python standard library's source."""
     format: Literal["auto", "text", "bin"] = "auto"
@@ -78,6 +82,8 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
+    """The optimizer, the batch, precision and the run's directory."""
+
     steps: int = 300
     """Number of optimizer steps."""
     seed: int = 0
@@ -125,6 +131,8 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
+    """The layout: how many local ranks, and how the model and batch are split over them."""
+
     nproc: int = 1
     """Local processes (ranks) to start; 1 trains in this process."""
     dp_replicate: int = -1
@@ -165,6 +173,8 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Resumable checkpoints: when to save, how many to keep, where to resume from, signing."""
+
     dir: str = ""
     """Checkpoint directory; empty = <train.run_dir>/checkpoints."""
     every: int = 0
@@ -181,6 +191,8 @@ class CheckpointConfig:
 
 @dataclass
 class MetricsConfig:
+    """What a run logs: console lines, one JSON record per step, TensorBoard, a timeline trace."""
+
     jsonl: str = ""
     """Write one JSON record per step (and per validation) to this file; empty = <run_dir>/metrics.jsonl."""
     log_every: int = 10
@@ -195,6 +207,8 @@ class MetricsConfig:
 
 @dataclass
 class BubblesConfig:
+    """Inference prefill served in a pipeline's idle time (its bubbles)."""
+
     prefill: str = ""
     """Prefill requests to run in the pipeline's bubbles: a JSONL file ({"id": ..., "prompt": "text"} or "tokens": [ids] per line) or synthetic:N:LEN (N prompts of LEN random tokens, seeded by train.seed); each request at most train.seq_len tokens; outputs go to <run_dir>/prefill.jsonl; "" = off."""
     model: str = ""
@@ -210,6 +224,8 @@ WAN_STREAMS_MAX = 16
 
 @dataclass
 class GeoConfig:
+    """Datacenters: how ranks split into them and what crosses the WAN between them."""
+
     sync: SyncKind = "none"
     """Cross-datacenter sync: none, flat, hierarchical, compressed, diloco or streaming_diloco."""
     datacenters: int = 1

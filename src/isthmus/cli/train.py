@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from isthmus.cli.common import subcommand_parser
+from isthmus.cli.config_keys import help_text
 from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError
 from isthmus.launch.environ import launcher_world
@@ -31,6 +32,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="train a model (defaults < --config FILE < --section.key VALUE)",
         description="Train a model. Any config key can be overridden as --section.key VALUE, "
         "e.g. --model.flavor tiny --train.steps 20 --metrics.jsonl a.jsonl.",
+        epilog=help_text(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument(
         "--config", default=None, help="job config TOML file, or a shipped config name (default: default)"
