@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from isthmus.config import GeoConfig
-from isthmus.layout.spec import DILOCO_SYNCS, GEO_SYNCS
+from isthmus.layout.choices import DILOCO_SYNCS, GEO_SYNCS
 from isthmus.train.short_run import capped, max_steps_override
 
 TOPOLOGY = "emulated-2dc"
@@ -478,8 +478,9 @@ def print_main(results: list[Summary], ns: argparse.Namespace) -> None:
 
 def planner_prediction(kind: str, mbit: float, inner_steps: int, settings: dict[str, str]) -> tuple[float, float, str]:
     """(predicted step seconds, predicted WAN bytes per step, how) for one strategy at ``mbit``."""
+    from isthmus.layout.spec import LayoutSpec
     from isthmus.models.flavors import get_flavor
-    from isthmus.planner import RUNTIMES, LayoutSpec, Workload, estimate
+    from isthmus.planner import RUNTIMES, Workload, estimate
     from isthmus.planner.topology import load_topology
 
     topo = load_topology(TOPOLOGY)

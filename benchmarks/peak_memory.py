@@ -32,11 +32,12 @@ from typing import Any
 import torch
 
 from isthmus.launch.warm import start_rank_server
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.autoplan import local_runtime, local_topology
 from isthmus.planner.cost import rank_memory, ranks_tp_on_host, stage_costs
 from isthmus.planner.placement import place
-from isthmus.planner.workload import LayoutSpec, Workload
+from isthmus.planner.workload import Workload
 from isthmus.train.short_run import max_steps_override
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -30,10 +30,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.autoplan import SIMPLEST_WITHIN, choose_layout, local_runtime, local_topology
 from isthmus.planner.search import SearchSpace
-from isthmus.planner.workload import LayoutSpec, Workload
+from isthmus.planner.workload import Workload
 from isthmus.sim import simulate
 
 BATCH, SEQ = 16, 128

@@ -16,11 +16,12 @@ import argparse
 import sys
 import time
 
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import gpt3
 from isthmus.planner.reference import MEGATRON_2021_TABLE1, SEQ_LEN, megatron_layout
 from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import load_topology
-from isthmus.planner.workload import RUNTIMES, LayoutSpec, Workload
+from isthmus.planner.workload import RUNTIMES, Workload
 from isthmus.sim import simulate
 
 GPT3_175B = gpt3(96, 12288, 96)

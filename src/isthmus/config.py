@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from isthmus.errors import ConfigError
 from isthmus.layout.plan import is_plan_file, plan_overrides
-from isthmus.layout.spec import ActivationCheckpoint, CpImpl, PpSchedule, SyncKind, WanSchedule
+from isthmus.layout.choices import ActivationCheckpoint, CpImpl, PpSchedule, SyncKind, WanSchedule
 
 RUN_DIR_PLACEHOLDERS = ("{config}", "{time}")
 """What train.run_dir may hold: the config's name and the run's start time (see isthmus.launch.rundir)."""

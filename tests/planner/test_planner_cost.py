@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import get_flavor, gpt3
 from isthmus.models.flops import forward_flops_per_token, layer_matmul_params
 from isthmus.models.llama import TransformerBlock, rope_cos_sin
@@ -25,7 +26,7 @@ from isthmus.planner.memory import (
 )
 from isthmus.planner.pipeline import in_flight, partition_layers, pipeline_time
 from isthmus.planner.topology import Link, device_kinds, load_topology, parse_topology
-from isthmus.planner.workload import RUNTIMES, LayoutSpec, Workload
+from isthmus.planner.workload import RUNTIMES, Workload
 
 A100 = device_kinds()["a100-80g"]
 MEG, ISTH = RUNTIMES["megatron-2021"], RUNTIMES["isthmus"]

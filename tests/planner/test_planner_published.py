@@ -138,9 +138,10 @@ def test_deep_interleaved_pipeline_simulator_and_cost_model_agree(runtime: str) 
     """530B at tp 8, pp 35, interleaved v 3 (one block per stage module), selective recomputation:
     the simulator and the cost model once said 51.6 s and 45.0 s because the cost model recomputed
     half the blocks where the runtime wraps every module's first block, i.e. all of them."""
+    from isthmus.layout.spec import LayoutSpec
     from isthmus.models.flavors import FLAVORS
     from isthmus.planner.topology import load_topology
-    from isthmus.planner.workload import LayoutSpec, Workload
+    from isthmus.planner.workload import Workload
     from isthmus.sim import simulate
 
     work = Workload(FLAVORS["gpt3-529.6b"], 280, 2048, "fp16")
@@ -186,7 +187,7 @@ def test_model_state_matches_what_ranks_measured(n: int, layout: str) -> None:
 def test_layouts_that_differ_have_different_labels() -> None:
     """dp 128 sharded over cp alone (dp_replicate 128, cp 4, ZeRO-3) and over dp_shard 128 once both
     printed as `dp128 z3`, two rows of one `isthmus plan` table with the same name."""
-    from isthmus.planner.workload import LayoutSpec
+    from isthmus.layout.spec import LayoutSpec
 
     common = {"tp": 4, "sequence_parallel": True, "cp": 4, "pp": 2, "zero_stage": 3}
     over_cp = LayoutSpec(dp_replicate=128, dp_shard=1, **common)  # type: ignore[arg-type]
@@ -201,9 +202,10 @@ def test_deepspeed_receives_hold_the_receiver_as_long_as_the_sends() -> None:
     cost model and the simulator alike; its activations go partitioned over tp (scatter/gather)."""
     import dataclasses
 
+    from isthmus.layout.spec import LayoutSpec
     from isthmus.models.flavors import FLAVORS
     from isthmus.planner.topology import load_topology
-    from isthmus.planner.workload import LayoutSpec, Workload
+    from isthmus.planner.workload import Workload
     from isthmus.sim import simulate
 
     ds = RUNTIMES["megatron-deepspeed"]

@@ -218,11 +218,12 @@ def test_runtime_overheads_enter_cost_model_and_simulator_alike() -> None:
     """Measured per-block runtime work: tp per block and pass, FSDP2 per block and collective."""
     import tomllib
 
+    from isthmus.layout.spec import LayoutSpec
     from isthmus.models.flavors import get_flavor
     from isthmus.planner.autoplan import local_runtime
     from isthmus.planner.cost import estimate
     from isthmus.planner.topology import parse_topology
-    from isthmus.planner.workload import LayoutSpec, Workload
+    from isthmus.planner.workload import Workload
     from isthmus.sim import simulate
 
     plain = parse_topology(tomllib.loads(_with_overheads(0, 0, 0)))
@@ -254,11 +255,12 @@ def test_tensor_parallel_collectives_take_the_host_memory_path_on_the_cpu_runtim
     import tomllib
     from dataclasses import replace
 
+    from isthmus.layout.spec import LayoutSpec
     from isthmus.models.flavors import get_flavor
     from isthmus.planner.autoplan import local_runtime
     from isthmus.planner.cost import estimate
     from isthmus.planner.topology import parse_topology
-    from isthmus.planner.workload import LayoutSpec, Workload
+    from isthmus.planner.workload import Workload
     from isthmus.sim import simulate
 
     host = "[[datacenters]]\nhost_memory = { bandwidth_gb_s = 10.0, latency_us = 20 }\n"
@@ -296,10 +298,11 @@ def test_mechanism_fit_recovers_known_overheads() -> None:
     """Steps made of the planner's own prediction plus known per-block work give that work back."""
     from dataclasses import replace as dc_replace
 
+    from isthmus.layout.spec import LayoutSpec
     from isthmus.models.flavors import get_flavor
     from isthmus.planner.autoplan import local_runtime
     from isthmus.planner.cost import estimate
-    from isthmus.planner.workload import LayoutSpec, Workload
+    from isthmus.planner.workload import Workload
     from isthmus.profile.measure import MECHANISMS, SHARD_EVENTS, fit_mechanisms
 
     text = (Path(__file__).resolve().parents[2] / "topologies" / "local.toml").read_text()

@@ -8,10 +8,11 @@ from dataclasses import replace
 
 import pytest
 
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import get_flavor
 from isthmus.planner.pipeline import in_flight
 from isthmus.planner.topology import load_topology
-from isthmus.planner.workload import RUNTIMES, LayoutSpec, Workload
+from isthmus.planner.workload import RUNTIMES, Workload
 from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.engine import Device, Engine, Link, Phase, Transfer
 from isthmus.sim.schedule import peak_in_flight, rank_actions, stage_ranks

@@ -16,7 +16,7 @@ import textwrap
 
 from isthmus.config import WAN_STREAMS_MAX, ModelConfig
 from isthmus.errors import ConfigError
-from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES, WAN_SCHEDULES
+from isthmus.layout.choices import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES, WAN_SCHEDULES
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.explain import explain, format_table, result_json
 from isthmus.planner.placement import runnable

@@ -1,7 +1,7 @@
 """The words layout keys take, defined once: pipeline schedules, context-parallel kinds, recomputation
 modes, cross-datacenter sync kinds and axes (a ``Literal`` for the types, a tuple for the checks).
 
-``isthmus.config``, the planner and the runtime import them from here (or from :mod:`isthmus.layout.spec`).
+``isthmus.config``, the planner and the runtime import them from here.
 """
 
 from __future__ import annotations

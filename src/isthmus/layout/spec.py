@@ -25,46 +25,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-from isthmus.layout.choices import (
-    ACTIVATION_CHECKPOINTS,
-    CP_IMPLS,
-    DC_AXES,
-    DILOCO_SYNCS,
-    GEO_SYNCS,
-    PP_SCHEDULES,
-    SYNC_KINDS,
-    WAN_SCHEDULES,
-    ActivationCheckpoint,
-    CpImpl,
-    DcAxis,
-    PpSchedule,
-    SyncKind,
-    WanSchedule,
-)
+from isthmus.layout.choices import ActivationCheckpoint, CpImpl, DcAxis, PpSchedule, SyncKind, WanSchedule
 from isthmus.layout.dims import ParallelDims
 from isthmus.layout.rules import DataParallelKind, data_parallel_kind, shard_degree
 from isthmus.layout.sections import LayoutConfig
 
-__all__ = [
-    "ACTIVATION_CHECKPOINTS",
-    "CP_IMPLS",
-    "DC_AXES",
-    "DERIVED",
-    "DILOCO_SYNCS",
-    "GEO_KEYS",
-    "GEO_SYNCS",
-    "PARALLEL_KEYS",
-    "PP_SCHEDULES",
-    "SYNC_KINDS",
-    "WAN_SCHEDULES",
-    "ActivationCheckpoint",
-    "CpImpl",
-    "DcAxis",
-    "LayoutSpec",
-    "PpSchedule",
-    "SyncKind",
-    "WanSchedule",
-]
+__all__ = ["DERIVED", "GEO_KEYS", "PARALLEL_KEYS", "LayoutSpec"]
 
 PARALLEL_KEYS = (
     "dp_replicate",

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from isthmus.errors import ConfigError
-from isthmus.layout.spec import CP_IMPLS as _CP_IMPLS
+from isthmus.layout.choices import CP_IMPLS as _CP_IMPLS
 from isthmus.models.llama import Attention
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]

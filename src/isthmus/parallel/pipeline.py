@@ -26,7 +26,7 @@ from torch import Tensor
 
 from isthmus.errors import ConfigError
 from isthmus.layout import rules
-from isthmus.layout.spec import PP_SCHEDULES
+from isthmus.layout.choices import PP_SCHEDULES
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import attention_flops_per_token, layer_matmul_params
 from isthmus.models.llama import Transformer, init_weights

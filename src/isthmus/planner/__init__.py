@@ -23,11 +23,10 @@ from isthmus.planner.memory import MemoryBreakdown, device_memory
 from isthmus.planner.pipeline import in_flight, partition_layers, pipeline_time
 from isthmus.planner.placement import Placement, place
 from isthmus.planner.search import SearchResult, SearchSpace
-from isthmus.planner.workload import RUNTIMES, LayoutSpec, Runtime, Workload
+from isthmus.planner.workload import RUNTIMES, Runtime, Workload
 
 __all__ = [
     "RUNTIMES",
-    "LayoutSpec",
     "Runtime",
     "Workload",
     "Op",

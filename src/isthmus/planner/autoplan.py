@@ -23,7 +23,8 @@ from typing import Any
 
 from isthmus.errors import ConfigError
 from isthmus.layout import rules
-from isthmus.layout.spec import ACTIVATION_CHECKPOINTS, CP_IMPLS, PARALLEL_KEYS, PP_SCHEDULES, LayoutSpec
+from isthmus.layout.choices import ACTIVATION_CHECKPOINTS, CP_IMPLS, PP_SCHEDULES
+from isthmus.layout.spec import PARALLEL_KEYS, LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.planner.cost import Estimate, estimate

@@ -13,9 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.planner.topology import DeviceKind
-from isthmus.planner.workload import LayoutSpec, Runtime
+from isthmus.planner.workload import Runtime
 
 ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 FLASH_EFFICIENCY = 0.7

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Protocol
 
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import flops_per_token
 from isthmus.planner import comm
@@ -36,7 +37,7 @@ from isthmus.planner.memory import (
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
 from isthmus.planner.placement import Placement, SiteSpans, place
 from isthmus.planner.topology import DeviceKind, Link, Topology
-from isthmus.planner.workload import COMPILED, TRAINED_DTYPES, LayoutSpec, Runtime, Workload
+from isthmus.planner.workload import COMPILED, TRAINED_DTYPES, Runtime, Workload
 
 RING_HIDDEN_SHARE = 0.3
 """Share of a block's forward that ring attention's KV hops can hide behind (its attention part)."""

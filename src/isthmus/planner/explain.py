@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from isthmus.layout.spec import DILOCO_SYNCS
+from isthmus.layout.choices import DILOCO_SYNCS
 from isthmus.models.flops import count_params
 from isthmus.planner.cost import Estimate, estimate
 from isthmus.planner.placement import place, runnable

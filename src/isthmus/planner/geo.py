@@ -32,11 +32,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from isthmus.layout.spec import LayoutSpec
 from isthmus.planner import comm
 from isthmus.planner.comm import Span
 from isthmus.planner.placement import SiteSpans
 from isthmus.planner.topology import Link
-from isthmus.planner.workload import LayoutSpec, Runtime
+from isthmus.planner.workload import Runtime
 
 INITIAL_WINDOW_BYTES = 10 * 1448
 """A new or long-idle TCP flow's first window: 10 segments (RFC 6928, Linux's default)."""

@@ -22,9 +22,9 @@ import itertools
 from dataclasses import dataclass
 
 from isthmus.errors import ConfigError
+from isthmus.layout.spec import LayoutSpec
 from isthmus.planner.comm import Span
 from isthmus.planner.topology import Datacenter, DeviceKind, Link, Topology
-from isthmus.planner.workload import LayoutSpec
 
 
 @dataclass(frozen=True)

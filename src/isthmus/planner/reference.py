@@ -19,11 +19,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from isthmus.layout.spec import PpSchedule
+from isthmus.layout.choices import PpSchedule
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import gpt3
 from isthmus.planner.cost import Estimate, estimate
 from isthmus.planner.topology import Topology, load_topology
-from isthmus.planner.workload import RUNTIMES, LayoutSpec, Workload
+from isthmus.planner.workload import RUNTIMES, Workload
 
 SEQ_LEN = 2048
 

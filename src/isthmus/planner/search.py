@@ -22,8 +22,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from isthmus.errors import ConfigError
+from isthmus.layout.choices import GEO_SYNCS, WAN_SCHEDULES
 from isthmus.layout.rules import zero_stages
-from isthmus.layout.spec import GEO_SYNCS, WAN_SCHEDULES, LayoutSpec
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import count_params
 from isthmus.planner import comm

@@ -12,10 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 
-__all__ = ["COMPILED", "PLANNED_DTYPES", "RUNTIMES", "TRAINED_DTYPES", "LayoutSpec", "Runtime", "Workload"]
+__all__ = ["COMPILED", "PLANNED_DTYPES", "RUNTIMES", "TRAINED_DTYPES", "Runtime", "Workload"]
 
 COMPILED = "+compile"
 """The suffix of a runtime's name whose blocks are compiled (`Runtime.with_compile`)."""

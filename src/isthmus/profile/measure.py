@@ -55,6 +55,7 @@ from isthmus.api import clip_grad_norm, parallelize, shard_batch, step
 from isthmus.config import TrainConfig
 from isthmus.launch.warm import run_quietly_as_rank
 from isthmus.layout.dims import ParallelDims
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import get_flavor
 from isthmus.models.llama import build_model, init_weights
 from isthmus.parallel.rendezvous import loopback_store_server, served_group_args
@@ -62,7 +63,7 @@ from isthmus.planner.autoplan import local_runtime
 from isthmus.planner.compute import layer_times
 from isthmus.planner.cost import estimate
 from isthmus.planner.topology import device_kinds, parse_topology
-from isthmus.planner.workload import RUNTIMES, LayoutSpec, Workload
+from isthmus.planner.workload import RUNTIMES, Workload
 from isthmus.train.optim import build_optimizer
 
 ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flops import layer_matmul_params
 from isthmus.planner import comm
 from isthmus.planner.comm import Span
@@ -20,7 +21,7 @@ from isthmus.planner.cost import BlockCost, block_cost
 from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside, streaming_equivalent
 from isthmus.planner.placement import SiteSpans
 from isthmus.planner.topology import DeviceKind
-from isthmus.planner.workload import LayoutSpec, Runtime, Workload
+from isthmus.planner.workload import Runtime, Workload
 
 Detail = tuple[float, float, str, str]
 """(offset from the op's start, seconds, name, category) of one interval inside an op."""

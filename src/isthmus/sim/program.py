@@ -28,13 +28,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from isthmus.layout.spec import LayoutSpec
 from isthmus.planner.compute import ends_times, optimizer_time, shard_overhead
 from isthmus.planner.cost import block_cost, recomputed, stage_costs
 from isthmus.planner.geo import dp_sync, pipeline_transfer
 from isthmus.planner.pipeline import partition_layers
 from isthmus.planner.placement import Placement, SiteSpans, place
 from isthmus.planner.topology import DeviceKind, Topology
-from isthmus.planner.workload import LayoutSpec, Runtime, Workload
+from isthmus.planner.workload import Runtime, Workload
 from isthmus.sim import costs
 from isthmus.sim.costs import DpPlan, PhaseSpec, StageOps
 from isthmus.sim.engine import Device, Engine, Link, Phase, SlotLink, Stream, Token, Transfer

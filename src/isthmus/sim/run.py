@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from statistics import mean
 
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flops import flops_per_token
 from isthmus.planner.cost import (
     Estimate,
@@ -23,7 +24,7 @@ from isthmus.planner.cost import (
 )
 from isthmus.planner.memory import USABLE_FRACTION, MemoryBreakdown, device_memory
 from isthmus.planner.topology import Topology
-from isthmus.planner.workload import LayoutSpec, Runtime, Workload
+from isthmus.planner.workload import Runtime, Workload
 from isthmus.sim.engine import Event
 from isthmus.sim.program import Simulation
 
