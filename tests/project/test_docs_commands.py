@@ -1,4 +1,5 @@
-"""Every command the README and docs/ show runs as written, so they cannot drift from the code.
+"""Every command the README and the manual (every page under docs/) show runs as written, so they cannot
+drift from the code.
 
 The commands of each ```bash block, and each ``$ command`` line with the output under it, run in the
 order each document gives them, as its reader would run them. Two readers, each in a fresh copy of
@@ -42,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SHORT_RUN = {"ISTHMUS_MAX_STEPS": "2"}
 TIMEOUT_S = 900
 
-SUITE = "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt -e '.[test]' && python -m pytest -q"
+SUITE = "python3 -m venv .venv && . .venv/bin/activate && pip install -q -c constraints.txt -e '.[test]' && python -m pytest -q"
 NOT_HERE = {
     SUITE: "the test suite itself (this test is in it); .ci/run runs exactly this line, checked below",
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128": "the CUDA wheel: this machine has no GPU and no route to download.pytorch.org",
@@ -61,7 +62,13 @@ class Command:
 
 
 def documents() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    """The README, then every page of the manual (docs/ and its folders), in name order."""
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def document_name(path: Path) -> str:
+    """``README.md``, or a page's path under docs/ (``getting-started.md``)."""
+    return path.name if path.parent == ROOT else str(path.relative_to(ROOT / "docs"))
 
 
 def commands(path: Path) -> list[Command]:
@@ -121,7 +128,7 @@ def test_the_docs_show_commands_and_every_exception_is_still_there() -> None:
     for text in NOT_HERE:
         assert text in texts, f"NOT_HERE lists a command no document shows any more: {text}"
     ci = (ROOT / ".ci" / "run").read_text()
-    assert SUITE.replace("pip install", "pip install -q") in ci, "CI must run the README's test command"
+    assert SUITE in ci, "CI must run the README's test command"
 
 
 def _user(tmp: Path) -> dict[str, object]:
@@ -215,10 +222,9 @@ def _reader_home(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[P
 
     A returning user's compiled kernels are warm; a fresh path would not be, since torch keys each
     C++ kernel it compiles by its compiler command, which names the include folders of the virtual
-    environment's torch (measured with both readers running, as here: the README's `isthmus train
-    --parallel.nproc 1 --train.compile true` 43.5 s in a new path, 21.2 s in the last session's;
-    both readers 525 against 495 s). Another session holding the path (a lock on it)
-    gets a numbered folder of its own instead. Returns the folder and the lock's open file."""
+    environment's torch, so every compiled run would compile again. Another session holding the
+    path (a lock on it) gets a numbered folder of its own instead. Returns the folder and the lock's
+    open file."""
     base = Path(tempfile.gettempdir()) / f"isthmus-docs-{name}"
     lock = open(f"{base}.lock", "w")  # noqa: SIM115 - held for the session, closed by the fixture
     try:
@@ -287,7 +293,7 @@ def _run(command: Command, user: dict[str, object]) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("doc", [p.name for p in documents()])
+@pytest.mark.parametrize("doc", [document_name(p) for p in documents()])
 def test_every_command_runs_as_written(doc: str, outcomes: dict[str, Future[Outcome]]) -> None:
     failures, ran = outcomes[doc].result(timeout=3 * 3600)
     assert not failures, f"{len(failures)} of {ran} command(s) in {doc} did not do what it says:\n" + "\n".join(
