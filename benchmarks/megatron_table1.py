@@ -1,11 +1,11 @@
 """Predicted vs published per-GPU TFLOP/s for every row of Megatron-LM 2021 Table 1.
 
     python benchmarks/megatron_table1.py             # the comparison
-    python benchmarks/megatron_table1.py --markdown  # the table in docs/planner.md
+    python benchmarks/megatron_table1.py --markdown  # the table in docs/planner-checks.md
     python benchmarks/megatron_table1.py --fit       # the calibration grid of the a100-80g constants
 
 Each row is evaluated with the cost model at the paper's own layout (tp, pp, GPUs, batch), on the
-selene-a100 preset, under the megatron-2021 runtime assumptions (docs/planner.md lists them all).
+selene-a100 preset, under the megatron-2021 runtime assumptions (docs/runtimes.md lists them all).
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ ATLAS_3DC = Path(__file__).resolve().parents[2] / "examples" / "atlas-3dc.toml"
 
 def _three_dcs() -> Topology:
     """A big and a mid-sized datacenter 10 ms apart, and a small one 80 ms away on thin links
-    (listed first, so only the placement rule leaves it out); docs/planner.md plans on it too."""
+    (listed first, so only the placement rule leaves it out); docs/placement.md plans on it too."""
     return load_topology(str(ATLAS_3DC))
 
 

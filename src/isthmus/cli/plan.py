@@ -231,7 +231,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--runtime",
         choices=tuple(RUNTIMES),
         default="isthmus",
-        help='software assumptions (docs/planner.md, "Runtimes"): isthmus (default), megatron-2021, megatron-2022, llama3',
+        help="software assumptions (docs/runtimes.md): isthmus (default), megatron-2021, megatron-2022, llama3",
     )
     p.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default: 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

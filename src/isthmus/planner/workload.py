@@ -43,7 +43,7 @@ class Workload:
 
 @dataclass(frozen=True)
 class Runtime:
-    """Assumptions about the training software; every one is listed in docs/planner.md."""
+    """Assumptions about the training software; every one is listed in docs/runtimes.md."""
 
     name: str
     attention: Literal["flash", "materialized"]
