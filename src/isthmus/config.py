@@ -243,7 +243,7 @@ class GeoConfig:
     inner_steps: int = 50
     """diloco / streaming_diloco: inner optimizer steps H between two syncs of the same parameters."""
     outer_lr: float = 1.0
-    """diloco / streaming_diloco: outer Nesterov SGD learning rate. 1 with no momentum: the snapshot becomes the datacenters' mean, measured best here (docs/benchmarks.md); the DiLoCo paper's 0.7 with momentum 0.9 is for hundreds of inner steps."""
+    """diloco / streaming_diloco: outer Nesterov SGD learning rate. 1 with no momentum: the snapshot becomes the datacenters' mean, which trained best in benchmarks/geo_sync.py's runs (dev/LOG.md); the DiLoCo paper's 0.7 with momentum 0.9 is for hundreds of inner steps."""
     outer_momentum: float = 0.0
     """diloco / streaming_diloco: outer Nesterov momentum (0 = plain SGD; the DiLoCo paper: 0.9)."""
     fragments: int = 4

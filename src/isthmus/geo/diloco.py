@@ -5,8 +5,9 @@ optimizer (the trainer's AdamW), averaging gradients only inside the datacenter.
 pseudo-gradient ``outer_grad = snapshot - params`` is averaged across datacenters and an outer
 Nesterov SGD step moves the snapshot; every replica takes the new snapshot. The paper's step is lr
 0.7 with momentum 0.9; the default here is lr 1 without momentum, the snapshot becoming the
-datacenters' mean: on `small` with H = 10-20 it matched flat's loss where the paper's was 4-13%
-above it after 200 steps (docs/benchmarks.md, benchmarks/geo_sync.py --local).
+datacenters' mean. The paper's step is made for hundreds of inner steps between syncs; with the
+tens used here its momentum keeps re-applying outer gradients the inner optimizer has already
+followed, and the mean trains closer to flat's loss (benchmarks/geo_sync.py --local; dev/LOG.md).
 
 Streaming DiLoCo (Douillard et al. 2025) adds three things, all here:
 

@@ -13,9 +13,9 @@ passed (a heap of due times; a pair's delay is constant, so nothing of one pair 
 
 Bandwidth stays the kernel's: the tbf/htb of :mod:`isthmus.launch.emulate` sits on the TUN's
 egress, so a packet is first serialised at the link rate, then propagates for the delay, as on a
-real link. The forwarder is stdlib Python: it moves about 500-800 Mbit/s (50-85k packets/s) on
-the shared 2-core machine this was built on (``benchmarks/wan_latency.py``, docs/benchmarks.md),
-which bounds the WAN rates worth emulating with latency (:data:`DELAY_LINE_CEILING_MBIT`).
+real link. The forwarder is stdlib Python, one process: the packets it can move per second bound
+the WAN rates worth emulating with latency (:data:`DELAY_LINE_CEILING_MBIT`; its ceiling, measured
+by ``benchmarks/wan_latency.py``, is in docs/benchmarks.md).
 
 It enters each datacenter's namespace only to attach to that TUN (``setns``), then returns to the
 ``-wan`` namespace, so the emulator's teardown and its reaper stop it with that namespace's
@@ -42,7 +42,7 @@ from pathlib import Path
 TUN_IFNAME = "wan1"
 """The TUN device in each datacenter's namespace that carries traffic to the other datacenters."""
 DELAY_LINE_CEILING_MBIT = 400.0
-"""Rates above this may not be reached through the delay line (measured ceiling 500-800 Mbit/s, less on busy cores)."""
+"""Rates above this may not be reached through the delay line (below its ceiling on busy cores: docs/benchmarks.md)."""
 NETNS_DIR = Path("/run/netns")
 """Where ``ip netns add`` pins the namespaces it names."""
 

@@ -198,8 +198,8 @@ def _check_writable(key: str, value: str, folder: Path) -> None:
 
 # --- memory ----------------------------------------------------------------------------------------
 PROCESS_BASELINE_BYTES = 0.3 * 2**30
-"""What one rank holds before its model: the Python interpreter, torch and its allocator (measured
-here as 0.22-0.35 GB of resident memory for a tiny run)."""
+"""What one rank holds before its model: the Python interpreter, torch and its allocator (the
+resident memory of a tiny run's rank, rounded up; dev/LOG.md)."""
 
 
 def _bin_max_id(cfg: JobConfig) -> tuple[str, int] | None:

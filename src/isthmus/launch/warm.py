@@ -1,7 +1,7 @@
 """Local ranks forked from an interpreter that has imported torch and isthmus once, not spawned to import them each.
 
-Why: a spawned rank imports torch, DTensor, the pipelining schedules and the trainer itself, about
-3.5 s of one core, and every rank of a launch (and of each restart) pays it, after the launcher paid
+Why: a spawned rank imports torch, DTensor, the pipelining schedules and the trainer itself, seconds
+of one core, and every rank of a launch (and of each restart) pays it, after the launcher paid
 it too. Python's forkserver with those modules preloaded pays it once: the launcher starts the server
 as soon as it knows it will start ranks, before it imports the same modules itself, so both imports run
 side by side; each rank is then a fork of a ready interpreter. A forkserver and not a fork of the

@@ -61,9 +61,8 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
     Interleaved pairs are Meta's/torchtitan's convention, so their checkpoints load without
     permuting wq/wk. Each pair is a complex number multiplied by cos + i sin, as they compute it:
-    one contiguous complex multiply per tensor, where the same sums written on the pairs' strided
-    real views ran 6.6x slower (forward and backward of [8, 256, 16, 16] on one CPU thread: 7.3
-    against 1.1 ms; 8% of a step of the debug shape), with bit-identical results.
+    one contiguous complex multiply per tensor. The same sums written on the pairs' strided real
+    views give the same bits but run several times slower on CPU (figures in dev/LOG.md).
     """
     pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
     # fp32 angles: FSDP's mixed precision casts a block's inputs, the tables included, to bf16.

@@ -7,8 +7,8 @@ op's work is a :class:`FilledWork` whose ``wait`` lets the :class:`BubbleFiller`
 (one request each) until the transfer has completed.
 
 Why a waiter thread: gloo's send/receive works report ``is_completed()`` False until ``wait()`` has
-been called (checked on torch 2.13: a receive whose bytes had arrived still said False after 3 s),
-so completion cannot be polled. The filler hands the blocking ``wait()`` to one helper thread, which
+been called (in torch 2.13, even a receive whose bytes have long arrived), so completion cannot be
+polled. The filler hands the blocking ``wait()`` to one helper thread, which
 only waits (gloo releases the GIL) and stamps the moment it returned; all computation, training and
 prefill alike, stays on the main thread, between training ops, so torch's intra-op threads are never
 shared by two computations at once.

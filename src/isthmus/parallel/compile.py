@@ -47,8 +47,8 @@ def check_cpu_toolchain() -> None:
 def _own_input(_: nn.Module, args: tuple) -> tuple:
     """A block's input that is a view gets a copy of its own. Tensor parallelism's embedding hands the
     first block its output as a view of a DTensor's local shard; AOTAutograd regenerates an input
-    view from its base, which routes the gradient past DTensor's autograd functions (measured on
-    torch 2.13: "'Tensor' object has no attribute '_local_tensor'" in the backward). One copy of
+    view from its base, which routes the gradient past DTensor's autograd functions (in torch 2.13
+    the backward fails: "'Tensor' object has no attribute '_local_tensor'"). One copy of
     one activation, on the first block only (the others take a compiled block's fresh output)."""
     x = args[0]
     if isinstance(x, Tensor) and x._base is not None:

@@ -4,10 +4,9 @@ share a host (CPU, gloo): the all-reduce, and sequence parallelism's all-gather 
 Why by hand: gloo, torch's CPU backend, moves every collective over TCP, loopback included, and has
 no shared-memory transport; oneCCL's (torch-ccl) is a separate Intel build, and DeepSpeed carries its
 own C++ shared-memory all-reduce for CPU ranks for the same reason. Tensor parallelism puts two
-blocking collectives of one activation into every block, forward and backward, on the critical path:
-2 ranks on a 2-core machine, 2 MiB (the debug shape's [8, 256, 256] fp32 activation), gloo's
-all-reduce takes 1.00 ms at best and 1.55 ms median (loopback TCP and its wake-ups), this 0.58 /
-0.66 ms (benchmarks/tp_collectives.py, docs/benchmarks.md).
+blocking collectives of one activation into every block, forward and backward, on the critical path,
+where gloo pays loopback TCP and its wake-ups and a copy through shared memory does not
+(benchmarks/tp_collectives.py; its figures in docs/benchmarks.md).
 
 How: one shared file in /dev/shm, mapped by every rank of the group and unlinked as soon as all have
 it (a crash leaves nothing behind), holds a sequence counter per rank and two banks of one slot per

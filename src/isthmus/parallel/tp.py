@@ -17,10 +17,9 @@ collectives written out (:class:`_CopyToTP` / :class:`_ReduceFromTP`, :class:`_G
 (`isthmus.parallel.shm_collectives`), else the backend's. Only the head's logits become a DTensor
 again, for the loss (:func:`vocab_parallel_cross_entropy`, whatever the layout). Why not torch's
 ``parallelize_module`` plans: they wrap every Linear's and norm's input and output in DTensors, so
-each matmul, its backward and each redistribution pays DTensor's Python dispatch (profiled on the
-`small` flavor at tp 2 on CPU: ~15% of the step in ``PythonSubclass``/``_FromTorchTensor``/
-``Redistribute`` without sequence parallelism, and its all-gathers and reduce-scatters went through
-gloo: 30% of the step waiting in them with it), and each of q, k and v all-reduces its own input
+each matmul, its backward and each redistribution pays DTensor's Python dispatch (a large share of
+a CPU step; with sequence parallelism its all-gathers and reduce-scatters also went through gloo:
+profiles in dev/LOG.md), and each of q, k and v all-reduces its own input
 gradient in the backward where one collective of their sum does (3 -> 1 per attention, 2 -> 1 per
 SwiGLU MLP).
 """
@@ -248,9 +247,8 @@ def vocab_parallel_cross_entropy(logits: DTensor, targets: Tensor) -> Tensor:
     head's), in fp32, as ``F.cross_entropy`` of the whole logits would give it.
 
     Written out rather than torch's ``loss_parallel``, which runs the same maths through DTensor's
-    dispatch op by op: forward and backward of [8, 256, 2048] logits on 2 CPU ranks, 21.3 ms
-    median through ``loss_parallel``, 9.5 ms here, 6.8 ms for a plain cross-entropy of one rank's
-    half alone (benchmarks/tp_collectives.py)."""
+    dispatch op by op, at about twice the time (benchmarks/tp_collectives.py; figures in
+    dev/LOG.md)."""
     mesh = logits.device_mesh
     vocab = logits.shape[-1]
     first = first_of_shard(vocab, mesh)

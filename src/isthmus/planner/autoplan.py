@@ -201,7 +201,8 @@ THREAD_EFFICIENCY = 0.9
 def local_runtime() -> Runtime:
     """isthmus on CPU ranks: gloo moves and reduces bytes on the same cores that compute, so
     data-parallel traffic does not hide behind the backward (it adds to the step), unlike on GPUs
-    where NCCL runs on its own engines. Measured here: dp_replicate 2 takes compute + all-reduce.
+    where NCCL runs on its own engines: a dp_replicate 2 step takes compute + all-reduce
+    (benchmarks/plan_vs_measured.py).
     Its blocks keep what eager fp32 autograd keeps (``Runtime.eager_llama_block``, measured), and
     tensor parallelism sums through shared memory where the profile measured that path
     (``Runtime.tp_host_memory``)."""

@@ -51,8 +51,8 @@ _DC_KEYS = {"name", "device", "nodes", "devices_per_node", "intra_node", "fabric
 _LINK_KEYS = {"bandwidth_gb_s", "latency_us"}
 TCP_WINDOW_SHARE = 0.5
 """The share of a socket's receive buffer Linux offers as the TCP window (``tcp_adv_win_scale = 1``:
-the other half covers the kernel's per-packet overhead). One flow with a 64 KiB buffer at 80 ms
-measured 3.7 Mbit/s in the emulator (tests/geo/test_wan_latency.py), 0.56 x 64 KiB per round trip."""
+the other half covers the kernel's per-packet overhead), as one window-bound flow in the emulator
+shows (tests/geo/test_wan_latency.py; docs/benchmarks.md, WAN latency)."""
 _WAN_KEYS = _LINK_KEYS | {"between", "window_kib"}
 
 
@@ -144,7 +144,7 @@ class Link:
 
 MAX_DEVICES_PER_DC = 1 << 20
 """Largest datacenter ``--nodes`` may build: the search enumerates divisors of the device count, which
-takes seconds at this size (131,072 A100s plan in 1.6 s, 1,048,576 in 2.7 s) and minutes at 10^8."""
+takes seconds at this size and minutes at 10^8 (dev/LOG.md)."""
 
 
 @dataclass(frozen=True)

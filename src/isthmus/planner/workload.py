@@ -115,30 +115,22 @@ class Runtime:
     interleaving only with pp > 2 and microbatches divisible by pp."""
     compress_ratio: float = 0.25
     """Bytes sent over the WAN by the 'compressed' strategy, relative to the gradient's own bytes."""
-    # Measured by benchmarks/geo_sync.py (docs/benchmarks.md, "Across emulated datacenters") on
-    # `small`, 2 DC x 2 ranks: flat's steps over the strategy's steps to flat's val loss (a run that
-    # misses it is trained again over twice the steps, its schedule stretched).
-    # - streaming_diloco, the defaults (H=10 in the runs, 4 fragments, tau 1, int4, alpha 0.5, outer
-    #   lr 1 without momentum): 40 / 39.0 = 1.02 at 40 steps, 200 / 189.2 = 1.06 at 200 steps
-    #   (--local). Capped at 1.0: one seed's 2-6% should not rank a lossy strategy above a lossless
-    #   one that is as fast. (The old outer step, lr 0.7 with momentum 0.9, H=20: 40 / 48.9 = 0.82.)
-    # - diloco (H=20, fp32, lr 0.7, momentum 0.9, its old default): 40 / 46.1 = 0.87 at 40 steps.
-    #   At 200 steps, +13% above flat's loss with that outer step and +2.2% with today's default
-    #   (lr 1, no momentum), neither reaching it: no reach run yet, so 0.87 stays.
-    # - compressed (int8): 40 / 39.7 = 1.0 at 40 steps; kept at 0.98 for int4, not measured there.
+    # Flat's steps over the strategy's steps to flat's validation loss, from benchmarks/geo_sync.py's
+    # runs (the runs behind each value: dev/LOG.md). Capped at 1.0: one seed's luck should not rank a
+    # lossy strategy above a lossless one that is as fast.
     quality: tuple[tuple[str, float], ...] = (("compressed", 0.98), ("diloco", 0.87), ("streaming_diloco", 1.0))
-    """Tokens-to-same-loss factor of lossy cross-datacenter strategies, as measured (ranking only)."""
+    """Tokens-to-same-loss factor of lossy cross-datacenter strategies (ranking only)."""
 
     def quality_of(self, geo: str) -> float:
         return dict(self.quality).get(geo, 1.0)
 
     def with_compile(self, compiled: bool) -> Runtime:
         """This software as ``train.compile = compiled`` runs it: itself when false; when true, with
-        each block compiled by torch.compile, priced as its eager blocks: the model already prices a block's pointwise work at a fused kernel's traffic,
-        and what a compiled block stores was measured between eager's and ``pointwise_recompute``'s
-        on CPU ranks (`small`, benchmarks/peak_memory.py --compile: 0-12% below eager's peak, where
-        recomputing every pointwise result would plan 16-26% below the measured peak), so eager's
-        storage is kept: a plan that fits eager blocks fits compiled ones."""
+        each block compiled by torch.compile, priced as its eager blocks. The model already prices a
+        block's pointwise work at a fused kernel's traffic, and a compiled block stores less than an
+        eager one but more than ``pointwise_recompute`` assumes (benchmarks/peak_memory.py
+        --compile; figures in dev/LOG.md), so eager's storage is kept: a plan that fits eager blocks
+        fits compiled ones."""
         return replace(self, name=self.name + COMPILED) if compiled else self
 
 

@@ -76,11 +76,9 @@ def usable_cores() -> int:
 def probe_size(threads: int) -> int:
     """Side n of the probe's n x n matmul on ``threads`` threads.
 
-    Measured on this project's 2-core EPYC (torch 2.13 fp32, best of 5 x 0.2 s, idle): one thread
-    reaches 101 / 103 / 101 / 94 / 98 / 96 GFLOP/s at n = 256 / 512 / 768 / 1024 / 1536 / 2048, two
-    threads 194 / 203 / 206 / 192 / 192 / 184: the rate saturates by n = 512, and larger matrices
-    only leave the caches. More threads split the same matmul: n grows with their cube root, so
-    each thread keeps about a 512^3 share of the work (n = 640 for 2 threads, 1024 for 8).
+    On a CPU core the fp32 rate saturates by n = 512, and larger matrices only leave the caches
+    (the sweep behind this is in dev/LOG.md). More threads split the same matmul: n grows with their
+    cube root, so each thread keeps about a 512^3 share of the work (n = 640 for 2 threads, 1024 for 8).
     """
     return max(512, 128 * round(512 * threads ** (1 / 3) / 128))
 

@@ -4,9 +4,9 @@ busy/idle timeline (``metrics.timeline``).
 :class:`BubbleRun` is what the trainer holds: it reads the requests, builds the serving model,
 hooks the pipeline stages (``parallel.bubbles``), marks steps and the optimizer on the timeline,
 reports each rank's busy fraction per step, and at the end writes ``<run_dir>/prefill.jsonl`` and
-the trace. The serving model is a separate, frozen module (the issue's "separate model that fits
-the spare memory"): the run's own shape at the weights it starts from, or a named flavor; it is
-not the weights being trained, which are split over the pipeline ranks and change every step.
+the trace. The serving model is a separate, frozen module that fits the memory training leaves
+spare: the run's own shape at the weights it starts from, or a named flavor; it is not the weights
+being trained, which are split over the pipeline ranks and change every step.
 """
 
 from __future__ import annotations

@@ -57,8 +57,8 @@ def build_optimizer(
 
     ``fused=True``: torch's fused kernel (CPU and CUDA) updates a tensor in one pass over its
     parameter, gradient and two moments, where the single-tensor path (torch's default on CPU) makes
-    about ten elementwise passes: measured here on `small`'s 3.5M parameters, 9.9 against 148 ms a
-    step under load. Like the single-tensor path it updates each element on its own, so a parameter
+    about ten elementwise passes, an order of magnitude slower on CPU (dev/LOG.md). Like the
+    single-tensor path it updates each element on its own, so a parameter
     whole or split into shards gets bit-identical updates (checked at shard boundaries that fall
     inside the kernel's vector lanes), which the layout-equivalence tests rely on; it differs from
     the single-tensor path by up to 5e-7 relative. With ``zero1_group`` (ZeRO-1) torch's

@@ -3,8 +3,8 @@
 Each optimizer step ends with one all-reduce over the whole job: the loss (averaged over the ranks
 that computed one: the last pipeline stage, every data/context-parallel rank) and the step's byte
 counters (`GeoRun.step_counters`). Waited for at once, it is a barrier across the job every step;
-across datacenters that is a WAN round trip or more per step (310-410 ms per step at 80 ms RTT,
-measured on a streaming DiLoCo run whose inner steps otherwise never touch the WAN). The trainer
+across datacenters that is a WAN round trip or more per step, even under DiLoCo, whose inner steps
+otherwise never touch the WAN (docs/benchmarks.md, the WAN pipeline benchmark). The trainer
 starts it asynchronously and collects step k's sum after step k+1 has computed, so the sum crosses
 the network behind a step's compute; before validation, a checkpoint or the last step it waits at
 once. torch.distributed has no "reduce for the logs, eventually" of its own.
