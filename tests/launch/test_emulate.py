@@ -19,13 +19,8 @@ import pytest
 
 from isthmus.errors import ConfigError
 from isthmus.launch import netns
-from isthmus.launch.emulate import (
-    EmulatedDatacenter,
-    EmulatedNetwork,
-    emulated_network,
-    launch_emulated,
-    throughput_probe,
-)
+from isthmus.launch.emulate import EmulatedDatacenter, EmulatedNetwork, emulated_network, launch_emulated
+from isthmus.launch.wanprobe import tcp_flows_bps
 
 
 def _net(n_dc: int = 2, ranks: int = 1, wan_mbit: float = 20.0, **kw: object) -> EmulatedNetwork:
@@ -86,16 +81,16 @@ def test_namespaces_removed_after_exception_inside() -> None:
 
 
 def test_interrupt_half_way_through_setup_leaves_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    from isthmus.launch import emulate
+    from isthmus.launch.emulate import network
 
     made: list[str] = []
 
-    def interrupted_shape(net: EmulatedNetwork, dc: emulate.DatacenterNamespace, dcs: list) -> None:  # type: ignore[type-arg]
+    def interrupted_shape(net: EmulatedNetwork, dc: network.DatacenterNamespace, dcs: list) -> None:  # type: ignore[type-arg]
         made.append(dc.namespace)
         if dc.index == 1:  # dc0 is done, dc1's veth exists: Ctrl-C now
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(emulate, "_shape", interrupted_shape)
+    monkeypatch.setattr(network, "_shape", interrupted_shape)
     with pytest.raises(KeyboardInterrupt):
         with emulated_network(_net(3)):
             pass
@@ -199,8 +194,8 @@ def test_network_validation_names_the_key() -> None:
 
 def test_shaped_wan_rate_within_20_percent_and_loopback_much_faster() -> None:
     with emulated_network(_net(wan_mbit=20.0)) as em:
-        wan = throughput_probe(em, 0, 1, n_bytes=5_000_000, time_limit_s=10.0)
-        local = throughput_probe(em, 0, 0, n_bytes=50_000_000, time_limit_s=10.0)
+        wan = tcp_flows_bps(em, 0, 1, n_bytes=5_000_000, warm_s=0.0, measure_s=10.0)
+        local = tcp_flows_bps(em, 0, 0, n_bytes=50_000_000, warm_s=0.0, measure_s=10.0)
     print(f"dc0 -> dc1 {wan / 1e6:.2f} Mbit/s (configured 20), dc0 loopback {local / 1e6:.0f} Mbit/s")
     assert abs(wan - 20e6) <= 0.2 * 20e6, wan
     assert local > 20 * wan, (local, wan)
@@ -212,7 +207,7 @@ def test_per_pair_rates_use_htb_classes() -> None:
             ["tc", "-n", em.dcs[0].namespace, "qdisc", "show", "dev", "wan0"], capture_output=True, text=True
         ).stdout
         assert "htb" in qdisc
-        slow = throughput_probe(em, 2, 0, n_bytes=2_000_000, time_limit_s=8.0)  # (0, 2) also sets 2 -> 0
+        slow = tcp_flows_bps(em, 2, 0, n_bytes=2_000_000, warm_s=0.0, measure_s=8.0)  # (0, 2) also sets 2 -> 0
     assert abs(slow - 10e6) <= 0.2 * 10e6, slow
 
 

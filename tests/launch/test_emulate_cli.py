@@ -74,14 +74,16 @@ FAILURE_SIGNS = re.compile(r"Traceback|terminate called|Connection reset|\[W\d{4
 
 @pytest.fixture
 def nothing_launched(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tripwire: the test fails if emulate gets as far as making its network."""
-    from isthmus.launch import emulate
+    """A tripwire: the test fails if emulate gets as far as making its network (patched where each
+    is looked up: the command's own name for the launcher, and the first step of every network)."""
+    from isthmus.cli import emulate
+    from isthmus.launch import netns
 
     def tripwire(*args: Any, **kwargs: Any) -> int:
         raise AssertionError("isthmus emulate started a run")
 
     monkeypatch.setattr(emulate, "launch_emulated", tripwire)
-    monkeypatch.setattr(emulate, "emulated_network", tripwire)
+    monkeypatch.setattr(netns, "require_root", tripwire)
 
 
 @pytest.mark.parametrize(
