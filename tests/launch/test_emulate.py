@@ -327,3 +327,64 @@ def test_ctrl_c_on_launch_emulated_stops_every_rank_and_removes_the_network(tmp_
     assert child.wait(timeout=30) == 130
     assert not any(_alive(pid) for pid in pids)
     assert set(netns.list_namespaces()) <= before
+
+
+def _probe_on_loopback(flows: int, n_bytes: int, warm_s: float, measure_s: float, send_s: float) -> dict[str, float]:
+    """The TCP probe's two ends (as they run inside namespaces), here on the loopback, without root."""
+    import threading
+
+    from isthmus.launch import wanprobe
+
+    srv = wanprobe.listen("127.0.0.1", 0, flows, 0)
+    port = srv.getsockname()[1]
+    sender = threading.Thread(target=wanprobe.source, args=("127.0.0.1", port, flows, 0, n_bytes, send_s))
+    sender.start()
+    try:
+        return wanprobe.receive(srv, flows, n_bytes, warm_s, measure_s)
+    finally:
+        sender.join(timeout=30)
+        srv.close()
+
+
+def test_tcp_probe_times_a_bounded_transfer_from_its_first_chunk() -> None:
+    result = _probe_on_loopback(flows=1, n_bytes=20_000_000, warm_s=0.0, measure_s=10.0, send_s=10.0)
+    assert result["bytes"] == 20_000_000
+    # The first chunk marks the start instant: every byte after it is counted, over the time they took.
+    assert 0 < result["counted"] < 20_000_000 and result["seconds"] > 0, result
+
+
+def test_tcp_probe_leaves_the_warm_up_out_and_counts_for_measure_s() -> None:
+    result = _probe_on_loopback(flows=3, n_bytes=0, warm_s=0.3, measure_s=0.5, send_s=3.0)
+    assert 0 < result["counted"] < result["bytes"], result
+    assert 0.3 < result["seconds"] <= 0.6, result
+
+
+def test_the_store_server_runs_as_a_module_and_says_ready() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "isthmus.launch.emulate.servers", "store", "127.0.0.1", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        assert server.stdout.readline().strip() == "ready"
+    finally:
+        server.terminate()
+        _, err = server.communicate(timeout=30)
+    assert err == ""  # no warning of runpy's or torch's on the way
+
+
+def test_a_server_or_probe_end_that_does_not_exist_is_refused() -> None:
+    from isthmus.launch import wanprobe
+    from isthmus.launch.emulate import servers
+
+    with pytest.raises(SystemExit, match="no server named 'nope'"):
+        servers.main(["nope"])
+    with pytest.raises(SystemExit, match="no probe end named 'nope'"):
+        wanprobe.main(["nope"])
