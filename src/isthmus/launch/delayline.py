@@ -11,7 +11,7 @@ passed (a heap of due times; a pair's delay is constant, so nothing of one pair 
                                                                         forwarder: hold one-way delay
     dc1: app <- wan1 (delivered as received from the WAN) <──── fd <────┘
 
-Bandwidth stays the kernel's: the tbf/htb of :mod:`isthmus.launch.emulate` sits on the TUN's
+Bandwidth stays the kernel's: the tbf/htb of :mod:`isthmus.launch.emulate.network` sits on the TUN's
 egress, so a packet is first serialised at the link rate, then propagates for the delay, as on a
 real link. The forwarder is stdlib Python, one process: the packets it can move per second bound
 the WAN rates worth emulating with latency (:data:`DELAY_LINE_CEILING_MBIT`; its ceiling, measured
