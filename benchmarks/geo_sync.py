@@ -6,6 +6,7 @@
                                                                 # projects time to flat's loss)
     python benchmarks/geo_sync.py --local --steps 200           # losses and WAN bytes only, as
                                                                 # local runs (no emulator, no root)
+    python benchmarks/geo_sync.py --steps 40 --plot docs/img/geo_sync.svg   # and the loss curves
 
 Every run is a real `isthmus emulate --topology emulated-2dc --wan-mbit R -- train ...`
 (subprocess; root, network namespaces + tc tbf, removed on exit) of the `small` flavor, global
@@ -56,6 +57,8 @@ from typing import Any
 from isthmus.config import GeoConfig
 from isthmus.layout.choices import DILOCO_SYNCS, GEO_SYNCS
 from isthmus.train.short_run import capped, max_steps_override
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # plots.py, a sibling
 
 TOPOLOGY = "emulated-2dc"
 FLAVOR = "small"
@@ -382,7 +385,44 @@ def main_benchmark(ns: argparse.Namespace) -> tuple[list[Summary], dict[str, lis
         )
     )
     print_main(results, ns)
+    if ns.plot:
+        plot(results, ns, ns.plot)
     return results, all_recs
+
+
+def plot(results: list[Summary], ns: argparse.Namespace, path: str) -> None:
+    """Validation loss against training time (``--local``: against steps, the loopback's times say
+    nothing of a WAN), one curve per strategy, flat's final loss as the target line."""
+    import plots
+
+    plt = plots.pyplot()
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = 0 if ns.local else 1  # index into (step, seconds, loss)
+    for s in results:
+        line = ax.plot([v[x] for v in s.val], [v[2] for v in s.val], marker="o", ms=3, label=s.label)[0]
+        if s.val_longer:
+            ax.plot(
+                [v[x] for v in s.val_longer],
+                [v[2] for v in s.val_longer],
+                ls=":",
+                color=line.get_color(),
+                label=f"  the same over {s.reach_run} steps",
+            )
+    ax.axhline(results[0].final_val, color="0.5", lw=0.8, ls="--", label=f"target: flat at step {ns.steps}")
+    if ns.local:
+        ax.set_xlabel("step")
+        where = "local ranks (losses as on any WAN)"
+    else:
+        ax.set_xscale("log")
+        ax.set_xlabel("training time, s (sum of step times; log scale)")
+        where = f"WAN {ns.wan_mbit:g} Mbit/s"
+    ax.set_ylabel("validation loss")
+    ax.set_ylim(top=min(max(v[2] for s in results for v in s.val), results[0].final_val * 1.5))
+    ax.set_title(f"{FLAVOR}, 2 datacenters x 2 CPU ranks, {where}, {BATCH} x {SEQ} tokens per step", fontsize=9)
+    ax.legend(fontsize=7)
+    plots.save(fig, path)
 
 
 def wan_by_step(records: list[dict[str, Any]]) -> dict[int, int]:
@@ -696,6 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         "its reaching it (default 2 x --steps; 0 = off)",
     )
     ap.add_argument("--out", default="runs/geo_sync_bench")
+    ap.add_argument("--plot", default="", help="main benchmark: also draw the loss curves to this file (.svg, .png)")
     ap.add_argument("--reuse", action="store_true", help="read runs already finished under --out with the same command")
     ap.add_argument(
         "--local",

@@ -2,6 +2,7 @@
 
     python benchmarks/peak_memory.py [--markdown] [--only 1,9] [--flavor small] [--dtype bf16] [--compile]
     python benchmarks/peak_memory.py --block      # what one block keeps per token, by precision
+    python benchmarks/peak_memory.py --plot docs/img/peak_memory.svg   # and a bar per layout
 
 For every layout, N gloo ranks build ``Trainer(cfg)`` exactly as ``isthmus train`` would (``small``,
 16 x 128 tokens per step, fp32, the default data), run two steps (AdamW's state exists after the
@@ -181,6 +182,43 @@ def print_table(rows: list[Row], markdown: bool) -> None:
     print(f"\nplanned peak vs measured, {len(errors)} stages: median |error| {median:.1%}, max {max(errors):.1%}")
 
 
+def plot(rows: list[Row], title: str, path: str) -> None:
+    """Per layout and pipeline stage: the measured peak (at rest shaded in it) beside the planned one."""
+    import plots
+
+    plt = plots.pyplot()
+    if plt is None:
+        return
+    bars = [
+        (f"{i} {row.name}" + (f", stage {stage}" if row.layout.pp > 1 else ""), got, peak_plan)
+        for i, row in enumerate(rows, 1)
+        for stage, (got, peak_plan) in enumerate(zip(row.measured, row.planned))
+    ]
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(bars) + 1.4))
+    y = list(range(len(bars)))[::-1]
+    ax.barh(
+        [v + 0.2 for v in y],
+        [b[1]["peak"] / MIB for b in bars],
+        0.4,
+        color=plots.COLORS["measured"],
+        label="measured peak",
+    )
+    ax.barh(
+        [v + 0.2 for v in y], [b[1]["rest"] / MIB for b in bars], 0.4, color=plots.COLORS["rest"], label="of it at rest"
+    )
+    ax.barh([v - 0.2 for v in y], [b[2] / MIB for b in bars], 0.4, color=plots.COLORS["planned"], label="planned peak")
+    for v, (_, got, peak_plan) in zip(y, bars):
+        ax.text(
+            max(got["peak"], peak_plan) / MIB + 2, v, f"{peak_plan / got['peak'] - 1:+.1%}", va="center", fontsize=7
+        )
+    ax.set_yticks(y, [b[0] for b in bars])
+    ax.set_xlabel("MiB per rank")
+    ax.set_xlim(0, max(max(b[1]["peak"], b[2]) for b in bars) / MIB * 1.15)
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    plots.save(fig, path)
+
+
 def block_bytes(flavor: str, batch: int, precision: str) -> int:
     """Bytes autograd keeps for backward in one block of ``flavor`` at ``batch`` x SEQ tokens (each
     storage once, the block's parameters left out), in fp32, bf16 autocast over fp32 weights
@@ -250,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         help="train.dtype of every layout (bf16: FSDP's mixed precision or autocast)",
     )
     ap.add_argument("--compile", action="store_true", help="every layout with --train.compile true")
+    ap.add_argument("--plot", default="", help="also draw measured and planned peaks to this file (.svg, .png)")
     ns = ap.parse_args(argv)
     if ns.block:
         print_block(ns.flavor)
@@ -260,8 +299,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows = [measure(name, values, ac, ns.flavor, Path(tmp), ns.dtype, ns.compile) for name, values, ac in picked]
     compiled = ", compiled blocks (--train.compile true)" if ns.compile else ""
-    print(f"{ns.flavor}, {BATCH} x {SEQ} tokens per step, {ns.dtype}{compiled}, AdamW; bytes CPU tensors hold\n")
+    title = f"{ns.flavor}, {BATCH} x {SEQ} tokens per step, {ns.dtype}{compiled}, AdamW"
+    print(f"{title}; bytes CPU tensors hold\n")
     print_table(rows, ns.markdown)
+    if ns.plot:
+        plot(rows, f"Peak memory per rank, planned and measured\n{title}", ns.plot)
     return 0
 
 

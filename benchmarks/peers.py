@@ -29,6 +29,7 @@ same turn as isthmus and torch. Colossal-AI's TorchDDPPlugin wraps the same mode
 DDP, so no DDP can be faster than Colossal-AI's by more than bound / Colossal-AI.
 
     python benchmarks/peers.py [--modes ddp,zero1,...] [--rounds 3] [--steps 5] [--warmup 2] [--compile] [--out FILE]
+                               [--plot docs/img/peers.svg]
 """
 
 from __future__ import annotations
@@ -525,6 +526,41 @@ def print_table(res: dict, opts: argparse.Namespace, colossal_note: str) -> None
         print(f"| ddp | {bound} | {over_peer} | {ratio_cell('ddp', UNSYNCED, res, opts)} |")
 
 
+def plot(res: dict, opts: argparse.Namespace, path: str) -> None:
+    """Bars per mode: each system's median tokens/s over the rounds; a mode a system could not run
+    gets no bar but "n/a"."""
+    import plots
+
+    plt = plots.pyplot()
+    if plt is None:
+        return
+    names = {"isthmus": "isthmus", "torch": "hand-written torch", "colossalai": "Colossal-AI 0.5.0"}
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(SYSTEMS)
+    for k, system in enumerate(SYSTEMS):
+        for i, mode in enumerate(opts.modes):
+            x = i + (k - (len(SYSTEMS) - 1) / 2) * width
+            ts = res["seconds"][system][mode]
+            if len(ts) == opts.rounds and ts:
+                rate = statistics.median(tok_per_s(mode, t, opts.steps) for t in ts)
+                ax.bar(x, rate, width, color=plots.COLORS[system], label=names[system] if i == 0 else None)
+            else:
+                ax.text(x, 0, "n/a", rotation=90, ha="center", va="bottom", fontsize=7, color="0.4")
+    ax.set_xticks(range(len(opts.modes)), opts.modes)
+    ax.set_ylabel("tokens/s (median of rounds)")
+    compiled = ", isthmus and torch compiled" if opts.compile else ""
+    ax.set_title(
+        f"debug shape, 2 gloo ranks x 1 thread, {opts.rounds} rounds x {opts.steps} steps{compiled}", fontsize=9
+    )
+    handles, labels = ax.get_legend_handles_labels()
+    for system in SYSTEMS:  # a system that ran no mode still gets its legend entry
+        if names[system] not in labels:
+            handles.append(plt.Rectangle((0, 0), 1, 1, color=plots.COLORS[system]))
+            labels.append(names[system])
+    ax.legend(handles, labels, fontsize=7, ncols=3, loc="upper right")
+    plots.save(fig, path)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default=",".join(pc.MODES), help="comma-separated, of: " + ", ".join(pc.MODES))
@@ -534,6 +570,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="", help="also write every figure as JSON here")
     ap.add_argument("--no-colossal", action="store_true", help="isthmus and torch only")
     ap.add_argument("--compile", action="store_true", help="isthmus and the torch loop compile their blocks and loss")
+    ap.add_argument("--plot", default="", help="also draw tokens/s per mode and system to this file (.svg, .png)")
     ap.add_argument("--worker", type=int, default=-1, help=argparse.SUPPRESS)
     ap.add_argument("--root", default="", help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
@@ -575,6 +612,8 @@ def main() -> None:
         for name, why in res["dead"].items():
             print(f"{name} pair stopped early: {why}", file=sys.stderr)
         print_table(res, opts, note)
+        if opts.plot:
+            plot(res, opts, opts.plot)
         if opts.out:
             Path(opts.out).write_text(json.dumps({"opts": vars(opts), **res}, indent=1))
             for log in Path(root).glob("*.log"):  # the pairs' output: tracebacks behind the n/a cells

@@ -2,6 +2,7 @@
 
     python benchmarks/published_runs.py             # the comparison, with median / max error per source
     python benchmarks/published_runs.py --markdown  # the table in docs/planner.md
+    python benchmarks/published_runs.py --plot docs/img/published_runs.svg   # and the scatter
 
 Each row runs ``isthmus simulate <its args> --runtime <its runtime> --json`` in this process and
 compares the simulated figure (and the cost model's) with what the source reported.
@@ -15,9 +16,12 @@ import io
 import json
 import statistics
 import sys
+from pathlib import Path
 
 from isthmus.cli.main import main as isthmus_main
 from isthmus.planner.reference import PublishedRun, published_runs, source_micro_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # plots.py, a sibling
 
 
 def predict(row: PublishedRun) -> dict:
@@ -46,10 +50,43 @@ def error(row: PublishedRun, value: float) -> float:
     return row.published / value - 1 if row.metric == "step_time_s" else value / row.published - 1
 
 
+def plot(points: list[tuple[str, float, float]], path: str) -> None:
+    """Predicted against published step time, one point per row coloured by source, in the band where
+    the error (as throughput) is within 10%; beside it, each row's error. A row published as a rate
+    is shown as the step time that rate means for the simulated step: predicted step x (1 + error)."""
+    import plots
+
+    plt = plots.pyplot()
+    if plt is None:
+        return
+    fig, (ax, err) = plt.subplots(1, 2, figsize=(10, 4.4), gridspec_kw={"width_ratios": [1.1, 1]})
+    low, high = min(min(p[1], p[2]) for p in points) / 1.5, max(max(p[1], p[2]) for p in points) * 1.5
+    line = [low, high]
+    ax.fill_between(line, [x / 1.1 for x in line], [x / 0.9 for x in line], color="0.88", label="within 10%")
+    ax.plot(line, line, color="0.5", lw=0.8)
+    err.axhspan(-10, 10, color="0.88")
+    err.axhline(0, color="0.5", lw=0.8)
+    for source in dict.fromkeys(p[0] for p in points):
+        mine = [p for p in points if p[0] == source]
+        ax.scatter([p[1] for p in mine], [p[2] for p in mine], s=18, label=f"{source} ({len(mine)})")
+        err.scatter([p[1] for p in mine], [100 * (p[1] / p[2] - 1) for p in mine], s=18)
+    ax.set(xscale="log", yscale="log", xlim=line, ylim=line)
+    ax.set(xlabel="published step time, s", ylabel="predicted step time, s (isthmus simulate)")
+    ax.legend(fontsize=7, loc="upper left")
+    err.set(xscale="log", xlim=line, ylim=(-15, 15), xlabel="published step time, s")
+    err.set(ylabel="error as throughput, % (+: predicted faster)")
+    fig.suptitle(f"{len(points)} published runs against isthmus's simulator")
+    plots.save(fig, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    ap.add_argument(
+        "--plot", default="", help="also draw predicted against published step time to this file (.svg, .png)"
+    )
     ns = ap.parse_args(argv)
+    points: list[tuple[str, float, float]] = []
     head = ["source", "row", "runtime", "metric", "published", "simulated", "cost model", "error", "mem GB"]
     if ns.markdown:
         print("| " + " | ".join(head) + " |")
@@ -60,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         sim, cost = figures(row, res)
         err = error(row, sim)
         by_source.setdefault(row.source, []).append(err)
+        points.append((row.source, res["step_time_s"] * (1 + err), res["step_time_s"]))
         cells = [
             row.source,
             row.row,
@@ -86,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{src}: the published times fit one 1F1B pipeline at micro-batch {implied:.2f} (rows run {rows[0].option('--micro-batch')})"
             )
+    if ns.plot:
+        plot(points, ns.plot)
     return 0
 
 
