@@ -146,7 +146,7 @@ def _rank(
         from isthmus.train.trainer import Trainer
 
         trainer = Trainer(_config(root, ranks, streaming))
-        sync = trainer.geo
+        sync = trainer.geo_run.sync
         step_fn, after_fn, join_fn = trainer.train_step, sync.after_optimizer_step, sync.join
         round_fn, all_reduce_fn = sync._start_round, sync._ft_all_reduce
 

@@ -33,7 +33,9 @@ def test_the_plain_run_is_the_whole_run() -> None:
     assert run.metrics_config(mcfg) is mcfg
     assert run.join([]) == 0
     # Nothing crosses a datacenter: no per-step metrics, an empty summary.
-    assert run.step_metrics(run.step_counters()) == {} and run.finish([]) == {}
+    assert run.step_metrics(run.step_counters()) == {}
+    run.finish([])
+    assert run.bytes_by_tier == {}
 
 
 def test_replica_keys_under_diloco() -> None:
@@ -52,7 +54,27 @@ def test_per_step_bytes_are_deltas_and_the_summary_is_the_total() -> None:
     sent["wan"] += 5
     sent["intra_dc"] += 2
     assert run.step_metrics(run.step_counters()) == {"intra_node_bytes": 0, "intra_dc_bytes": 2, "wan_bytes": 5}
-    assert run.finish([]) == {"intra_node": 0, "intra_dc": 2, "wan": 15}
+    run.finish([])
+    assert run.bytes_by_tier == {"intra_node": 0, "intra_dc": 2, "wan": 15}
+
+
+def test_as_a_step_hook_the_run_hands_the_step_to_its_strategy() -> None:
+    run = GeoRun(GeoConfig(datacenters=2, sync="flat"))
+    calls: list[tuple[str, int | None]] = []
+    run.begin_step(1)
+    run.reduce_gradients([])
+    run.after_optimizer_step(1, [])  # no strategy built yet: nothing to hand over
+    run.sync = SimpleNamespace(  # type: ignore[assignment]
+        reduce_gradients=lambda params: calls.append(("reduce", None)),
+        after_optimizer_step=lambda step, params: calls.append(("after", step)),
+    )
+    run.reduce_gradients([])
+    run.after_optimizer_step(1, [])
+    assert calls == [("reduce", None), ("after", 0)]  # the strategy counts steps from 0
+    waited: list[str] = []
+    with run.span("optimizer"):
+        run.wait(None, "all-reduce loss", lambda work, name: waited.append(name))
+    assert waited == ["all-reduce loss"] and run.end_step(1) == {}
 
 
 def test_pipeline_across_datacenters_reports_wan_only() -> None:
@@ -62,7 +84,8 @@ def test_pipeline_across_datacenters_reports_wan_only() -> None:
     assert run.step_metrics(run.step_counters()) == {"wan_bytes": 7}
     run.pipeline_wan["wan"] = 9
     assert run.step_metrics(run.step_counters()) == {"wan_bytes": 2}
-    assert run.finish([]) == {"wan": 9}
+    run.finish([])
+    assert run.bytes_by_tier == {"wan": 9}
 
 
 def test_no_pipeline_counter_without_a_pipeline_across_datacenters() -> None:
@@ -89,10 +112,10 @@ def test_a_datacenter_job_reports_the_quorum_of_each_new_round() -> None:
     sync = SimpleNamespace(bytes_sent=new_counter(), history=history, join=lambda params: 0)
     job.ft_sync = job.sync = sync  # type: ignore[assignment]
     assert job.join([]) == 0
-    assert job.round_metrics() == {}  # no round in this step
+    assert job.end_step(1) == {}  # no round in this step
     history.append(SimpleNamespace(participants=1))
-    assert job.round_metrics() == {"dc_quorum": 1}
-    assert job.round_metrics() == {}
+    assert job.end_step(2) == {"dc_quorum": 1}
+    assert job.end_step(3) == {}
     assert "dc_quorum" not in job.step_metrics(job.step_counters())  # the step's sums carry bytes only
 
 

@@ -1,9 +1,11 @@
 """`GeoRun`: what the trainer asks of a run across datacenters, answered once from the config.
 
 The training loop is the same for every layout. It asks the run where its files go, which
-data-parallel rank this process is, its share of each batch's tokens, which strategy keeps the
-datacenters' replicas in step (``geo.sync``), and what each step and the whole run sent over which
-links. Two answers exist:
+data-parallel rank this process is, its share of each batch's tokens, and what each step and the
+whole run sent over which links. The run owns the strategy that keeps the datacenters' replicas in
+step (``geo.sync``, its `sync`) and joins each optimizer step as one of the trainer's step hooks
+(`isthmus.train.hooks.StepHooks`): it reduces gradients after backward, syncs after the optimizer
+step, and finishes the strategy after the last step. Two answers exist:
 
 - `GeoRun`: the run is one job; every rank of the layout is in this process group (one datacenter,
   or several joined by ``geo.sync`` or by pipeline stages, ``geo.dc_axis = pp``).
@@ -14,7 +16,8 @@ links. Two answers exist:
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -61,6 +64,9 @@ class GeoRun:
         self._pipeline_sent_before: dict[str, int] = {}
         self.time_share: TimeShare | None = None
         """``geo.wan_schedule = time_shared``: this rank's turns on the WAN, once `wire_pipeline` made them."""
+        self.bytes_by_tier: dict[str, int] = {}
+        """What the whole run sent by link tier, summed over ranks once `finish` ran (empty without
+        cross-datacenter traffic)."""
 
     # -- where this process stands ---------------------------------------------------------------
 
@@ -190,15 +196,38 @@ class GeoRun:
             out["wan_bytes"] = int(next(values))
         return out
 
-    def round_metrics(self) -> dict[str, int]:
+    # -- the trainer's step hooks (`isthmus.train.hooks.StepHooks`) --------------------------------
+
+    def begin_step(self, step: int) -> None:
+        """Nothing: the strategy acts once the gradients exist."""
+
+    def span(self, what: str) -> AbstractContextManager[Any]:
+        """Nothing: the run times no op of its own."""
+        return nullcontext()
+
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """``geo.sync``'s gradient reduction (it does all data-parallel communication when set)."""
+        if self.sync is not None:
+            self.sync.reduce_gradients(params)
+
+    def wait(self, work: Any, name: str, inner: Callable[[Any, str], None]) -> None:
+        """The plain wait: nothing to do meanwhile."""
+        inner(work, name)
+
+    def after_optimizer_step(self, step: int, params: list[nn.Parameter]) -> None:
+        """``geo.sync``'s outer step or transfers, after optimizer step number ``step`` (1-based)."""
+        if self.sync is not None:
+            self.sync.after_optimizer_step(step - 1, params)
+
+    def end_step(self, step: int) -> dict[str, Any]:
         """What the outer round that ended with the step just taken says (called at once after the
         step, unlike `step_metrics`, whose sums arrive a step later): ``dc_quorum`` under
         ``geo.fault_tolerant``."""
         return {}
 
-    def finish(self, params: list[nn.Parameter]) -> dict[str, int]:
+    def finish(self, params: list[nn.Parameter]) -> None:
         """After the last step: apply transfers still in flight, log what the whole run sent, and
-        return it by link tier (empty without cross-datacenter traffic). A collective."""
+        keep it by link tier in `bytes_by_tier`. A collective."""
         by_tier: dict[str, int] = {}
         if self.sync is not None:
             self.sync.finish(params)
@@ -227,7 +256,7 @@ class GeoRun:
                 len(held),
                 " ".join(f"{a:.4f},{b:.4f}" for a, b in held),
             )
-        return by_tier
+        self.bytes_by_tier = by_tier
 
 
 class DatacenterJob(GeoRun):
@@ -277,7 +306,7 @@ class DatacenterJob(GeoRun):
         self._rounds_seen = len(self.ft_sync.history)
         return step
 
-    def round_metrics(self) -> dict[str, int]:
+    def end_step(self, step: int) -> dict[str, Any]:
         assert self.ft_sync is not None
         history = self.ft_sync.history
         if len(history) > self._rounds_seen:

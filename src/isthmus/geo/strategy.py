@@ -1,6 +1,6 @@
 """`GeoSync`: what every cross-datacenter strategy offers the trainer, and its counted collectives.
 
-The trainer calls, per optimizer step::
+The trainer calls, per optimizer step (through `isthmus.geo.run.GeoRun`, which owns the strategy)::
 
     loss.backward()
     sync.reduce_gradients(params)          # average gradients as the strategy says

@@ -1,18 +1,21 @@
 """Prefill as a service in a training run's pipeline bubbles (``[bubbles]``), and the per-rank
 busy/idle timeline (``metrics.timeline``).
 
-:class:`BubbleRun` is what the trainer holds: it reads the requests, builds the serving model,
-hooks the pipeline stages (``parallel.bubbles``), marks steps and the optimizer on the timeline,
-reports each rank's busy fraction per step, and at the end writes ``<run_dir>/prefill.jsonl`` and
-the trace. The serving model is a separate, frozen module that fits the memory training leaves
-spare: the run's own shape at the weights it starts from, or a named flavor; it is not the weights
-being trained, which are split over the pipeline ranks and change every step.
+:class:`BubbleRun` is one of the trainer's step hooks (`isthmus.train.hooks.StepHooks`): it reads
+the requests, builds the serving model, hooks the pipeline stages (``parallel.bubbles``), marks
+steps and the step's ops on the timeline, fills the step's waits, reports each rank's busy fraction
+per step, and at the end writes ``<run_dir>/prefill.jsonl`` and the trace. The serving model is a
+separate, frozen module that fits the memory training leaves spare: the run's own shape at the
+weights it starts from, or a named flavor; it is not the weights being trained, which are split over
+the pipeline ranks and change every step.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +98,7 @@ def prefill_alone(run_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 class BubbleRun:
-    """The trainer's handle on bubble filling and the timeline (one per rank)."""
+    """Bubble filling and the timeline, as the trainer's step hook (one per rank)."""
 
     def __init__(
         self,
@@ -112,6 +115,8 @@ class BubbleRun:
         self.timeline = Timeline()
         self.filler: BubbleFiller | None = None
         self._window_start: float | None = None
+        self.pipelined = schedule is not None
+        """Whether the pipeline stages record their own forward and backward chunks."""
         self.serving = bool(cfg.bubbles.prefill) and schedule is not None
         if schedule is None:
             return
@@ -146,13 +151,26 @@ class BubbleRun:
         if self.filler is not None:
             self.filler.begin_step(step)
 
-    def wait(self, work: Any, name: str) -> None:
-        """Wait for a collective of the step (gradient norm, loss), filling the wait when filling."""
+    def span(self, what: str) -> AbstractContextManager[Any]:
+        """A training op on the timeline (a pipeline's forward and backward are its stages')."""
+        if what == "forward+backward" and self.pipelined:
+            return nullcontext()
+        return self.timeline.span(what, "optimizer" if what == "optimizer" else "forward")
+
+    def reduce_gradients(self, params: list[nn.Parameter]) -> None:
+        """Nothing: the serving model is not the one trained."""
+
+    def wait(self, work: Any, name: str, inner: Callable[[Any, str], None]) -> None:
+        """Wait for a collective of the step (gradient norm, loss), filling the wait when filling
+        (the filler then waits for ``work`` itself)."""
         if self.filler is not None:
             self.filler.wait(work, name)
         else:
             with self.timeline.span(name, "wait"):
-                work.wait()
+                inner(work, name)
+
+    def after_optimizer_step(self, step: int, params: list[nn.Parameter]) -> None:
+        """Nothing: the serving model is not the one trained."""
 
     def end_step(self, step: int) -> dict[str, Any]:
         """This step's busy fraction of every rank, and the prefill tokens served in its bubbles
@@ -180,7 +198,7 @@ class BubbleRun:
             out["prefill_tokens"] = int(sum(float(t[1]) for t in every))
         return out
 
-    def finish(self) -> None:
+    def finish(self, params: list[nn.Parameter]) -> None:
         """Serve what no bubble had room for, then rank 0 writes prefill.jsonl and the trace from
         every rank's part. A collective."""
         if self.filler is not None:

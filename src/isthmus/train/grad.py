@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from isthmus.train.hooks import Wait, wait_for
 
 
 def clip_grad_norm(
     params: list[nn.Parameter],
     max_norm: float,
     pp_group: dist.ProcessGroup | None = None,
-    wait: Callable[[dist.Work, str], None] | None = None,
+    wait: Wait = wait_for,
 ) -> float:
     """Clip to ``max_norm`` by the global gradient norm; returns that norm.
 
-    ``wait(work, name)``, when given, waits for the all-reduce over ``pp_group`` (bubble filling
-    runs prefill meanwhile: a stage that finished its backward waits here for the others).
+    ``wait(work, name)`` waits for the all-reduce over ``pp_group`` (the trainer's step hooks fill
+    it with prefill: a stage that finished its backward waits here for the others).
 
     DTensor gradients (FSDP, TP) give a DTensor norm whose ``full_tensor`` reduces over their mesh;
     pipeline stages hold disjoint parameters, so their squared norms are summed over ``pp_group``
@@ -41,10 +41,7 @@ def clip_grad_norm(
     if pp_group is not None:
         work = dist.all_reduce(sq, group=pp_group, async_op=True)
         assert work is not None
-        if wait is not None:
-            wait(work, "all-reduce grad norm")
-        else:
-            work.wait()
+        wait(work, "all-reduce grad norm")
         total = sq.sqrt().float()
     norm = total.item()
     coef = max_norm / (norm + 1e-6)

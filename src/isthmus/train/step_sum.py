@@ -12,14 +12,12 @@ once. torch.distributed has no "reduce for the logs, eventually" of its own.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-Wait = Callable[[Any, str], None]
-"""Waits for a collective's work (the bubble filler's, which fills the wait); None: ``work.wait()``."""
+from isthmus.train.hooks import Wait, wait_for
 
 
 class StepSum:
@@ -34,13 +32,11 @@ class StepSum:
             self._value[2:] = torch.tensor(list(counters), dtype=torch.float64)
         self._work = dist.all_reduce(self._value, async_op=True) if world > 1 else None
 
-    def wait(self, wait: Wait | None = None) -> StepSum:
-        """Block until the sum is in (at most once); returns self."""
+    def wait(self, wait: Wait = wait_for) -> StepSum:
+        """Block until the sum is in (at most once), through ``wait`` (the trainer's step hooks,
+        which may fill it); returns self."""
         if self._work is not None:
-            if wait is not None:
-                wait(self._work, "all-reduce loss")  # stages without the loss wait here for the last one
-            else:
-                self._work.wait()
+            wait(self._work, "all-reduce loss")  # stages without the loss wait here for the last one
             self._work = None
         return self
 
