@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             row.gpus,
             row.global_batch,
             lay.dp,
-            lay.microbatches,
+            lay.microbatches_per_step,
             sched,
             row.tflops_per_gpu,
             f"{est.tflops_per_device:.1f}",

@@ -88,7 +88,7 @@ def to_layout(values: dict[str, object]) -> LayoutSpec:
     accum = int(v.pop("grad_accum", 1))  # type: ignore[arg-type]
     dp = int(v.get("dp_replicate", 1)) * int(v.get("dp_shard", 1))  # type: ignore[arg-type]
     pp = int(v.get("pp", 1))  # type: ignore[arg-type]
-    m = int(v.get("microbatches", 1)) if pp > 1 else accum  # type: ignore[arg-type]
+    m = int(v.get("microbatches", 1)) if pp > 1 else 1  # type: ignore[arg-type]
     return LayoutSpec(
         tp=int(v.get("tp", 1)),
         cp=int(v.get("cp", 1)),  # type: ignore[arg-type]
@@ -99,8 +99,9 @@ def to_layout(values: dict[str, object]) -> LayoutSpec:
         dp_replicate=int(v.get("dp_replicate", 1)),
         dp_shard=int(v.get("dp_shard", 1)),  # type: ignore[arg-type]
         zero_stage=int(v.get("zero_stage", 3 if v.get("dp_shard", 1) != 1 else 1)),  # type: ignore[arg-type]
-        micro_batch=BATCH // (dp * m),
+        micro_batch=BATCH // (dp * m * accum),
         microbatches=m,
+        grad_accum=accum,
     )
 
 
@@ -110,7 +111,7 @@ def train_flags(lay: LayoutSpec) -> list[str]:
         if key in ("cp_impl", "activation_checkpoint"):
             continue
         flags += [f"--parallel.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
-    flags += ["--train.grad_accum", str(lay.microbatches if lay.pp == 1 else 1)]
+    flags += ["--train.grad_accum", str(lay.grad_accum)]
     return flags
 
 
@@ -197,7 +198,7 @@ def predict(rows: list[Row], topology: str) -> None:
 
 def planner_choice(nproc: int, topology: str) -> LayoutSpec:
     topo = local_topology(nproc, topology)
-    space = SearchSpace(batch_size=BATCH, seq_len=SEQ, activation_checkpoint="none", dc_axis="none")
+    space = SearchSpace({"activation_checkpoint": "none", "dc_axis": "none"}, batch_size=BATCH, seq_len=SEQ)
     return choose_layout(
         get_flavor("small"), topo, space, {"nproc": nproc}, local_runtime(), "fp32", top=50, band=SIMPLEST_WITHIN
     ).layout

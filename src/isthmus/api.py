@@ -14,13 +14,14 @@ pipeline schedule. They call the same functions as `isthmus.train.trainer`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from isthmus.config import JobConfig, ParallelConfig, set_value
+from isthmus.config import JobConfig, set_value
 from isthmus.errors import ConfigError
 from isthmus.layout.dims import Meshes, ParallelDims, check_layout
 from isthmus.layout.spec import LayoutSpec
@@ -53,11 +54,10 @@ def parallelize(
     used: a meta copy is built from ``model.args``, and every layout (one process included) starts
     from the weights that ``seed`` gives, exactly those of the single-process model of that seed.
 
-    - ``layout``: a :class:`~isthmus.layout.LayoutSpec` (every ``[parallel]`` key: degrees,
-      zero_stage, sequence_parallel, cp_impl, pp_schedule, microbatches, pp_virtual_stages,
-      activation_checkpoint; what ``isthmus plan --json`` prints under ``layout``), or just the
-      degrees as :class:`ParallelDims` (the other keys take the config's defaults).
-      Cross-datacenter sync (``sync``) is run by ``isthmus train``, not here.
+    - ``layout``: a :class:`~isthmus.layout.LayoutSpec` (its ``[parallel]`` keys; what
+      ``isthmus plan --json`` prints under ``layout``), or just the degrees as :class:`ParallelDims`
+      (the other keys take the config's defaults). Cross-datacenter sync (``sync``) is run by
+      ``isthmus train``, not here, and gradient accumulation (``grad_accum``) by your loop.
     - ``layout.world > 1`` needs the default process group (run under torchrun and call
       ``torch.distributed.init_process_group()`` first). ``mesh`` defaults to ``dims.build_mesh``;
       build it yourself and pass it when the loop needs it too (the dp rank, cp, pp).
@@ -105,7 +105,7 @@ def parallelize(
     cfg = JobConfig()
     for key, value in {**spec.config_overrides(batch=False), "train.seq_len": checked_len}.items():
         set_value(cfg, key, value, from_cli=False)
-    cfg.train.batch_size = spec.dp * (spec.microbatches if spec.pp > 1 else 1)
+    cfg.train.batch_size = spec.dp * spec.microbatches
     cfg.train.grad_accum = 1
     dims = check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers)
     if any(t.device.type != "meta" for t in model.parameters()):
@@ -190,20 +190,14 @@ def _plain(loss: torch.Tensor) -> torch.Tensor:
 
 
 def _spec_of(dims: ParallelDims) -> LayoutSpec:
-    """The layout of ``dims``'s degrees, every other ``[parallel]`` key at the config's default."""
-    defaults = ParallelConfig()
-    keys = ("zero_stage", "sequence_parallel", "cp_impl", "pp_schedule", "pp_virtual_stages", "activation_checkpoint")
-    return LayoutSpec(
-        dp_replicate=dims.dp_replicate,
-        dp_shard=dims.dp_shard,
-        tp=dims.tp,
-        cp=dims.cp,
-        pp=dims.pp,
-        microbatches=defaults.microbatches,
-        datacenters=dims.datacenters,
-        dc_axis="dp" if dims.datacenters > 1 else "none",
-        **{k: getattr(defaults, k) for k in keys},
-    )
+    """The layout of ``dims``'s degrees, every other key at the config's default."""
+    cfg = JobConfig()
+    cfg.parallel.nproc = dims.world_size
+    for f in dataclasses.fields(dims):
+        key = LayoutSpec.config_key(f.name)  # the degrees and datacenters: world_size is nproc's
+        if key is not None:
+            set_value(cfg, key, getattr(dims, f.name), from_cli=False)
+    return LayoutSpec.from_config(cfg)
 
 
 def _resolve_device(device: torch.device | str | None) -> torch.device:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from isthmus.errors import ConfigError
-from isthmus.layout.plan import is_plan_file, plan_overrides
 from isthmus.layout.choices import ActivationCheckpoint, CpImpl, PpSchedule, SyncKind, WanSchedule
+from isthmus.layout.plan import is_plan_file, plan_overrides
 
 RUN_DIR_PLACEHOLDERS = ("{config}", "{time}")
 """What train.run_dir may hold: the config's name and the run's start time (see isthmus.launch.rundir)."""
@@ -107,7 +107,8 @@ class TrainConfig:
     seq_len: int = 128
     """Tokens per sequence."""
     grad_accum: int = 1
-    """Micro-steps per optimizer step (gradient accumulation)."""
+    """Forward/backward passes accumulated per optimizer step (gradient accumulation); under a pipeline,
+    each runs parallel.microbatches microbatches."""
     dtype: Literal["fp32", "bf16"] = "fp32"
     """Compute dtype: fp32, or bf16 over fp32 parameters: FSDP2's mixed precision where FSDP holds the
     weights (bf16 gathered, fp32 reductions), torch.autocast elsewhere."""
@@ -154,7 +155,7 @@ class ParallelConfig:
     pp_schedule: PpSchedule = "1f1b"
     """Pipeline schedule."""
     microbatches: int = 1
-    """Pipeline microbatches per step."""
+    """A pipeline's microbatches per step (needs parallel.pp > 1; gradient accumulation is train.grad_accum)."""
     pp_virtual_stages: int = 1
     """Pipeline stages per rank (interleaved schedules need 2 or more)."""
     activation_checkpoint: ActivationCheckpoint = "none"
@@ -613,6 +614,12 @@ def validate(cfg: JobConfig) -> None:
         _require(Path(m.init_from).exists(), "model.init_from", m.init_from, "no such folder or file")
     for key in ("nproc", "tp", "cp", "pp", "microbatches", "pp_virtual_stages"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", getattr(p, key), "must be at least 1")
+    _require(
+        p.pp > 1 or p.microbatches == 1,
+        "parallel.microbatches",
+        p.microbatches,
+        "counts a pipeline's microbatches and parallel.pp = 1: gradient accumulation is train.grad_accum",
+    )
     for key in ("dp_replicate", "dp_shard"):
         _require(
             getattr(p, key) >= 1 or getattr(p, key) == -1,

@@ -60,6 +60,11 @@ BAD_CLI = [
     (["--model.flavor", "huge"], "unknown flavor"),
     (["--model.n_kv_heads", "3"], "must divide model.n_heads"),
     (["--train.batch_size", "10", "--train.grad_accum", "3"], "must divide train.batch_size"),
+    # One name per meaning: microbatches are a pipeline's; accumulation without one is grad_accum.
+    (
+        ["--parallel.microbatches", "4"],
+        "parallel.microbatches = 4: counts a pipeline's microbatches and parallel.pp = 1",
+    ),
     (["--data.path", "/no/such/corpus"], "no such file or folder"),
     (["--data.val_fraction", "0.9"], "must be in (0, 0.5)"),
     (["--model.vocab_size", "100"], "must be at least the tokenizer's vocabulary"),

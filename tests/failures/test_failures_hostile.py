@@ -208,8 +208,8 @@ def test_an_infinite_bandwidth_is_refused_by_plan_simulate_and_emulate(
     path = str(_topology(tmp_path, "bandwidth_gb_s = 0.0025", "bandwidth_gb_s = inf"))
     line = "isthmus: error: topology.wan[0].bandwidth_gb_s = inf: must be a positive finite number"
     for argv in (
-        ["plan", "--topology", path, "--model", "tiny"],
-        ["simulate", "--topology", path, "--model", "tiny"],
+        ["plan", "--topology", path, "--model.flavor", "tiny"],
+        ["simulate", "--topology", path, "--model.flavor", "tiny"],
         ["emulate", "--topology", path, "--", "train", "--config", "tiny"],
     ):
         assert main(argv) == 2, argv

@@ -1,10 +1,13 @@
-"""One vocabulary: every `LayoutSpec` field is a config key, round-trips config -> spec -> planner
--> spec -> config unchanged, and `isthmus plan --json` speaks only config keys."""
+"""One layout record: the layout's fields are declared once in the config and once in `LayoutSpec`,
+the trainer, the API and the planner build from it, every field round-trips config -> spec ->
+planner -> spec -> config unchanged, and `isthmus plan --json` speaks only config keys."""
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -105,11 +108,71 @@ def _config(values: dict[str, Any]) -> JobConfig:
     return cfg
 
 
-def test_every_field_is_a_config_key_or_documented_as_derived() -> None:
+NOT_LAYOUT = {
+    "parallel": {"nproc", "backend", "max_restarts", "timeout_s", "plan", "plan_topology"},
+    "geo": {
+        "wan_dtype",
+        "block_size",
+        "error_feedback",
+        "bucket_mb",
+        "outer_lr",
+        "outer_momentum",
+        "mix_alpha",
+        "eager",
+        "outer_dtype",
+        "fault_tolerant",
+    },
+    "train": set(section_fields(JobConfig())["train"]) - {"grad_accum"},
+}
+"""The config keys that are not the layout's: the world size (``nproc``: ``LayoutSpec.world``), how
+a run launches, restarts and plans, how a geo sync runs (not where), and of ``[train]`` all but
+gradient accumulation. A new ``[parallel]`` or ``[geo]`` key goes into ``LayoutSpec`` or here."""
+
+
+def test_the_layout_fields_are_declared_once_in_the_config_and_once_in_layout_spec() -> None:
     keys = section_fields(JobConfig())
-    for f in dataclasses.fields(LayoutSpec):
-        assert f.name in keys["parallel"] or f.name in keys["geo"] or f.name in DERIVED, f.name
-    assert set(PARALLEL_KEYS) <= set(keys["parallel"]) and set(GEO_KEYS) <= set(keys["geo"])
+    in_spec = {key for f in dataclasses.fields(LayoutSpec) if (key := LayoutSpec.config_key(f.name))}
+    for section, not_layout in NOT_LAYOUT.items():
+        config_side = {f"{section}.{k}" for k in keys[section]} - {f"{section}.{k}" for k in not_layout}
+        spec_side = {k for k in in_spec if k.startswith(f"{section}.")}
+        assert config_side - spec_side == set(), f"config keys of the layout missing from LayoutSpec: {section}"
+        assert spec_side - config_side == set(), f"LayoutSpec fields that are no {section} key"
+    assert in_spec <= {f"{s}.{k}" for s in NOT_LAYOUT for k in keys[s]}
+    assert DERIVED == ("micro_batch",)
+    assert set(PARALLEL_KEYS) | set(GEO_KEYS) | {"grad_accum"} | set(DERIVED) == {
+        f.name for f in dataclasses.fields(LayoutSpec)
+    }
+    # The words a key takes are the config's (LayoutSpec's dc_axis adds 'none', one datacenter).
+    spec_hints = typing.get_type_hints(LayoutSpec)
+    for key in in_spec:
+        section, name = key.split(".")
+        config_hint = typing.get_type_hints(type(getattr(JobConfig(), section)))[name]
+        if typing.get_origin(config_hint) is typing.Literal:
+            assert set(typing.get_args(config_hint)) <= set(typing.get_args(spec_hints[name])), key
+        else:
+            assert config_hint is spec_hints[name], key
+
+
+def test_the_trainer_the_api_and_the_planner_build_from_layout_spec() -> None:
+    from isthmus import api
+    from isthmus.layout.dims import ParallelDims
+    from isthmus.planner.search import SearchSpace
+    from isthmus.train import trainer
+
+    # The trainer's log line and checkpoint manifest are the spec's: it keeps no record of its own.
+    source = inspect.getsource(trainer)
+    assert "LayoutSpec.from_config(cfg)" in source and "def _layout" not in source
+    # The API: degrees alone are the layout with every other key at the config's default.
+    cfg = _config({"parallel.nproc": 8, "parallel.dp_replicate": 2, "parallel.dp_shard": 2, "parallel.tp": 2})
+    assert api._spec_of(ParallelDims(2, 2, 1, 2, 1, 8)) == LayoutSpec.from_config(cfg)
+    # The planner: every keyed field is a flag of `isthmus plan` (and so `simulate`) named as its
+    # key, and what the search keeps (sequence_parallel it takes wherever tp > 1).
+    parser = ArgumentParser(prog="isthmus")
+    flags = set(plan_cli.add_parser(parser.add_subparsers())._option_string_actions)
+    named = {f.name for f in dataclasses.fields(LayoutSpec) if LayoutSpec.config_key(f.name)} - {"sequence_parallel"}
+    assert {f"--{LayoutSpec.config_key(n)}" for n in named} <= flags
+    single = {n: getattr(LayoutSpec(), n) for n in named if n not in ("sync", "wan_schedule")}
+    assert SearchSpace(single).fixed == single
 
 
 def test_the_cases_cover_every_field() -> None:
@@ -165,7 +228,7 @@ def test_the_plan_json_speaks_config_keys(capsys: pytest.CaptureFixture[str]) ->
     plan_cli.add_parser(sub)
     argv = [
         "plan",
-        "--model",
+        "--model.flavor",
         "tiny",
         "--topology",
         "emulated-2dc",
@@ -181,7 +244,9 @@ def test_the_plan_json_speaks_config_keys(capsys: pytest.CaptureFixture[str]) ->
     out = json.loads(capsys.readouterr().out)
     keys = section_fields(JobConfig())
     for lay in out["layouts"]:
-        assert set(lay["layout"]) <= set(keys["parallel"]) | set(keys["geo"]) | set(DERIVED)
+        for name in lay["layout"]:
+            key = LayoutSpec.config_key(name)
+            assert name in DERIVED if key is None else key.split(".")[1] in keys[key.split(".")[0]], name
         for section in ("parallel", "geo", "train", "model"):
             assert set(lay[section]) <= set(keys[section]), section
         assert LayoutSpec.from_dict(lay["layout"]).label() == lay["label"]
@@ -194,15 +259,25 @@ def test_one_rule_for_the_runtime_and_the_search() -> None:
     assert rules.data_parallel_kind(1, 2, 1, 1, 1, 3) == "ddp" and rules.data_parallel_kind(2, 1, 1, 1, 1, 1) == "zero1"
 
 
-@pytest.mark.parametrize(("topology", "devices", "values"), CASES)
-def test_the_manifest_form_is_what_a_checkpoint_records(topology: str, devices: int, values: dict[str, Any]) -> None:
-    from isthmus.layout.dims import check_layout
-    from isthmus.train import trainer
+MANIFEST_KEYS = {
+    *("summary", "world_size", "dp_replicate", "dp_shard", "zero_stage", "tp", "sequence_parallel", "cp"),
+    *("cp_impl", "pp", "pp_schedule", "pp_virtual_stages", "microbatches", "datacenters", "dc_axis", "sync"),
+}
+"""What a checkpoint's manifest records of its layout, as earlier versions wrote it: a run resumed
+under an equal layout restores each rank's RNG (and a geo run its geo state)."""
 
+
+@pytest.mark.parametrize(("topology", "devices", "values"), CASES)
+def test_the_manifest_records_what_decides_each_ranks_state(
+    topology: str, devices: int, values: dict[str, Any]
+) -> None:
     cfg = _config(values)
-    dims = check_layout(cfg, ARGS.n_heads, ARGS.n_kv_heads, ARGS.n_layers)
-    summary = trainer._layout_str(dims, cfg)
-    assert LayoutSpec.from_config(cfg).manifest(dims.world_size, summary) == trainer._layout(dims, cfg)
+    manifest = LayoutSpec.from_config(cfg).manifest(cfg.parallel.nproc)
+    assert set(manifest) == MANIFEST_KEYS
+    for key in MANIFEST_KEYS - {"summary", "world_size"}:
+        section = "geo" if key in GEO_KEYS else "parallel"
+        assert manifest[key] == getattr(getattr(cfg, section), key), key
+    assert manifest["summary"] == LayoutSpec.from_config(cfg).describe()
 
 
 def test_a_manifest_saved_under_the_old_key_reads_under_the_config_name(tmp_path: Path) -> None:
@@ -213,4 +288,4 @@ def test_a_manifest_saved_under_the_old_key_reads_under_the_config_name(tmp_path
     write_manifest(tmp_path, Manifest(3, {}, layout, "", {}, {}))
     got = read_manifest(tmp_path).layout
     assert got["sync"] == "diloco" and "geo_sync" not in got
-    assert set(LayoutSpec().manifest(1, "")) >= set(got)  # every key a manifest has is a current one
+    assert set(LayoutSpec().manifest(1)) >= set(got)  # every key a manifest has is a current one

@@ -17,7 +17,7 @@ from procs import run_isthmus, tiny_run
 
 PLAN = [
     "plan",
-    "--model",
+    "--model.flavor",
     "tiny",
     "--topology",
     "emulated-2dc",

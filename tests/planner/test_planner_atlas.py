@@ -133,7 +133,7 @@ def test_wan_schedule_round_trips_config_plan_and_layout(capsys: pytest.CaptureF
     parser = ArgumentParser(prog="isthmus")
     sub = parser.add_subparsers(dest="command", parser_class=ArgumentParser)
     plan_cli.add_parser(sub)
-    argv = ["plan", "--model", "tiny", "--topology", "emulated-2dc", "--train.batch_size", "8"]
+    argv = ["plan", "--model.flavor", "tiny", "--topology", "emulated-2dc", "--train.batch_size", "8"]
     argv += ["--train.seq_len", "32", "--top", "3", "--json", "--geo.dc_axis", "pp", "--parallel.pp", "2"]
     argv += ["--parallel.tp", "2", "--geo.wan_streams", "3", "--geo.wan_schedule", "time_shared"]
     assert plan_cli.run(parser.parse_args(argv)) == 0

@@ -23,7 +23,7 @@ def test_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> N
     assert (
         plan(
             [
-                "--model",
+                "--model.flavor",
                 "small",
                 "--topology",
                 "local",
@@ -57,7 +57,7 @@ def test_json_has_the_documented_fields(capsys: pytest.CaptureFixture[str]) -> N
 
 def test_table_and_explanation(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
-        "--model",
+        "--model.flavor",
         "gpt3-1.7b",
         "--topology",
         "selene-a100",
@@ -83,7 +83,7 @@ def test_table_and_explanation(capsys: pytest.CaptureFixture[str]) -> None:
 def test_model_overrides_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
     plan(
         [
-            "--model",
+            "--model.flavor",
             "gpt3-1.7b",
             "--model.n_layers",
             "4",
@@ -102,13 +102,13 @@ def test_model_overrides_reach_the_plan(capsys: pytest.CaptureFixture[str]) -> N
     assert out["model_params"] < 500_000_000
 
 
-_H100X8 = ["--model", "llama3-8b", "--topology", "grand-teton-h100", "--gpus", "8", "--train.seq_len", "4096"]
+_H100X8 = ["--model.flavor", "llama3-8b", "--topology", "grand-teton-h100", "--gpus", "8", "--train.seq_len", "4096"]
 
 
 def test_train_dtype_and_compile_are_planned_and_carried_in_the_json(capsys: pytest.CaptureFixture[str]) -> None:
     """--train.dtype and --train.compile: the names `isthmus train` gives them; the plan's train keys
     carry both, so `--parallel.plan plan.json` trains as planned."""
-    base = ["--model", "small", "--topology", "local", "--train.batch_size", "16", "--train.seq_len", "128"]
+    base = ["--model.flavor", "small", "--topology", "local", "--train.batch_size", "16", "--train.seq_len", "128"]
     base += ["--parallel.dp_shard", "1", "--top", "1", "--json"]
     planned = {}
     for compiled in ("false", "true"):
@@ -129,13 +129,16 @@ def test_train_dtype_and_compile_are_planned_and_carried_in_the_json(capsys: pyt
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--model", "small", "--train.batch_size", "0"], "--train.batch_size = 0: must be at least 1"),
-        (["--model", "small", "--geo.sync", "flat,warp"], "--geo.sync = 'warp'"),
-        (["--model", "small", "--topology", "nowhere.toml"], "--topology = 'nowhere.toml': no such file or preset"),
-        (["--model", "small", "--model.n_heads", "5"], "model.n_heads = 5"),
-        (["--model", "nope"], "model.flavor = 'nope'"),
-        (["--model", "small", "--parallel.activation_checkpoint", "most"], "invalid choice"),
-        (["--model", "small", "--gpus", "3"], "--gpus = 3"),
+        (["--model.flavor", "small", "--train.batch_size", "0"], "--train.batch_size = 0: must be at least 1"),
+        (["--model.flavor", "small", "--geo.sync", "flat,warp"], "--geo.sync = 'warp'"),
+        (
+            ["--model.flavor", "small", "--topology", "nowhere.toml"],
+            "--topology = 'nowhere.toml': no such file or preset",
+        ),
+        (["--model.flavor", "small", "--model.n_heads", "5"], "model.n_heads = 5"),
+        (["--model.flavor", "nope"], "model.flavor = 'nope'"),
+        (["--model.flavor", "small", "--parallel.activation_checkpoint", "most"], "invalid choice"),
+        (["--model.flavor", "small", "--gpus", "3"], "--gpus = 3"),
         # A fixed value that rules out every layout is named, not only "no layout is valid".
         ([*_H100X8, "--parallel.pp", "3"], "--parallel.pp = 3: no valid layout of this 8.03B-parameter model"),
         ([*_H100X8, "--parallel.dp_shard", "3"], "--parallel.dp_shard = 3: no valid layout"),
@@ -158,7 +161,7 @@ def test_a_reader_that_leaves_early_ends_the_command_quietly(tmp_path) -> None:
     import sys
 
     cmd = (
-        f"{sys.executable} -m isthmus plan --model gpt3-145.6b --topology selene-a100 --train.batch_size 1536"
+        f"{sys.executable} -m isthmus plan --model.flavor gpt3-145.6b --topology selene-a100 --train.batch_size 1536"
         " --train.seq_len 2048 --top 3 | true"
     )
     proc = subprocess.run(
@@ -172,7 +175,7 @@ def test_a_pinned_layout_over_memory_shows_its_own_peak() -> None:
     """Pinning dp_shard leaves cores it cannot divide; they have no variant and are not "over memory",
     so the closest refused device is the pinned layout's own, above the limit (it once showed an
     unsharded floor of 65.8 GB "of 91.2 GB usable")."""
-    argv = ["--model", "llama3-8b", "--topology", "grand-teton-h100", "--gpus", "8", "--train.batch_size", "96"]
+    argv = ["--model.flavor", "llama3-8b", "--topology", "grand-teton-h100", "--gpus", "8", "--train.batch_size", "96"]
     argv += ["--train.seq_len", "8192", "--micro-batch", "4", "--train.dtype", "bf16"]
     argv += ["--parallel.activation_checkpoint", "selective", "--parallel.tp", "1", "--parallel.pp", "1"]
     argv += ["--parallel.dp_shard", "8", "--parallel.zero_stage", "3"]

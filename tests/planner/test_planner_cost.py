@@ -217,14 +217,14 @@ def test_estimate_reports_memory_that_does_not_fit() -> None:
     est = estimate(
         work,
         topo,
-        LayoutSpec(tp=8, sequence_parallel=True, micro_batch=1, microbatches=8, activation_checkpoint="full"),
+        LayoutSpec(tp=8, sequence_parallel=True, micro_batch=1, grad_accum=8, activation_checkpoint="full"),
         ISTH,
     )
     assert not est.fits and est.mem_per_device_gb > 80
     small = estimate(
         Workload(get_flavor("gpt3-1.7b"), 64, 2048),
         topo,
-        LayoutSpec(dp_replicate=8, micro_batch=1, microbatches=8, activation_checkpoint="full"),
+        LayoutSpec(dp_replicate=8, micro_batch=1, grad_accum=8, activation_checkpoint="full"),
         ISTH,
     )
     assert small.fits and 0.2 < small.mfu < 0.8 and small.bubble_fraction == 0 and small.wan_bytes_per_step == 0

@@ -68,7 +68,7 @@ def test_per_gpu_tflops_within_ten_percent(ref: tuple) -> None:
         1,
         "full",
     )
-    assert lay.dp * lay.microbatches == row.global_batch
+    assert lay.dp * lay.microbatches_per_step == row.global_batch
     assert est.fits, f"{row.params_b}B: {est.mem_per_device_gb:.1f} GB does not fit in 80 GB"
     err = est.tflops_per_device / row.tflops_per_gpu - 1
     assert abs(err) <= TOLERANCE, f"{row.params_b}B: predicted {est.tflops_per_device:.1f} vs {row.tflops_per_gpu}"

@@ -109,7 +109,7 @@ def test_distributed_optimizer_state_per_rank() -> None:
 
 def test_the_1t_layout_korthikanti_ran_is_admitted_with_its_memory_printed() -> None:
     cmd = [
-        "simulate", "--model", "gpt3-1t", "--topology", "selene-a100", "--gpus",
+        "simulate", "--model.flavor", "gpt3-1t", "--topology", "selene-a100", "--gpus",
         "512", "--train.batch_size", "512", "--train.seq_len", "2048", "--micro-batch", "1", "--train.dtype", "fp16",
         "--parallel.activation_checkpoint", "selective", "--runtime", "megatron-2022",
         "--plan", "tp=8,pp=64,sequence_parallel=true,pp_schedule=1f1b",
@@ -122,7 +122,7 @@ def test_the_1t_layout_korthikanti_ran_is_admitted_with_its_memory_printed() -> 
 
 
 def test_nodes_grows_a_preset_and_refuses_in_one_line() -> None:
-    base = ["plan", "--model", "gpt3-145.6b", "--topology", "selene-a100"]
+    base = ["plan", "--model.flavor", "gpt3-145.6b", "--topology", "selene-a100"]
     args = ["--train.batch_size", "6144", "--train.seq_len", "2048", "--micro-batch", "1", "--top", "1", "--json"]
     grown = run_isthmus(*base, "--nodes", "1536", "--gpus", "12288", *args)
     assert grown.returncode == 0, grown.stderr
@@ -227,7 +227,7 @@ def test_llama3_405b_with_eager_storage_is_refused_naming_each_part_of_the_memor
     eager autograd keeps (the isthmus runtime): the refusal is one line naming weights, grads, optimizer
     and activations, which are over 60 GB of the 76 usable."""
     cmd = [
-        "simulate", "--runtime", "isthmus", "--model", "llama3-405b",
+        "simulate", "--runtime", "isthmus", "--model.flavor", "llama3-405b",
         "--topology", "meta-h100", "--gpus", "8192", "--train.batch_size", "2048", "--train.seq_len", "8192",
         "--micro-batch", "1", "--train.dtype", "bf16", "--plan", "tp=8,pp=16,cp=1,pp_schedule=1f1b,activation_checkpoint=none",
     ]  # fmt: skip

@@ -31,7 +31,7 @@ def test_local_plan_ranks_fitting_layouts() -> None:
 
 def test_big_model_needs_model_parallelism_to_fit() -> None:
     topo = load_topology("selene-a100").subset(64)
-    res = search(GPT3_175B, topo, SearchSpace(batch_size=64, seq_len=2048, micro_batch=1), ISTH, top=5)
+    res = search(GPT3_175B, topo, SearchSpace({"micro_batch": 1}, batch_size=64, seq_len=2048), ISTH, top=5)
     for e in res.ranked:
         assert e.mem_per_device_gb * 1e9 <= 80e9 * USABLE_FRACTION
         lay = e.layout
@@ -41,9 +41,8 @@ def test_big_model_needs_model_parallelism_to_fit() -> None:
 
 def test_fixed_choices_are_kept() -> None:
     topo = load_topology("selene-a100").subset(64)
-    space = SearchSpace(
-        batch_size=128, seq_len=2048, tp=2, pp=4, micro_batch=2, activation_checkpoint="selective", pp_schedule="1f1b"
-    )
+    fixed = {"tp": 2, "pp": 4, "micro_batch": 2, "activation_checkpoint": "selective", "pp_schedule": "1f1b"}
+    space = SearchSpace(fixed, batch_size=128, seq_len=2048)
     res = search(get_flavor("gpt3-7.5b"), topo, space, ISTH, top=3)
     for e in res.ranked:
         lay = e.layout
@@ -70,7 +69,7 @@ def test_a_value_the_search_would_skip_is_tried_when_named(fixed: dict[str, obje
     """A value the search leaves out by its own preference (not a rule of the runtime) is still a
     layout the user may ask about: naming it gives that layout, not "no layout is valid"."""
     topo = load_topology("selene-a100").subset(64)
-    space = SearchSpace(batch_size=96, seq_len=4096, **fixed)  # type: ignore[arg-type]
+    space = SearchSpace(fixed, batch_size=96, seq_len=4096)
     res = search(get_flavor("gpt3-7.5b"), topo, space, ISTH, top=3)
     assert res.ranked
     for e in res.ranked:
@@ -113,7 +112,7 @@ def _geo_invariants(topo, est) -> None:  # type: ignore[no-untyped-def]
 
 def _geo_picks(runtime: Runtime) -> list[tuple[float, str, str, float]]:
     base = load_topology("geo-3dc-h100")
-    space = SearchSpace(batch_size=1536, seq_len=2048, micro_batch=1, activation_checkpoint="none")
+    space = SearchSpace({"micro_batch": 1, "activation_checkpoint": "none"}, batch_size=1536, seq_len=2048)
     picks = []
     for bw in (3000.0, 300.0, 30.0, 3.0, 0.3):  # GB/s per WAN link, dropping
         topo = base.with_wan(bandwidth_gb_s=bw)

@@ -12,7 +12,7 @@ from isthmus.cli import simulate as simulate_cli
 from isthmus.cli.common import ArgumentParser
 from isthmus.errors import IsthmusError
 
-LOCAL = ["--model", "small", "--topology", "local", "--train.batch_size", "16", "--train.seq_len", "128"]
+LOCAL = ["--model.flavor", "small", "--topology", "local", "--train.batch_size", "16", "--train.seq_len", "128"]
 
 
 def run(command: str, argv: list[str]) -> int:

@@ -365,7 +365,7 @@ class Checkpointer:
         with _saved_state(path / MANIFEST_FILE, "sampler"):
             state.sampler.load_state_dict(manifest.sampler)
         saved = point.saved
-        same_layout = manifest.layout == self.layout
+        same_layout = _same_layout(manifest.layout, self.layout)
         rng_key = f"rank{self.rank}" if same_layout else "rank0"
         parts = [model_state([m]) for m in state.modules]
         model = {k: v for part in parts for k, v in part.items()}
@@ -559,11 +559,17 @@ def _nearly_full(path: Path, largest_write: int) -> bool:
         return False
 
 
+def _same_layout(saved: dict[str, Any], mine: dict[str, Any]) -> bool:
+    """Whether a manifest's layout is this run's: the same fields (its ``summary`` only describes them,
+    in words that may change between versions)."""
+    return {k: v for k, v in saved.items() if k != "summary"} == {k: v for k, v in mine.items() if k != "summary"}
+
+
 def _check_geo_layout(path: Path, saved: dict[str, Any], mine: dict[str, Any]) -> None:
     """Geo state is per rank (a datacenter's slice of DiLoCo's snapshot, a rank's residuals): a geo
     run resumes a geo checkpoint only under the layout that saved it. Runs without geo.sync load any."""
     theirs = saved.get("sync", "none")
-    if mine.get("sync", "none") == "none" or theirs == "none" or saved == mine:
+    if mine.get("sync", "none") == "none" or theirs == "none" or _same_layout(saved, mine):
         return
     raise CheckpointError(
         f"{path}: saved with geo.sync = {theirs} under layout {saved.get('summary')} on {saved.get('world_size')} "

@@ -1,6 +1,6 @@
 """`isthmus plan`: search every layout of a model on a topology and print the ranked result.
 
-    isthmus plan --model gpt3-145.6b --model.n_layers 96 --topology geo-3dc-h100 \\
+    isthmus plan --model.flavor gpt3-145.6b --model.n_layers 96 --topology geo-3dc-h100 \\
                  --train.batch_size 1536 --train.seq_len 2048 --top 5
 
 Anything not fixed on the command line (training shape, any parallel degree, the schedule, the
@@ -11,38 +11,38 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import textwrap
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import fields
+from typing import Any, Literal, get_args, get_origin
 
-from isthmus.config import WAN_STREAMS_MAX, ModelConfig
+from isthmus.cli.config_keys import attribute_docs
+from isthmus.config import WAN_STREAMS_MAX, JobConfig, ModelConfig
 from isthmus.errors import ConfigError
-from isthmus.layout.choices import ACTIVATION_CHECKPOINTS, DC_AXES, GEO_SYNCS, PP_SCHEDULES, WAN_SCHEDULES
+from isthmus.layout.choices import GEO_SYNCS, WAN_SCHEDULES
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.explain import explain, format_table, result_json
 from isthmus.planner.placement import runnable
-from isthmus.planner.search import DEFAULT_BATCH_TOKENS, SPACE_FLAGS, SearchSpace, search
+from isthmus.planner.search import CHOICE_LISTS, DEFAULT_BATCH_TOKENS, SETTINGS, SearchSpace, flag_of, search
 from isthmus.planner.topology import Topology, load_topology
 from isthmus.planner.workload import PLANNED_DTYPES, RUNTIMES, Runtime
 
-SHAPE_FLAGS: tuple[tuple[str, type], ...] = (
-    ("n_layers", int),
-    ("dim", int),
-    ("n_heads", int),
-    ("n_kv_heads", int),
-    ("ffn_dim", int),
-    ("vocab_size", int),
+MODEL_KEYS = ("flavor", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "mlp", "tie_embeddings")
+"""The ``[model]`` keys a plan reads: the flavor and its shape (the others change no plan)."""
+SEARCHED_TRAIN_KEYS = ("batch_size", "seq_len")
+"""``[train]`` keys the search chooses when not given."""
+LAYOUT_FLAGS = tuple(
+    f.name for f in fields(LayoutSpec) if f.name != "sequence_parallel" and LayoutSpec.config_key(f.name) is not None
 )
-_POSITIVE = {
-    **{key: SPACE_FLAGS[key] for key in ("batch_size", "seq_len", "micro_batch")},
-    "top": "--top",
-    "gpus": "--gpus",
-    "nodes": "--nodes",
-    **{
-        key: SPACE_FLAGS[key]
-        for key in ("tp", "pp", "cp", "dp_shard", "pp_virtual_stages")
-        + ("inner_steps", "fragments", "overlap_steps", "datacenters", "max_batch_tokens")
-    },
-}
+"""Every layout field with a config key, a flag of its own name: all but ``sequence_parallel``, which
+the search takes wherever tp > 1 (``isthmus simulate --plan`` sets it)."""
+OWN_INT_FLAGS = {"micro_batch": "--micro-batch", "max_batch_tokens": "--max-batch-tokens"}
+OTHER_INT_FLAGS = {"top": "--top", "gpus": "--gpus", "nodes": "--nodes"}
 
 
 def _bool(text: str) -> bool:
@@ -53,8 +53,40 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+class _Renamed(argparse.Action):
+    """A flag an earlier version took: refused in one line naming its new name."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        raise ConfigError(str(option), values, f"is written --{self.dest} now, as isthmus train names it")
+
+
+def _typed(tp: Any) -> dict[str, Any]:
+    """argparse's ``type`` / ``choices`` / ``metavar`` for a config field's type (``X | None`` as X)."""
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        tp = next(a for a in get_args(tp) if a is not type(None))
+    if get_origin(tp) is Literal:
+        return {"choices": get_args(tp)}
+    if tp is bool:
+        return {"type": _bool, "metavar": "BOOL"}
+    if tp is int:
+        return {"type": int, "metavar": "N"}
+    return {"type": tp}
+
+
+def _config_flag(p: argparse.ArgumentParser, dotted: str, tp: Any, doc: str, dest: str, **extra: Any) -> None:
+    """``--section.key``, typed as the field, its help the field's docstring (without its markup)."""
+    plain = re.sub(r":\w+:`~?([^`]+)`", r"\1", doc).replace("``", "")
+    p.add_argument(f"--{dotted}", dest=dest, **{"default": None, **_typed(tp), "help": plain, **extra})
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add the ``plan`` sub-command; the parser class (one-line errors) comes from ``subparsers``."""
+    """Add the ``plan`` sub-command; the parser class (one-line errors) comes from ``subparsers``.
+
+    Its settings are flags named as ``isthmus train``'s (``--section.key``), typed and documented by
+    the config's dataclasses: the model's flavor and shape, the batch, precision and compilation, and
+    every layout field (:class:`LayoutSpec`), which fixes it; what is not given is searched."""
     p = subparsers.add_parser(
         "plan",
         allow_abbrev=False,
@@ -62,27 +94,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Search data/tensor/sequence/context/pipeline parallelism, ZeRO stage, microbatching, "
         "recomputation and cross-datacenter placement; print the ranked layouts and why the best one wins.",
     )
-    p.add_argument("--model", required=True, metavar="FLAVOR", help="model flavor (e.g. gpt3-145.6b, llama3-70b)")
-    for key, typ in SHAPE_FLAGS:
-        p.add_argument(
-            f"--model.{key}",
-            dest=f"model_{key}",
-            type=typ,
-            default=None,
-            metavar="N",
-            help=f"override the flavor's {key}",
-        )
-    p.add_argument(
-        "--model.mlp", dest="model_mlp", choices=("swiglu", "gelu"), default=None, help="override the MLP kind"
-    )
-    p.add_argument(
-        "--model.tie_embeddings",
-        dest="model_tie_embeddings",
-        type=_bool,
-        default=None,
-        metavar="BOOL",
-        help="override whether embedding and head share weights",
-    )
+    model_hints, model_docs = typing.get_type_hints(ModelConfig), attribute_docs(ModelConfig)
+    for key in MODEL_KEYS:
+        doc = model_docs[key] + (" (required)" if key == "flavor" else "")
+        extra = {"required": True, "metavar": "FLAVOR"} if key == "flavor" else {}
+        _config_flag(p, f"model.{key}", model_hints[key], doc, f"model_{key}", **extra)
+    p.add_argument("--model", dest="model.flavor", action=_Renamed, help=argparse.SUPPRESS)
     p.add_argument(
         "--topology", default="local", metavar="FILE|PRESET", help="topology TOML file or preset (default: local)"
     )
@@ -97,22 +114,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--wan-bandwidth", type=float, default=None, metavar="GB/S", help="replace every WAN link's bandwidth"
     )
-    # Layout settings take the names `isthmus train` gives them (--section.key); the rest is searched.
+    train_hints, train_docs = typing.get_type_hints(type(JobConfig().train)), attribute_docs(type(JobConfig().train))
+    for key in SEARCHED_TRAIN_KEYS:
+        _config_flag(p, f"train.{key}", train_hints[key], f"{train_docs[key]} (default: searched)", key)
     p.add_argument(
-        "--train.batch_size",
-        dest="batch_size",
+        "--max-batch-tokens",
         type=int,
         default=None,
         metavar="N",
-        help="sequences per step (default: searched)",
-    )
-    p.add_argument(
-        "--train.seq_len",
-        dest="seq_len",
-        type=int,
-        default=None,
-        metavar="N",
-        help="tokens per sequence (default: searched)",
+        help="tokens per step when --train.batch_size is searched (default: 4,194,304)",
     )
     p.add_argument(
         "--micro-batch",
@@ -122,95 +132,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="N",
         help="sequences per microbatch, the layout's micro_batch (derived, no config key; default: searched)",
     )
-    p.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="tokens per step when --train.batch_size is searched (default: 4,194,304)",
-    )
-    for key in ("tp", "pp", "cp", "dp_shard", "pp_virtual_stages"):
-        p.add_argument(f"--parallel.{key}", dest=key, type=int, default=None, metavar="N", help=f"fix parallel.{key}")
-    p.add_argument(
-        "--parallel.zero_stage", dest="zero_stage", type=int, choices=(1, 2, 3), default=None, help="fix the ZeRO stage"
-    )
-    p.add_argument(
-        "--parallel.pp_schedule",
-        dest="pp_schedule",
-        choices=PP_SCHEDULES,
-        default=None,
-        help="fix the pipeline schedule",
-    )
-    p.add_argument(
-        "--parallel.activation_checkpoint",
-        dest="activation_checkpoint",
-        choices=ACTIVATION_CHECKPOINTS,
-        default=None,
-        help="fix the activation recomputation",
-    )
-    p.add_argument(
-        "--geo.dc_axis",
-        dest="dc_axis",
-        choices=DC_AXES,
-        default=None,
-        help="what crosses datacenters: none (use one), dp replicas or pp stages",
-    )
-    p.add_argument(
-        "--geo.datacenters",
-        dest="datacenters",
-        type=int,
-        default=None,
-        metavar="K",
-        help="datacenters to use, the K with the most compute (default: searched, every subset size)",
-    )
-    p.add_argument(
-        "--geo.wan_schedule",
-        dest="wan_schedule",
-        default=None,
-        metavar="LIST",
-        help="how pipelines share a WAN link at a stage boundary (comma list of "
-        f"{', '.join(WAN_SCHEDULES)}; default: both)",
-    )
-    p.add_argument(
-        "--geo.wan_streams",
-        dest="wan_streams",
-        type=int,
-        default=1,
-        metavar="N",
-        help="TCP connections each cross-datacenter pipeline transfer is split over (default 1; it "
-        "matters on WAN links with a window_kib, where one connection carries window / RTT)",
-    )
-    p.add_argument(
-        "--geo.sync",
-        dest="sync",
-        default=None,
-        metavar="LIST",
-        help=f"cross-datacenter sync kinds to consider (comma list of {', '.join(GEO_SYNCS)}; default: all)",
-    )
-    p.add_argument(
-        "--geo.inner_steps",
-        dest="inner_steps",
-        type=int,
-        default=100,
-        metavar="H",
-        help="diloco / streaming_diloco: inner steps between syncs (default: 100)",
-    )
-    p.add_argument(
-        "--geo.fragments",
-        dest="fragments",
-        type=int,
-        default=4,
-        metavar="F",
-        help="streaming_diloco: fragments synchronised in turn (default: 4)",
-    )
-    p.add_argument(
-        "--geo.overlap_steps",
-        dest="overlap_steps",
-        type=int,
-        default=1,
-        metavar="T",
-        help="streaming_diloco: inner steps a fragment's transfer overlaps (default: 1)",
-    )
+    layout_hints, layout_docs = typing.get_type_hints(LayoutSpec), attribute_docs(LayoutSpec)
+    sections = {s: attribute_docs(type(getattr(JobConfig(), s))) for s in ("parallel", "geo", "train")}
+    for name in LAYOUT_FLAGS:
+        dotted = LayoutSpec.config_key(name)
+        assert dotted is not None
+        doc = layout_docs.get(name) or sections[dotted.split(".")[0]][name]
+        if name in CHOICE_LISTS:
+            words = getattr(SearchSpace(), name)
+            _config_flag(
+                p,
+                dotted,
+                str,
+                f"{doc} (a comma list of {', '.join(words)} to consider; default: all)",
+                name,
+                metavar="LIST",
+            )
+        elif name in SETTINGS:
+            _config_flag(p, dotted, layout_hints[name], f"{doc} (default: {SETTINGS[name]})", name)
+        else:
+            _config_flag(p, dotted, layout_hints[name], f"{doc} (fixes it; default: searched)", name)
     p.add_argument(
         "--train.dtype",
         dest="dtype",
@@ -219,14 +160,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="matmul dtype (default: the devices' own, bf16 on GPUs, fp32 on CPUs); beyond the fp32 and "
         "bf16 that isthmus trains in, the published runs' tf32, fp16 and fp8 can be planned",
     )
-    p.add_argument(
-        "--train.compile",
-        dest="compile",
-        type=_bool,
-        default=False,
-        metavar="BOOL",
-        help="blocks compiled by torch.compile, as isthmus train --train.compile true runs them (default: false)",
-    )
+    _config_flag(p, "train.compile", bool, f"{train_docs['compile']} (default: false)", "compile", default=False)
     p.add_argument(
         "--runtime",
         choices=tuple(RUNTIMES),
@@ -243,23 +177,31 @@ def planned_runtime(ns: argparse.Namespace) -> Runtime:
     return RUNTIMES[ns.runtime].with_compile(ns.compile)
 
 
+def _int_flags() -> Iterator[tuple[str, str]]:
+    """(dest, flag) of every integer flag: each must be at least 1."""
+    model_hints = typing.get_type_hints(ModelConfig)
+    yield from ((f"model_{k}", f"--model.{k}") for k in MODEL_KEYS if _typed(model_hints[k]).get("type") is int)
+    yield from ((k, f"--train.{k}") for k in SEARCHED_TRAIN_KEYS)
+    layout_hints = typing.get_type_hints(LayoutSpec)
+    yield from ((k, flag_of(k)) for k in LAYOUT_FLAGS if layout_hints[k] is int)
+    yield from OWN_INT_FLAGS.items()
+    yield from OTHER_INT_FLAGS.items()
+
+
 def check_arguments(ns: argparse.Namespace) -> None:
-    for key, flag in _POSITIVE.items():
-        value = getattr(ns, key, None)
+    for dest, flag in _int_flags():
+        value = getattr(ns, dest, None)
         if value is not None and value < 1:
             raise ConfigError(flag, value, "must be at least 1")
-    for key, _ in SHAPE_FLAGS:
-        value = getattr(ns, f"model_{key}")
-        if value is not None and value < 1:
-            raise ConfigError(f"--model.{key}", value, "must be at least 1")
-    if ns.fragments > ns.inner_steps:
-        raise ConfigError("--geo.fragments", ns.fragments, f"must be at most --geo.inner_steps = {ns.inner_steps}")
-    if ns.overlap_steps >= ns.inner_steps:
-        raise ConfigError(
-            "--geo.overlap_steps", ns.overlap_steps, f"must be less than --geo.inner_steps = {ns.inner_steps}"
-        )
+    if ns.zero_stage not in (None, 1, 2, 3):
+        raise ConfigError(flag_of("zero_stage"), ns.zero_stage, "must be 1, 2 or 3")
     if ns.wan_bandwidth is not None and not ns.wan_bandwidth > 0:
         raise ConfigError("--wan-bandwidth", ns.wan_bandwidth, "must be positive (GB/s)")
+
+
+def model_config(ns: argparse.Namespace) -> ModelConfig:
+    """The ``[model]`` the flags name: the flavor and any of its shape overridden."""
+    return ModelConfig(**{key: getattr(ns, f"model_{key}") for key in MODEL_KEYS})
 
 
 def _comma_choices(raw: str | None, choices: tuple[str, ...], flag: str, allow_empty: bool) -> tuple[str, ...]:
@@ -286,43 +228,34 @@ def cli_topology(ns: argparse.Namespace) -> Topology:
 
 
 def search_space(ns: argparse.Namespace) -> SearchSpace:
-    """The search space the shared `plan` / `simulate` flags describe."""
+    """The search space the shared `plan` / `simulate` flags describe: each layout flag given fixes its field."""
 
-    sync = _comma_choices(ns.sync, GEO_SYNCS, "--geo.sync", allow_empty=True)
-    wan = _comma_choices(ns.wan_schedule, WAN_SCHEDULES, "--geo.wan_schedule", allow_empty=False)
-    if not 1 <= ns.wan_streams <= WAN_STREAMS_MAX:
-        raise ConfigError("--geo.wan_streams", ns.wan_streams, f"must be between 1 and {WAN_STREAMS_MAX}")
-    return SearchSpace(
+    fixed = {k: getattr(ns, k) for k in (*LAYOUT_FLAGS, "micro_batch") if k not in CHOICE_LISTS}
+    space = SearchSpace(
+        {k: v for k, v in fixed.items() if v is not None},
         batch_size=ns.batch_size,
         seq_len=ns.seq_len,
-        micro_batch=ns.micro_batch,
-        activation_checkpoint=ns.activation_checkpoint,
-        tp=ns.tp,
-        pp=ns.pp,
-        cp=ns.cp,
-        dp_shard=ns.dp_shard,
-        zero_stage=ns.zero_stage,
-        pp_schedule=ns.pp_schedule,
-        pp_virtual_stages=ns.pp_virtual_stages,
-        dc_axis=ns.dc_axis,
-        sync=sync,
-        inner_steps=ns.inner_steps,
-        fragments=ns.fragments,
-        overlap_steps=ns.overlap_steps,
         max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
-        datacenters=ns.datacenters,
-        wan_schedule=wan,
-        wan_streams=ns.wan_streams,
+        sync=_comma_choices(ns.sync, GEO_SYNCS, flag_of("sync"), allow_empty=True),
+        wan_schedule=_comma_choices(ns.wan_schedule, WAN_SCHEDULES, flag_of("wan_schedule"), allow_empty=False),
     )
+    inner, fragments, overlap = (space.setting(k) for k in ("inner_steps", "fragments", "overlap_steps"))
+    if fragments > inner:
+        raise ConfigError(flag_of("fragments"), fragments, f"must be at most {flag_of('inner_steps')} = {inner}")
+    if overlap >= inner:
+        raise ConfigError(flag_of("overlap_steps"), overlap, f"must be less than {flag_of('inner_steps')} = {inner}")
+    if not 1 <= space.setting("wan_streams") <= WAN_STREAMS_MAX:
+        raise ConfigError(
+            flag_of("wan_streams"), space.setting("wan_streams"), f"must be between 1 and {WAN_STREAMS_MAX}"
+        )
+    return space
 
 
 def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     """Run the search for a parsed ``plan`` command and print the result; 0 on success."""
 
     check_arguments(ns)
-    overrides = {key: getattr(ns, f"model_{key}") for key, _ in SHAPE_FLAGS}
-    model = ModelConfig(flavor=ns.model, mlp=ns.model_mlp, tie_embeddings=ns.model_tie_embeddings, **overrides)
-    args = resolve_model_args(model)
+    args = resolve_model_args(model_config(ns))
     topo = cli_topology(ns)
     space = search_space(ns)
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
@@ -332,7 +265,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         return 0
     best = result.best.work
     sys.stdout.write(
-        f"isthmus plan: {ns.model} on {topo.name} ({topo.n_devices:,} devices), global batch {best.batch_size} x "
+        f"isthmus plan: {ns.model_flavor} on {topo.name} ({topo.n_devices:,} devices), global batch {best.batch_size} x "
         f"{best.seq_len} tokens; {result.considered:,} layouts considered, {result.pruned_memory:,} over memory\n\n"
     )
     sys.stdout.write(format_table(result, ns.top) + "\n")

@@ -1,7 +1,7 @@
 """`isthmus profile`: measure this machine and write a topology file the planner and simulator read.
 
     isthmus profile --out local-profile.toml --seconds 20
-    isthmus plan --model small --topology local-profile.toml --train.batch_size 16 --train.seq_len 128
+    isthmus plan --model.flavor small --topology local-profile.toml --train.batch_size 16 --train.seq_len 128
 
 What is measured, and how it becomes the planner's constants: `isthmus.profile.measure`.
 """

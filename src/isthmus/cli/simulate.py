@@ -1,6 +1,6 @@
 """`isthmus simulate`: run one layout through the discrete-event simulator.
 
-    isthmus simulate --model gpt3-145.6b --model.n_layers 80 --topology selene-a100 --gpus 1536 \\
+    isthmus simulate --model.flavor gpt3-145.6b --model.n_layers 80 --topology selene-a100 --gpus 1536 \\
         --train.batch_size 2304 --train.seq_len 2048 --micro-batch 1 --parallel.activation_checkpoint full --runtime megatron-2021 \\
         --plan 'tp=8,pp=8,pp_schedule=interleaved_1f1b,pp_virtual_stages=2' --trace t.json --png t.png
 
@@ -18,7 +18,6 @@ import sys
 from typing import Any
 
 from isthmus.cli import plan as plan_cli
-from isthmus.config import ModelConfig
 from isthmus.errors import ConfigError
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.autoplan import choose_layout, parse_plan
@@ -64,13 +63,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     if ns.iterations < 1:
         raise ConfigError("--iterations", ns.iterations, "must be at least 1")
     fixed = parse_plan(ns.plan) if ns.plan else {}
-    model = ModelConfig(
-        flavor=ns.model,
-        mlp=ns.model_mlp,
-        tie_embeddings=ns.model_tie_embeddings,
-        **{key: getattr(ns, f"model_{key}") for key, _ in plan_cli.SHAPE_FLAGS},
-    )
-    args = resolve_model_args(model)
+    args = resolve_model_args(plan_cli.model_config(ns))
     topo = plan_cli.cli_topology(ns)
     space = plan_cli.search_space(ns)
     runtime = plan_cli.planned_runtime(ns)

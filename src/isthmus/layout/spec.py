@@ -1,18 +1,20 @@
 """`LayoutSpec`: one parallel layout, in the config's own words.
 
-Every field is named after the config key it sets (``parallel.*``, ``geo.*``), so the planner's
-candidates, the simulator's input, ``isthmus plan --json`` and a run's config speak one
-vocabulary. The choices of the keys that take a word (pipeline schedules, context-parallel
-kinds, recomputation modes, cross-datacenter sync kinds) are defined here once; the config, the
-planner and the runtime import them.
+The layout's fields are declared here once, each named as the config key it sets and tagged with
+that key's section (``parallel``, ``train`` or ``geo``; :meth:`LayoutSpec.config_key`). Whatever
+else speaks of a layout builds from this record: a run's log line and checkpoint manifest
+(:meth:`LayoutSpec.describe`, :meth:`LayoutSpec.manifest`), ``isthmus.parallelize``, the planner's
+candidates and search space, the simulator's input, ``isthmus plan --json`` and the config keys a
+plan sets (:meth:`LayoutSpec.config_overrides`). The words its keys take are in
+:mod:`isthmus.layout.choices`.
 
-Two quantities differ from a config value, and are documented where they are defined:
+Where a field is not simply its config key's value:
 
 - ``micro_batch`` (sequences per microbatch) has no config key: the runtime derives it as
-  ``train.batch_size / (dp x microbatches)``. It is the planner's name, and the only one.
-- ``microbatches`` counts the microbatches of one step of one pipeline. With ``pp > 1`` that is
-  ``parallel.microbatches``; with ``pp == 1`` it is gradient accumulation, ``train.grad_accum``
-  (:meth:`LayoutSpec.config_overrides` writes whichever applies).
+  ``train.batch_size / (dp x microbatches x grad_accum)``. It is the planner's name, and the only one.
+- ``microbatches`` is a pipeline's (``parallel.microbatches``; 1 without a pipeline) and
+  ``grad_accum`` is gradient accumulation (``train.grad_accum``): one name per meaning.
+  :attr:`LayoutSpec.microbatches_per_step` counts both, as the cost model does.
 - ``dp_replicate`` is, as in the config, the replicas inside one datacenter; with
   ``dc_axis == 'dp'`` the layout has ``datacenters`` times as many (:attr:`LayoutSpec.replicas`).
 - ``dc_axis`` is ``'none'`` for a layout in one datacenter (the config's ``geo.datacenters = 1``).
@@ -22,84 +24,87 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
+from collections.abc import Callable
+from dataclasses import Field, asdict, dataclass, field, fields, replace
 from typing import Any
 
-from isthmus.layout.choices import ActivationCheckpoint, CpImpl, DcAxis, PpSchedule, SyncKind, WanSchedule
+from isthmus.errors import ConfigError
+from isthmus.layout.choices import (
+    DILOCO_SYNCS,
+    ActivationCheckpoint,
+    CpImpl,
+    DcAxis,
+    PpSchedule,
+    SyncKind,
+    WanSchedule,
+)
 from isthmus.layout.dims import ParallelDims
 from isthmus.layout.rules import DataParallelKind, data_parallel_kind, shard_degree
 from isthmus.layout.sections import LayoutConfig
 
 __all__ = ["DERIVED", "GEO_KEYS", "PARALLEL_KEYS", "LayoutSpec"]
 
-PARALLEL_KEYS = (
-    "dp_replicate",
-    "dp_shard",
-    "zero_stage",
-    "tp",
-    "sequence_parallel",
-    "cp",
-    "cp_impl",
-    "pp",
-    "pp_schedule",
-    "pp_virtual_stages",
-    "microbatches",
-    "activation_checkpoint",
-)
-"""The ``[parallel]`` keys a layout sets (besides ``nproc``, its world size)."""
-GEO_KEYS = (
-    "datacenters",
-    "dc_axis",
-    "sync",
-    "inner_steps",
-    "fragments",
-    "overlap_steps",
-    "wan_schedule",
-    "wan_streams",
-)
-"""The ``[geo]`` keys a layout sets."""
-DERIVED = ("micro_batch",)
-"""Fields with no config key (see the module docstring)."""
+
+def _key(
+    section: str | None, default: Any, *, when: Callable[[LayoutSpec], bool] | None = None, state: bool = False
+) -> Any:
+    """A layout field: the section of its config key (None: derived, no key); ``when``: the layouts
+    it applies to, where :meth:`LayoutSpec.describe` always shows it (a field without one shows when
+    it differs from its default); ``state``: it decides what each rank holds, so a checkpoint's
+    manifest records it."""
+    return field(default=default, metadata={"section": section, "when": when, "state": state})
 
 
 @dataclass(frozen=True)
 class LayoutSpec:
-    """One layout: ``[parallel]`` degrees and schedule, ``[geo]`` placement and sync, the microbatch size."""
+    """One layout: ``[parallel]`` degrees and schedule, gradient accumulation, ``[geo]`` placement and
+    sync, the microbatch size."""
 
-    dp_replicate: int = 1
+    dp_replicate: int = _key("parallel", 1, state=True)
     """Replicas (DDP) inside one datacenter; see :attr:`replicas` for all of them."""
-    dp_shard: int = 1
+    dp_shard: int = _key("parallel", 1, state=True)
     """Sharded data-parallel degree (ZeRO / FSDP)."""
-    zero_stage: int = 1
+    zero_stage: int = _key("parallel", 1, when=lambda s: s.shard_degree > 1, state=True)
     """What dp_shard shards: 1 optimizer state, 2 + gradients, 3 + parameters."""
-    tp: int = 1
-    sequence_parallel: bool = False
-    cp: int = 1
-    cp_impl: CpImpl = "ring"
-    pp: int = 1
-    pp_schedule: PpSchedule = "1f1b"
-    pp_virtual_stages: int = 1
-    microbatches: int = 1
-    """Microbatches per step per pipeline: parallel.microbatches with pp > 1, train.grad_accum without."""
-    activation_checkpoint: ActivationCheckpoint = "none"
-    datacenters: int = 1
+    tp: int = _key("parallel", 1, state=True)
+    sequence_parallel: bool = _key("parallel", False, when=lambda s: s.tp > 1, state=True)
+    cp: int = _key("parallel", 1, state=True)
+    cp_impl: CpImpl = _key("parallel", "ring", when=lambda s: s.cp > 1, state=True)
+    pp: int = _key("parallel", 1, state=True)
+    pp_schedule: PpSchedule = _key("parallel", "1f1b", when=lambda s: s.pp > 1, state=True)
+    pp_virtual_stages: int = _key("parallel", 1, state=True)
+    microbatches: int = _key("parallel", 1, when=lambda s: s.pp > 1, state=True)
+    """A pipeline's microbatches per step (``parallel.microbatches``); 1 without a pipeline."""
+    grad_accum: int = _key("train", 1)
+    """Forward/backward passes accumulated per optimizer step (``train.grad_accum``), each of
+    ``microbatches`` microbatches under a pipeline."""
+    activation_checkpoint: ActivationCheckpoint = _key("parallel", "none")
+    datacenters: int = _key("geo", 1, state=True)
     """Datacenters the layout spans."""
-    dc_axis: DcAxis = "none"
+    dc_axis: DcAxis = _key("geo", "none", when=lambda s: s.datacenters > 1, state=True)
     """Which dimension the datacenter boundary cuts: data-parallel replicas or pipeline stages."""
-    sync: SyncKind = "none"
+    sync: SyncKind = _key("geo", "none", when=lambda s: s.dc_axis == "dp", state=True)
     """How data-parallel gradients cross datacenters (dc_axis == 'dp')."""
-    inner_steps: int = 50
+    inner_steps: int = _key("geo", 50, when=lambda s: s.sync in DILOCO_SYNCS)
     """diloco / streaming_diloco: inner steps between two syncs of the same parameters."""
-    fragments: int = 4
+    fragments: int = _key("geo", 4, when=lambda s: s.sync == "streaming_diloco")
     """streaming_diloco: fragments synchronised in turn, one every inner_steps / fragments steps."""
-    overlap_steps: int = 1
+    overlap_steps: int = _key("geo", 1, when=lambda s: s.sync == "streaming_diloco")
     """streaming_diloco: inner steps a fragment's transfer overlaps before its result is applied."""
-    wan_schedule: WanSchedule = "fair"
+    wan_schedule: WanSchedule = _key("geo", "fair", when=lambda s: s.dc_axis == "pp")
     """dc_axis == 'pp': how the pipelines crossing one WAN link share it (fair: at once; time_shared: in turn)."""
-    wan_streams: int = 1
+    wan_streams: int = _key("geo", 1)
     """TCP connections one cross-datacenter transfer is split over (each carries at most window / RTT)."""
-    micro_batch: int = 1
-    """Derived, no config key: sequences per microbatch (train.batch_size / (dp x microbatches))."""
+    micro_batch: int = _key(None, 1)
+    """Derived, no config key: sequences per microbatch (train.batch_size / (dp x microbatches x grad_accum))."""
+
+    def __post_init__(self) -> None:
+        if self.pp == 1 and self.microbatches != 1:
+            raise ConfigError(
+                "microbatches",
+                self.microbatches,
+                "counts a pipeline's microbatches and pp = 1: gradient accumulation is grad_accum",
+            )
 
     # --- degrees -------------------------------------------------------------------------------
 
@@ -136,73 +141,62 @@ class LayoutSpec:
         return self.dp * self.cp
 
     @property
+    def microbatches_per_step(self) -> int:
+        """Microbatches one replica computes per step: the pipeline's times the accumulated passes.
+
+        What the cost model counts (in flight, gathers, accumulation); it models a pipeline's
+        microbatches or gradient accumulation, not both at once."""
+        return self.microbatches * self.grad_accum
+
+    @property
     def global_batch(self) -> int:
         """Sequences per step: ``train.batch_size``."""
-        return self.dp * self.micro_batch * self.microbatches
+        return self.dp * self.micro_batch * self.microbatches_per_step
 
     def dims(self) -> ParallelDims:
         """The degrees as the runtime's :class:`ParallelDims` (build its mesh with ``build_mesh``)."""
         dc = self.datacenters if self.dc_axis == "dp" else 1
         return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.world, dc)
 
-    # --- conversions ---------------------------------------------------------------------------
+    # --- the fields and their config keys ------------------------------------------------------
+
+    @classmethod
+    def config_key(cls, name: str) -> str | None:
+        """``section.key`` of a field (``parallel.tp``, ``train.grad_accum``); None for a derived
+        field or a name that is not a field."""
+        section = _FIELDS[name].metadata["section"] if name in _FIELDS else None
+        return None if section is None else f"{section}.{name}"
+
+    def applies(self, name: str) -> bool:
+        """Whether a field means anything in this layout (``zero_stage`` without sharding does not)."""
+        when = _FIELDS[name].metadata["when"]
+        return when is None or bool(when(self))
 
     @classmethod
     def from_config(cls, cfg: LayoutConfig) -> LayoutSpec:
-        """The layout a resolved ``JobConfig`` runs (data-parallel degrees of -1 must be filled first).
-
-        Raises ValueError for what one spec cannot say: pipeline microbatches and gradient
-        accumulation together (``parallel.pp > 1`` with ``train.grad_accum > 1``).
-        """
+        """The layout a resolved ``JobConfig`` runs (data-parallel degrees of -1 must be filled first)."""
         p, g, t = cfg.parallel, cfg.geo, cfg.train
         if p.dp_replicate < 1 or p.dp_shard < 1:
             raise ValueError("fill the data-parallel degrees (-1) before taking the layout")
-        if p.pp > 1 and t.grad_accum > 1:
-            raise ValueError("a layout has pipeline microbatches or gradient accumulation, not both")
-        axis: DcAxis = g.dc_axis if g.datacenters > 1 else "none"
-        microbatches = p.microbatches if p.pp > 1 else t.grad_accum
-        dp = p.dp_replicate * (g.datacenters if axis == "dp" else 1) * p.dp_shard
-        return cls(
-            dp_replicate=p.dp_replicate,
-            dp_shard=p.dp_shard,
-            zero_stage=p.zero_stage,
-            tp=p.tp,
-            sequence_parallel=p.sequence_parallel,
-            cp=p.cp,
-            cp_impl=p.cp_impl,
-            pp=p.pp,
-            pp_schedule=p.pp_schedule,
-            pp_virtual_stages=p.pp_virtual_stages,
-            microbatches=microbatches,
-            activation_checkpoint=p.activation_checkpoint,
-            datacenters=g.datacenters,
-            dc_axis=axis,
-            sync=g.sync,
-            inner_steps=g.inner_steps,
-            fragments=g.fragments,
-            overlap_steps=g.overlap_steps,
-            wan_schedule=g.wan_schedule,
-            wan_streams=g.wan_streams,
-            micro_batch=max(1, t.batch_size // max(1, dp * microbatches)),
-        )
+        values = {
+            f.name: getattr(getattr(cfg, f.metadata["section"]), f.name) for f in fields(cls) if f.metadata["section"]
+        }
+        values["dc_axis"] = g.dc_axis if g.datacenters > 1 else "none"
+        values["microbatches"] = p.microbatches if p.pp > 1 else 1
+        spec = cls(**values)
+        return replace(spec, micro_batch=max(1, t.batch_size // max(1, spec.dp * spec.microbatches_per_step)))
 
     def config_overrides(self, batch: bool = True) -> dict[str, object]:
-        """``section.key -> value`` for every config key the layout sets (``parallel.nproc`` included).
-
-        ``batch``: also ``train.batch_size`` (dp x micro_batch x microbatches); ``train.grad_accum``
-        is always written (the layout's microbatches without a pipeline, else 1).
-        """
+        """``section.key -> value`` for every config key the layout sets (``parallel.nproc`` included);
+        ``batch``: also ``train.batch_size`` (dp x micro_batch x microbatches x grad_accum)."""
         out: dict[str, object] = {"parallel.nproc": self.world}
-        for key in PARALLEL_KEYS:
-            out[f"parallel.{key}"] = getattr(self, key)
-        out["parallel.microbatches"] = self.microbatches if self.pp > 1 else 1
-        out["train.grad_accum"] = self.microbatches if self.pp == 1 else 1
+        for f in fields(self):
+            key = self.config_key(f.name)
+            if key is not None:
+                out[key] = getattr(self, f.name)
+        out["geo.dc_axis"] = "dp" if self.dc_axis == "none" else self.dc_axis
         if batch:
             out["train.batch_size"] = self.global_batch
-        out["geo.datacenters"] = self.datacenters
-        out["geo.dc_axis"] = "dp" if self.dc_axis == "none" else self.dc_axis
-        for key in ("sync", "inner_steps", "fragments", "overlap_steps", "wan_schedule", "wan_streams"):
-            out[f"geo.{key}"] = getattr(self, key)
         return out
 
     def config_sections(
@@ -232,35 +226,36 @@ class LayoutSpec:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LayoutSpec:
         """The inverse of :meth:`as_dict`; unknown keys raise ValueError."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(set(data) - set(_FIELDS))
         if unknown:
-            raise ValueError(f"not a layout field: {', '.join(unknown)} (fields: {', '.join(sorted(names))})")
+            raise ValueError(f"not a layout field: {', '.join(unknown)} (fields: {', '.join(sorted(_FIELDS))})")
         return cls(**data)
 
     def with_(self, **changes: Any) -> LayoutSpec:
         return replace(self, **changes)
 
-    def manifest(self, world_size: int, summary: str) -> dict[str, object]:
-        """The ``layout`` a checkpoint manifest records (``isthmus.json``; see train.checkpoint_manifest)."""
-        return {
-            "summary": summary,
-            "world_size": world_size,
-            "dp_replicate": self.dp_replicate,
-            "dp_shard": self.dp_shard,
-            "zero_stage": self.zero_stage,
-            "tp": self.tp,
-            "sequence_parallel": self.sequence_parallel,
-            "cp": self.cp,
-            "cp_impl": self.cp_impl,
-            "pp": self.pp,
-            "pp_schedule": self.pp_schedule,
-            "pp_virtual_stages": self.pp_virtual_stages,
-            "microbatches": self.microbatches if self.pp > 1 else 1,
-            "datacenters": self.datacenters,
-            "dc_axis": "dp" if self.dc_axis == "none" else self.dc_axis,
-            "sync": self.sync,
-        }
+    # --- printed forms -------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        """The layout as its config keys, e.g. ``dp_shard=2,zero_stage=3,tp=2,sequence_parallel=true``:
+        each field that applies (:meth:`applies`) and either belongs to a mechanism in use or
+        differs from its default; ``single`` for one process with nothing else set."""
+        parts = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.metadata["section"] is None or not self.applies(f.name):
+                continue
+            if f.metadata["when"] is not None or value != f.default:
+                parts.append(f"{f.name}={str(value).lower() if isinstance(value, bool) else value}")
+        return ",".join(parts) or "single"
+
+    def manifest(self, world_size: int) -> dict[str, object]:
+        """The ``layout`` a checkpoint manifest records (``isthmus.json``): the fields that decide
+        what each rank holds, in the config's words, its size and :meth:`describe`. A run resumed
+        under an equal one also restores each rank's RNG state."""
+        keyed = self.config_overrides(batch=False)
+        state = {f.name: keyed[f"{f.metadata['section']}.{f.name}"] for f in fields(self) if f.metadata["state"]}
+        return {"summary": self.describe(), "world_size": world_size, **state}
 
     def label(self) -> str:
         """A compact one-line description, e.g. ``tp8 sp pp12/dc zb v2 dp32 z2 mb1x48 ac-full``."""
@@ -292,7 +287,22 @@ class LayoutSpec:
                 "streaming_diloco": f"sdiloco H{self.inner_steps} F{self.fragments} t{self.overlap_steps}",
             }.get(self.sync, self.sync)
         parts.append(dp)
-        parts.append(f"mb{self.micro_batch}x{self.microbatches}")
+        parts.append(f"mb{self.micro_batch}x{self.microbatches_per_step}")
         if self.activation_checkpoint != "none":
             parts.append(f"ac-{self.activation_checkpoint}")
         return " ".join(parts)
+
+
+_FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(LayoutSpec)}
+
+
+def _keys(section: str | None) -> tuple[str, ...]:
+    return tuple(name for name, f in _FIELDS.items() if f.metadata["section"] == section)
+
+
+PARALLEL_KEYS = _keys("parallel")
+"""The ``[parallel]`` keys a layout sets (besides ``nproc``, its world size)."""
+GEO_KEYS = _keys("geo")
+"""The ``[geo]`` keys a layout sets."""
+DERIVED = _keys(None)
+"""Fields with no config key (see the module docstring)."""

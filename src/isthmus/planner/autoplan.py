@@ -74,42 +74,17 @@ def parse_plan(text: str, flag: str = "--plan") -> dict[str, Any]:
 
 
 def _space_with(space: SearchSpace, fixed: dict[str, Any], world: int, batch_size: int | None) -> SearchSpace:
-    """The search space with what ``fixed`` names pinned (the rest is checked on the results)."""
-    pins: dict[str, Any] = {}
-    for key in (
-        "tp",
-        "pp",
-        "cp",
-        "dp_shard",
-        "zero_stage",
-        "pp_schedule",
-        "pp_virtual_stages",
-        "activation_checkpoint",
-    ):
-        if key in fixed:
-            pins[key] = fixed[key]  # the search space's fields are the config's keys
-    if fixed.get("pp") == 1:
+    """The search space with what ``fixed`` names kept (``sequence_parallel`` is set afterwards)."""
+    pins = {k: v for k, v in fixed.items() if k not in ("nproc", "sequence_parallel")}
+    if pins.get("pp") == 1:
         pins.pop("pp_schedule", None)
         pins.pop("pp_virtual_stages", None)
-    # Microbatch count -> microbatch size, when the data-parallel degree is known.
-    if "microbatches" in fixed and batch_size and all(k in fixed for k in ("tp", "pp")):
-        dp = world // (fixed["tp"] * fixed.get("cp", 1) * fixed["pp"])
-        if dp and batch_size % (dp * fixed["microbatches"]) == 0:
-            pins["micro_batch"] = batch_size // (dp * fixed["microbatches"])
-    return replace(space, **pins)
-
-
-def _matches(lay: LayoutSpec, fixed: dict[str, Any]) -> bool:
-    want = {
-        "dp_replicate": lay.dp_replicate,
-        "microbatches": lay.microbatches if lay.pp > 1 else None,
-        "cp_impl": lay.cp_impl,
-    }
-    if "microbatches" in fixed and lay.pp == 1:
-        if fixed["microbatches"] != 1:
-            return False
-        return all(want[k] == fixed[k] for k in ("dp_replicate", "cp_impl") if k in fixed)
-    return all(want[k] == fixed[k] for k in want if k in fixed)
+    # A pipeline's microbatch count -> microbatch size, when the data-parallel degree is known.
+    if "microbatches" in pins and batch_size and all(k in pins for k in ("tp", "pp")):
+        dp = world // (pins["tp"] * pins.get("cp", 1) * pins["pp"])
+        if dp and batch_size % (dp * pins["microbatches"]) == 0:
+            pins["micro_batch"] = batch_size // (dp * pins["microbatches"])
+    return replace(space, fixed={**space.fixed, **pins})
 
 
 def choose_layout(
@@ -124,9 +99,8 @@ def choose_layout(
 ) -> Estimate:
     """The best layout whose ``[parallel]`` values include ``fixed``.
 
-    The search pins what it can (degrees, schedule, ZeRO stage, recomputation); the best result
-    that also has the named dp_replicate, microbatches and cp_impl wins; ``sequence_parallel``
-    is set as named (the search always prefers it when tp > 1). With ``band`` > 0, the simplest
+    The search keeps what ``fixed`` names (:class:`SearchSpace`); ``sequence_parallel`` is set as
+    named (the search always prefers it when tp > 1). With ``band`` > 0, the simplest
     layout (:func:`mechanisms`) among those within ``band`` of the best tokens/s wins instead.
     """
     if "nproc" in fixed and fixed["nproc"] != topo.n_devices:
@@ -134,7 +108,7 @@ def choose_layout(
     pinned = _space_with(space, fixed, topo.n_devices, space.batch_size)
     names = ",".join(f"{k}={v}" for k, v in fixed.items())
     try:
-        result = search(args, topo, pinned, runtime, top=max(top, 50) if set(fixed) - {"nproc"} else top, dtype=dtype)
+        result = search(args, topo, pinned, runtime, top=top, dtype=dtype)
     except ConfigError as e:
         if not fixed:
             raise
@@ -143,14 +117,7 @@ def choose_layout(
         raise ConfigError(
             "--plan", names, f"no layout that fits matches it on {topo.name} ({topo.n_devices} devices: {rule})"
         ) from None
-    pool = [e for e in result.ranked if _matches(e.layout, fixed)]
-    if not pool:
-        raise ConfigError(
-            "--plan",
-            names,
-            f"no layout that fits matches it on {topo.name} "
-            f"({topo.n_devices} devices; best: {result.best.layout.label()})",
-        )
+    pool = result.ranked
     best = pool[0]
     if band > 0:
         near = [e for e in pool if e.effective_tokens_per_s >= (1 - band) * best.effective_tokens_per_s]
@@ -180,7 +147,7 @@ def mechanisms(lay: LayoutSpec) -> int:
             lay.pp > 1,
             lay.pp_virtual_stages > 1,
             lay.shard_degree > 1,
-            lay.pp == 1 and lay.microbatches > 1,
+            lay.grad_accum > 1,
         ]
     ) + (lay.zero_stage - 1 if lay.shard_degree > 1 else 0)
 
@@ -275,7 +242,7 @@ class LocalChoice:
     parallel: dict[str, Any]
     """``parallel.*`` values to run with (nproc included)."""
     train: dict[str, Any]
-    """``train.grad_accum`` (the microbatches of a layout without a pipeline)."""
+    """``train.grad_accum``."""
     summary: str
     estimate: Estimate
 
@@ -325,10 +292,13 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
     except ConfigError as e:
         raise ConfigError("parallel.plan_topology", topology, e.rule) from None
     space = SearchSpace(
-        batch_size=t.batch_size, seq_len=t.seq_len, activation_checkpoint=p.activation_checkpoint, dc_axis="none"
+        {"activation_checkpoint": p.activation_checkpoint, "dc_axis": "none"},
+        batch_size=t.batch_size,
+        seq_len=t.seq_len,
     )
     if args.tie_embeddings:
-        space = replace(space, pp=1)  # a tied head cannot be pipelined; the config's model is kept as given
+        # A tied head cannot be pipelined; the config's model is kept as given.
+        space = replace(space, fixed={**space.fixed, "pp": 1})
     pins = {k: v for k, v in (fixed or {}).items() if k in PLAN_KEYS and k != "activation_checkpoint"}
     _check_pins(pins, args, p.nproc)
     if pins.get("pp", 1) > 1 and args.tie_embeddings:
@@ -351,7 +321,7 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
         ) from None
     lay = est.layout
     parallel = {k: v for k, v in lay.parallel_config().items() if k != "activation_checkpoint"}
-    train = {"grad_accum": lay.microbatches if lay.pp == 1 else 1}
+    train = {"grad_accum": lay.grad_accum}
     summary = (
         f"plan auto: {lay.label()} on {p.nproc} local rank(s) ({topo.datacenters[0].kind.name}): "
         f"predicted {est.step_time_s:.3g} s/step, {est.tokens_per_s:,.0f} tokens/s, "

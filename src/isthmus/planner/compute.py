@@ -249,5 +249,5 @@ def shard_overhead(kind: DeviceKind, layout: LayoutSpec, layers: int) -> float:
     per block and collective; 0 unless a profile measured it)."""
     if not kind.shard_block_s:
         return 0.0
-    n = shard_collectives(layout.zero_stage, layout.shard_degree, layout.pp, layout.microbatches)
+    n = shard_collectives(layout.zero_stage, layout.shard_degree, layout.pp, layout.microbatches_per_step)
     return kind.shard_block_s * layers * n

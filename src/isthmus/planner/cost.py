@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Protocol
 
+from isthmus.errors import ConfigError
 from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import flops_per_token
@@ -296,7 +297,7 @@ def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placemen
     worst: RankSync | None = None
     for i in pl.stage_sites[r]:
         site = pl.sites[i]
-        sc = dp_sync(params, site, layout, runtime, layout.microbatches)
+        sc = dp_sync(params, site, layout, runtime, layout.microbatches_per_step)
         # Gradients of rank r are final r backward-chunks before rank 0's; the sync overlaps that.
         window = (st.bwd + r * st.bwd / layout.pp_virtual_stages) if runtime.dp_overlap else 0.0
         outer = sc.wan if layout.sync == "diloco" else 0.0  # DiLoCo's outer sync blocks, every H steps
@@ -355,7 +356,7 @@ def rank_memory(
         in_flight=in_flight(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, layout.microbatches, r),
         zero_stage=layout.zero_stage,
         shard=layout.shard_degree,
-        accumulate=layout.microbatches > 1,
+        accumulate=layout.microbatches_per_step > 1,
         dtype=work.dtype,
         microbatches=layout.microbatches,
         virtual_stages=layout.pp_virtual_stages,
@@ -523,7 +524,13 @@ def estimate(
     layout only through tp, cp, pp, schedule, microbatching and recomputation, not on how data
     parallelism is split, so the search computes them once for all its dp_shard / zero / geo variants.
     """
-    a, m, p, v = work.args, layout.microbatches, layout.pp, layout.pp_virtual_stages
+    if layout.pp > 1 and layout.grad_accum > 1:
+        raise ConfigError(
+            "train.grad_accum",
+            layout.grad_accum,
+            "the cost model takes a pipeline's microbatches or gradient accumulation, not both (parallel.pp > 1)",
+        )
+    a, m, p, v = work.args, layout.microbatches_per_step, layout.pp, layout.pp_virtual_stages
     pl = placement or place(topo, layout)
     stages = stages or stage_costs(work, layout, runtime, pl)
     # Ranks with the same stage cost and sites differ only in r, and both the exposed sync and the

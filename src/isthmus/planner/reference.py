@@ -78,7 +78,8 @@ def megatron_layout(row: MegatronRow) -> LayoutSpec:
         pp_virtual_stages=v,
         dp_replicate=dp,
         micro_batch=MICRO_BATCH,
-        microbatches=m,
+        microbatches=m if row.pp > 1 else 1,
+        grad_accum=1 if row.pp > 1 else m,
         activation_checkpoint="full",
     )
 
@@ -158,7 +159,7 @@ def source_micro_batch(rows: Sequence[PublishedRun]) -> float | None:
     model, batch and pipeline at several data-parallel sizes; None for any other set of rows."""
     if len(rows) < 2 or any(r.metric != "step_time_s" for r in rows):
         return None
-    if len({(r.option("--model"), r.option("pp"), r.option("--train.batch_size")) for r in rows}) != 1:
+    if len({(r.option("--model.flavor"), r.option("pp"), r.option("--train.batch_size")) for r in rows}) != 1:
         return None
     pp = int(rows[0].option("pp"))
     if pp < 2 or any("dp_replicate" not in r.args for r in rows):

@@ -18,8 +18,9 @@ top k is what exhaustive evaluation gives.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 from isthmus.errors import ConfigError
 from isthmus.layout.choices import GEO_SYNCS, WAN_SCHEDULES
@@ -58,61 +59,56 @@ MIN_CP_TOKENS = 2048
 """Context parallelism only splits sequences into pieces of at least this many tokens."""
 
 
+SETTINGS: dict[str, object] = {"inner_steps": 100, "fragments": 4, "overlap_steps": 1, "wan_streams": 1}
+"""Layout fields the search never chooses but sets on every layout, at these values unless fixed
+(inner_steps: the planner's 100, where the config's default is 50)."""
+CHOICE_LISTS = ("sync", "wan_schedule")
+"""Layout fields the search takes a list of choices for (:class:`SearchSpace`'s own fields), not one value."""
+
+
 @dataclass(frozen=True)
 class SearchSpace:
-    """What the search may choose; a non-None field fixes that choice."""
+    """What the search may choose: a :class:`LayoutSpec` field in ``fixed`` keeps its value, the rest
+    is searched."""
 
+    fixed: Mapping[str, Any] = field(default_factory=dict)
+    """Layout fields and their values. The search pins those it enumerates (degrees, schedule,
+    ZeRO stage, microbatch size, recomputation, placement), keeps only the layouts that have the
+    others (dp_replicate, cp_impl, microbatches, grad_accum) and sets the :data:`SETTINGS` on every
+    layout. Not sequence_parallel (the search takes it wherever tp > 1) nor the :data:`CHOICE_LISTS`."""
     batch_size: int | None = None
     seq_len: int | None = None
-    micro_batch: int | None = None
-    activation_checkpoint: str | None = None
-    tp: int | None = None
-    pp: int | None = None
-    cp: int | None = None
-    dp_shard: int | None = None
-    zero_stage: int | None = None
-    pp_schedule: str | None = None
-    pp_virtual_stages: int | None = None
-    dc_axis: str | None = None
-    """'none' (one datacenter), 'dp' or 'pp'."""
-    sync: tuple[str, ...] = GEO_SYNCS
-    """The cross-datacenter sync kinds to consider (geo.sync)."""
-    inner_steps: int = 100
-    """diloco / streaming_diloco: inner steps between syncs (geo.inner_steps)."""
-    fragments: int = 4
-    """streaming_diloco: fragments (the trainer's geo.fragments default)."""
-    overlap_steps: int = 1
-    """streaming_diloco: steps a fragment's transfer overlaps (geo.overlap_steps)."""
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS
     """Tokens per step when batch_size is left to the search."""
-    datacenters: int | None = None
-    """Datacenters to use (geo.datacenters); None: 1, every subset size, and all."""
+    sync: tuple[str, ...] = GEO_SYNCS
+    """The cross-datacenter sync kinds to consider (geo.sync)."""
     wan_schedule: tuple[str, ...] = WAN_SCHEDULES
     """How pipelines share a WAN link at a stage boundary (geo.wan_schedule) to consider."""
-    wan_streams: int = 1
-    """TCP connections per cross-datacenter transfer (geo.wan_streams), for every layout."""
+
+    def __post_init__(self) -> None:
+        names = {f.name for f in fields(LayoutSpec)} - {"sequence_parallel", *CHOICE_LISTS}
+        unknown = sorted(set(self.fixed) - names)
+        if unknown:
+            raise ValueError(f"the search cannot fix {', '.join(unknown)} (it fixes: {', '.join(sorted(names))})")
+
+    def pin(self, name: str) -> Any:
+        """The value ``fixed`` gives a layout field, or None (searched)."""
+        return self.fixed.get(name)
+
+    def setting(self, name: str) -> Any:
+        """A field of :data:`SETTINGS`: as fixed, else its planning value."""
+        return self.fixed.get(name, SETTINGS[name])
+
+    def keeps(self, lay: LayoutSpec, names: Iterable[str]) -> bool:
+        """Whether ``lay`` has the fixed value of each of ``names`` that is fixed."""
+        return all(getattr(lay, n) == self.fixed[n] for n in names if n in self.fixed)
 
 
-SPACE_FLAGS: dict[str, str] = {
-    "batch_size": "--train.batch_size",
-    "seq_len": "--train.seq_len",
-    "micro_batch": "--micro-batch",
-    "activation_checkpoint": "--parallel.activation_checkpoint",
-    "tp": "--parallel.tp",
-    "pp": "--parallel.pp",
-    "cp": "--parallel.cp",
-    "dp_shard": "--parallel.dp_shard",
-    "zero_stage": "--parallel.zero_stage",
-    "pp_schedule": "--parallel.pp_schedule",
-    "pp_virtual_stages": "--parallel.pp_virtual_stages",
-    "dc_axis": "--geo.dc_axis",
-    "inner_steps": "--geo.inner_steps",
-    "fragments": "--geo.fragments",
-    "overlap_steps": "--geo.overlap_steps",
-    "datacenters": "--geo.datacenters",
-    "max_batch_tokens": "--max-batch-tokens",
-}
-"""The flag of `isthmus plan` / `simulate` that sets each SearchSpace field: errors name the flag."""
+def flag_of(name: str) -> str:
+    """The flag of `isthmus plan` / `simulate` that sets a layout field or a :class:`SearchSpace` field,
+    as errors name it: the config key's (``--parallel.tp``), else the planner's own."""
+    key = LayoutSpec.config_key(name) or {"batch_size": "train.batch_size", "seq_len": "train.seq_len"}.get(name)
+    return f"--{key}" if key else "--" + name.replace("_", "-")
 
 
 @dataclass
@@ -148,7 +144,7 @@ def _placements(topo: Topology, space: SearchSpace) -> list[tuple[int, str]]:
     """(datacenters, axis): one datacenter, or k of n (the k largest) cut along dp or pp."""
     n = len(topo.datacenters)
     opts = [(1, "none")] + [(k, axis) for k in range(2, n + 1) for axis in ("dp", "pp")]
-    return [o for o in opts if (space.dc_axis is None or o[1] == space.dc_axis) and space.datacenters in (None, o[0])]
+    return [o for o in opts if space.pin("dc_axis") in (None, o[1]) and space.pin("datacenters") in (None, o[0])]
 
 
 def _schedules(space: SearchSpace, pp: int, m: int, layers: int, runtime: Runtime) -> list[tuple[str, int]]:
@@ -156,17 +152,17 @@ def _schedules(space: SearchSpace, pp: int, m: int, layers: int, runtime: Runtim
         return [("1f1b", 1)]
     out: list[tuple[str, int]] = []
     for sched in ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe"):
-        if space.pp_schedule not in (None, sched):
+        if space.pin("pp_schedule") not in (None, sched):
             continue
         vs = [1] if sched in ("1f1b", "gpipe") else ([2] if sched == "zero_bubble" else [2, 3, 4, 8])
-        if sched == "interleaved_1f1b" and space.pp_virtual_stages is not None:
-            vs = [space.pp_virtual_stages]  # any depth the user names, where check_pipeline allows it
+        if sched == "interleaved_1f1b" and space.pin("pp_virtual_stages") is not None:
+            vs = [space.pin("pp_virtual_stages")]  # any depth the user names, where check_pipeline allows it
         for v in vs:
-            if space.pp_virtual_stages not in (None, v) or check_pipeline(
+            if space.pin("pp_virtual_stages") not in (None, v) or check_pipeline(
                 sched, pp, m, v, layers, runtime.megatron_stages
             ):
                 continue
-            if sched == "gpipe" and space.pp_schedule is None and any(s == "1f1b" for s, _ in out):
+            if sched == "gpipe" and space.pin("pp_schedule") is None and any(s == "1f1b" for s, _ in out):
                 continue  # same time as 1F1B, more memory
             out.append((sched, v))
     return out
@@ -180,22 +176,21 @@ def search(
     args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, top: int = 10, dtype: str = "bf16"
 ) -> SearchResult:
     """The ``top`` best layouts that fit in memory; ConfigError when none does."""
-    if space.activation_checkpoint == "selective" and runtime.selective is None:
+    if space.pin("activation_checkpoint") == "selective" and runtime.selective is None:
         raise ConfigError(
-            SPACE_FLAGS["activation_checkpoint"], "selective", f"runtime {runtime.name} has no selective recomputation"
+            flag_of("activation_checkpoint"), "selective", f"runtime {runtime.name} has no selective recomputation"
         )
-    if space.datacenters is not None and not 1 <= space.datacenters <= len(topo.datacenters):
+    datacenters, dc_axis = space.pin("datacenters"), space.pin("dc_axis")
+    if datacenters is not None and not 1 <= datacenters <= len(topo.datacenters):
         raise ConfigError(
-            SPACE_FLAGS["datacenters"],
-            space.datacenters,
+            flag_of("datacenters"),
+            datacenters,
             f"topology {topo.name!r} has {len(topo.datacenters)} datacenter(s)",
         )
     if not _placements(topo, space):
-        if space.datacenters is not None:
-            raise ConfigError(
-                SPACE_FLAGS["datacenters"], space.datacenters, f"does not go with --geo.dc_axis {space.dc_axis}"
-            )
-        raise ConfigError(SPACE_FLAGS["dc_axis"], space.dc_axis, f"topology {topo.name!r} has one datacenter; use none")
+        if datacenters is not None:
+            raise ConfigError(flag_of("datacenters"), datacenters, f"does not go with {flag_of('dc_axis')} {dc_axis}")
+        raise ConfigError(flag_of("dc_axis"), dc_axis, f"topology {topo.name!r} has one datacenter; use none")
     heap: list[tuple[float, int, Estimate]] = []
     result = SearchResult([], runtime)
     counter = 0
@@ -249,25 +244,27 @@ def _core_layouts(
             world = per_dc * dc
             node = min(d.devices_per_node for d in used)
             usable = min(d.kind.memory_bytes for d in used) * USABLE_FRACTION
-            for tp in _fix([t for t in divisors(node) if args.n_heads % t == 0 and args.n_kv_heads % t == 0], space.tp):
+            for tp in _fix(
+                [t for t in divisors(node) if args.n_heads % t == 0 and args.n_kv_heads % t == 0], space.pin("tp")
+            ):
                 # Short sequence pieces and odd microbatch sizes are left out of the search, not
                 # refused: a value the user names is tried whatever the search would have chosen.
                 cps = [
                     c
                     for c in divisors(per_dc // tp)
-                    if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS or c == space.cp)
+                    if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS or c == space.pin("cp"))
                 ]
-                for cp in _fix(cps, space.cp):
-                    for pp, dp in _pipelines(used, axis, world, tp, cp, args.n_layers, space.pp):
-                        for mb in [space.micro_batch] if space.micro_batch else MICRO_BATCHES:
+                for cp in _fix(cps, space.pin("cp")):
+                    for pp, dp in _pipelines(used, axis, world, tp, cp, args.n_layers, space.pin("pp")):
+                        for mb in [space.pin("micro_batch")] if space.pin("micro_batch") else MICRO_BATCHES:
                             m = _microbatches(space, seq, dp, mb, pp)
                             if m is None:
                                 continue
                             work = Workload(args, dp * mb * m, seq, dtype)
                             for sched, v in _schedules(space, pp, m, args.n_layers, runtime):
                                 for rc in (
-                                    [space.activation_checkpoint]
-                                    if space.activation_checkpoint
+                                    [space.pin("activation_checkpoint")]
+                                    if space.pin("activation_checkpoint")
                                     else ["none", "full"]
                                     if runtime.selective is None
                                     else ["none", "selective", "full"]
@@ -285,30 +282,17 @@ def _core_layouts(
                                             pp_virtual_stages=v,
                                             dp_replicate=dp // (dc if axis == "dp" else 1),
                                             micro_batch=mb,
-                                            microbatches=m,
+                                            microbatches=m if pp > 1 else 1,
+                                            grad_accum=1 if pp > 1 else m,
                                             activation_checkpoint=rc,  # type: ignore[arg-type]
                                             datacenters=dc,
                                             dc_axis=axis,  # type: ignore[arg-type]
                                             # The bound takes the faster schedule; variants try each.
                                             wan_schedule=_wan_schedules(axis, space)[-1],  # type: ignore[arg-type]
-                                            wan_streams=space.wan_streams,
+                                            wan_streams=space.setting("wan_streams"),
                                         )
-                                        yield work, core, usable
-
-
-# The fixed values that can rule out every layout, in the order a message names them.
-_FIXED = (
-    "tp",
-    "cp",
-    "pp",
-    "dp_shard",
-    "zero_stage",
-    "pp_schedule",
-    "pp_virtual_stages",
-    "micro_batch",
-    "batch_size",
-    "seq_len",
-)
+                                        if space.keeps(core, _MATCHED):
+                                            yield work, core, usable
 
 
 def _has_valid_layout(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, dtype: str) -> bool:
@@ -322,7 +306,10 @@ def _has_valid_layout(args: ModelArgs, topo: Topology, space: SearchSpace, runti
 def _shard_choices(core: LayoutSpec, space: SearchSpace) -> list[int]:
     """The dp_shard degrees a core's data parallelism inside one datacenter allows, as the space fixes them."""
     cut = core.datacenters if core.dc_axis == "dp" else 1
-    return _fix(divisors(core.dp // cut), space.dp_shard)
+    per_dc = core.dp // cut
+    return [
+        s for s in _fix(divisors(per_dc), space.pin("dp_shard")) if space.pin("dp_replicate") in (None, per_dc // s)
+    ]
 
 
 def _name_the_fixed_value(
@@ -331,10 +318,11 @@ def _name_the_fixed_value(
     """When no layout is valid, raise for the fixed value that rules them all out, if one does alone:
     the user learns which flag to change, not only that the combination fails."""
     culprits = [
-        (SPACE_FLAGS[name], getattr(space, name))
-        for name in _FIXED
-        if getattr(space, name) is not None
-        and _has_valid_layout(args, topo, replace(space, **{name: None}), runtime, dtype)  # type: ignore[arg-type]
+        (flag_of(name), value)
+        for name, value in [*space.fixed.items(), ("batch_size", space.batch_size), ("seq_len", space.seq_len)]
+        if value is not None
+        and name not in SETTINGS
+        and _has_valid_layout(args, topo, _without(space, name), runtime, dtype)
     ]
     if len(culprits) == 1:
         flag, value = culprits[0]
@@ -346,6 +334,15 @@ def _name_the_fixed_value(
         raise ConfigError(
             "--topology", topo.name, f"no layout of this {what} is valid with {named} together; drop one of them"
         )
+
+
+def _without(space: SearchSpace, name: str) -> SearchSpace:
+    """``space`` with ``name`` (a fixed layout field, batch_size or seq_len) left to the search."""
+    if name == "batch_size":
+        return replace(space, batch_size=None)
+    if name == "seq_len":
+        return replace(space, seq_len=None)
+    return replace(space, fixed={k: v for k, v in space.fixed.items() if k != name})
 
 
 def _cp_impls(args: ModelArgs, tp: int, cp: int) -> list[str]:
@@ -472,7 +469,7 @@ def _prepare(
         )
     )
     fill = 0.0 if core.pp_schedule == "zero_bubble" else (p - 1) / core.pp_virtual_stages
-    floor = (core.microbatches + fill) * work.args.n_layers / p * block
+    floor = (core.microbatches_per_step + fill) * work.args.n_layers / p * block
     best_q = max(runtime.quality_of(g) for g in _geos(core, space))
     return _Core(work, core, work.tokens_per_step / floor * best_q, shards, first_params, first_act, usable)
 
@@ -487,7 +484,7 @@ def _tighten(cand: _Core, placed: PlacementCache, runtime: Runtime, space: Searc
     t_floor, _ = pipeline_time(
         busy,
         [s.wgrad for s in cand.stages],
-        core.microbatches,
+        core.microbatches_per_step,
         core.pp_virtual_stages,
         core.pp_schedule,
         pipeline_links(work, core, runtime, cand.placement, busy),
@@ -537,7 +534,7 @@ def _variants(
             probe = LayoutSpec(**fields, dp_replicate=per_dc // shard, dp_shard=shard, zero_stage=zero)
             gathered = gathered_weight_bytes(runtime, work.dtype, probe.data_parallel_kind == "fsdp")
             state = model_state_bytes(
-                cand.first_params, zero, probe.shard_degree, runtime, core.microbatches > 1, p, gathered
+                cand.first_params, zero, probe.shard_degree, runtime, core.microbatches_per_step > 1, p, gathered
             )
             if sum(state) + cand.first_act > cand.usable:
                 result.considered += 1  # its variants are not enumerated: counted once, as refused
@@ -567,11 +564,11 @@ def _variants(
                     dp_shard=shard,
                     zero_stage=zero,
                     sync=geo,  # type: ignore[arg-type]
-                    inner_steps=space.inner_steps,
-                    fragments=space.fragments,
-                    overlap_steps=space.overlap_steps,
+                    inner_steps=space.setting("inner_steps"),
+                    fragments=space.setting("fragments"),
+                    overlap_steps=space.setting("overlap_steps"),
                     wan_schedule=wan_schedule,  # type: ignore[arg-type]
-                    wan_streams=space.wan_streams,
+                    wan_streams=space.setting("wan_streams"),
                 )
                 # Blocking sends (Megatron) put the WAN schedule into the stage costs.
                 same = runtime.p2p_async or wan_schedule == core.wan_schedule
@@ -605,16 +602,21 @@ _CORE_FIELDS = (
     "pp_virtual_stages",
     "micro_batch",
     "microbatches",
+    "grad_accum",
     "activation_checkpoint",
     "datacenters",
     "dc_axis",
 )
 
 
+_MATCHED = ("cp_impl", "microbatches", "grad_accum")
+"""Core fields the search derives or takes every value of: a fixed one is matched on its cores."""
+
+
 def _zero_choices(core: LayoutSpec, shard: int, space: SearchSpace) -> list[int]:
     """The ZeRO stages of ``isthmus.layout.rules.zero_stages`` (the runtime's rule) that the space allows."""
     stages = zero_stages(shard, core.tp, core.pp, core.cp, core.replicas // shard)
-    return [z for z in stages if space.zero_stage in (None, z)]
+    return [z for z in stages if space.pin("zero_stage") in (None, z)]
 
 
 def _remember(result: SearchResult, est: Estimate) -> None:

@@ -1,7 +1,7 @@
 """What `isthmus profile` measures on this machine, and the fits that turn it into a topology file.
 
     isthmus profile --out local-profile.toml --seconds 20
-    isthmus plan --model small --topology local-profile.toml --train.batch_size 16 --train.seq_len 128
+    isthmus plan --model.flavor small --topology local-profile.toml --train.batch_size 16 --train.seq_len 128
 
 What it measures, as one rank sees it (torch on CPU, fp32), at the shapes of one model (``--model``,
 ``--batch``, ``--seq-len``; default the ``small`` flavor at 16 x 128, what ``isthmus train`` runs):

@@ -186,10 +186,10 @@ class Simulation:
                 site,
                 kind,
                 ops,
-                rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual_stages, lay.microbatches, r),
+                rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual_stages, lay.microbatches_per_step, r),
                 params,
                 costs.dp_plan(site, lay, self.runtime),
-                dp_sync(params, site, lay, self.runtime, lay.microbatches).wan_bytes,
+                dp_sync(params, site, lay, self.runtime, lay.microbatches_per_step).wan_bytes,
             )
             if best is None or total > sum(o.fwd.seconds + o.full_bwd.seconds for o in best.stages.values()):
                 best = plan
@@ -270,7 +270,7 @@ class Simulation:
     # --- one device's program ----------------------------------------------------------------------
     def _program(self, r: int) -> Iterator[tuple[Any, ...]]:
         eng, lay, plan = self.engine, self.layout, self.ranks[r]
-        m, blocking = lay.microbatches, not self.runtime.p2p_async
+        m, blocking = lay.microbatches_per_step, not self.runtime.p2p_async
         gather_tp = costs.tp_gather(self.work, lay, plan.site) if blocking and self.runtime.scatter_gather else 0.0
         dp = plan.dp
         labels = {s: f"L{self.first_layer[s]}-{self.first_layer[s] + o.layers - 1}" for s, o in plan.stages.items()}

@@ -179,7 +179,7 @@ def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
         in_flight=min(float(lay.microbatches), sim.peak_in_flight(r)) if lay.pp > 1 else 1.0,
         zero_stage=lay.zero_stage,
         shard=lay.shard_degree,
-        accumulate=lay.microbatches > 1,
+        accumulate=lay.microbatches_per_step > 1,
         dtype=work.dtype,
         microbatches=lay.microbatches,
         # Each simulated stage module wraps blocks 0, 2, ... of its own, as the runtime does.
