@@ -27,7 +27,6 @@ from isthmus.data.corpus import PreparedData, prepare_data
 from isthmus.data.loader import BatchSampler, val_batches
 from isthmus.errors import ConfigError, RunFailed, full_disk_as
 from isthmus.geo.run import build_geo_run
-from isthmus.geo.strategy import GeoSync
 from isthmus.layout.dims import ParallelDims, check_layout
 from isthmus.layout.spec import LayoutSpec
 from isthmus.log import get_logger
@@ -37,8 +36,9 @@ from isthmus.models.resolve import resolve_model_args
 from isthmus.parallel.parallelize import ParallelModel, apply_layout
 from isthmus.parallel.rendezvous import group_store_args
 from isthmus.profile.device import correct_peak, describe_peak, devices_worth, peak_flops, resolve_device
-from isthmus.serve.prefill import BubbleRun, build_bubble_run
+from isthmus.serve.prefill import build_bubble_run
 from isthmus.train.grad import clip_grad_norm
+from isthmus.train.hooks import StepHookList
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
 from isthmus.train.short_run import max_steps_override
@@ -163,9 +163,12 @@ class Trainer:
             load_weights(self.pm.modules, pretrained)
         self.geo_run.wire_pipeline(self.pm.schedule, self.dims.pp, self.mesh)
         # After wire_pipeline: its hooks on the stages' P2P ops are wrapped, not replaced.
-        self.bubbles: BubbleRun | None = build_bubble_run(
+        bubbles = build_bubble_run(
             cfg, self.pm.schedule, a, self.data.tokenizer, self.device, self.rank, self.world, self.run_dir
         )
+        # What only some runs do in a step: geo.sync (through the geo run, which owns it), then the
+        # timeline and bubble filling (bubbles.prefill, metrics.timeline).
+        self.hooks = StepHookList([self.geo_run] if bubbles is None else [self.geo_run, bubbles])
         zero1_group = self._mesh_group("dp_cp") if self.pm.dp_kind == "zero1" else None
         self.optimizer = build_optimizer(self.pm.modules, t, zero1_group)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
@@ -173,7 +176,7 @@ class Trainer:
         mesh_dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
         self.dp_rank = self.geo_run.dp_rank(mesh_dp_rank, self.rank, self.world)
         self.cp_rank = self.mesh["cp"].get_local_rank() if self.mesh is not None else 0
-        self.geo = self._restore(resume)
+        self._restore(resume)
         self.n_params = count_params(a)
         self.log.info(
             "model %s: %s parameters (%s); %s train / %s val tokens (%s tokenizer, vocab %d); layout %s over %d rank(s)",
@@ -215,9 +218,9 @@ class Trainer:
                 "train.steps", t.steps, f"the checkpoint {resume.path} is at step {at} already; raise it to train on"
             )
 
-    def _restore(self, resume: ResumePoint | None) -> GeoSync | None:
-        """Load the checkpoint to resume from (if any) and build the cross-datacenter strategy;
-        returns the strategy (None for geo.sync = none)."""
+    def _restore(self, resume: ResumePoint | None) -> None:
+        """Load the checkpoint to resume from (if any) and build the geo run's cross-datacenter
+        strategy (geo.sync) with its state from the checkpoint."""
         n_dc = self.dims.datacenters
         self.train_state = TrainState(
             self.pm.modules,
@@ -230,11 +233,10 @@ class Trainer:
         self.progress.advance(self.step)
         _apply_step_cap(self.cfg.train, self.step)
         # Built from the loaded model, so a checkpoint without geo state starts geo.sync from it.
-        geo = self.geo_run.build_sync(self.pm.parameters(), self.dims, self.world)
-        self.train_state.geo = geo
-        if resume is not None and geo is not None:
-            self.checkpointer.load_geo(resume, geo)
-        return geo
+        sync = self.geo_run.build_sync(self.pm.parameters(), self.dims, self.world)
+        self.train_state.geo = sync
+        if resume is not None and sync is not None:
+            self.checkpointer.load_geo(resume, sync)
 
     def _skip_to(self, step: int) -> None:
         """Continue at ``step`` as if the steps before it had run here: learning rate and data position."""
@@ -304,52 +306,53 @@ class Trainer:
             module.set_requires_gradient_sync(enabled)
         return nullcontext()
 
-    def _span(self, what: str) -> AbstractContextManager[Any]:
-        """A training op on the timeline (metrics.timeline); pipeline stages record their own chunks."""
-        if self.bubbles is None or (what == "forward+backward" and self.pm.schedule is not None):
-            return nullcontext()
-        return self.bubbles.timeline.span(what, "optimizer" if what == "optimizer" else "forward")
-
     def _mean_over_ranks(self, local: torch.Tensor | None) -> float:
         """Average a per-rank loss over the ranks that computed one (last pipeline stage; every dp/cp rank)."""
         return StepSum(local, (), self.world).loss
 
     # --- one optimizer step -------------------------------------------------------------
     def train_step(self) -> tuple[StepSum, float]:
-        """Forward/backward over grad_accum micro-batches, clip, step. Returns the step's loss on its
-        way to the mean over ranks (with the step's byte counters; `StepSum`) and the gradient norm."""
+        """Batch, forward/backward, reduce, clip, optimizer step. Returns the step's loss on its way
+        to the mean over ranks (with the step's byte counters; `StepSum`) and the gradient norm."""
         t = self.cfg.train
-        if self.bubbles is not None:
-            self.bubbles.begin_step(self.step + 1)
         inputs, targets = self._local_batch(*self.sampler.next_batch(t.batch_size, self.dp_rank, self.dims.dp))
-        losses: list[torch.Tensor] = []
-        chunks = list(zip(inputs.chunk(t.grad_accum), targets.chunk(t.grad_accum)))
-        for i, (x, y) in enumerate(chunks):
-            with self._grad_sync(i == len(chunks) - 1), self.pm.compute_precision(self.device.type):
-                # Equal-sized micro-batches, each loss scaled by 1/accum: the accumulated gradient is
-                # the gradient of the mean loss over the whole batch, exactly as without accumulation.
-                scale = 1.0 if self.pm.schedule is not None else 1.0 / t.grad_accum
-                with self._span("forward+backward"):
-                    loss = forward_backward(self.pm, x, y, scale, self.loss_fn)
-            if loss is not None:
-                losses.append(loss)
-        if self.pm.schedule is not None and t.grad_accum > 1:
-            # Each schedule step averages over its micro-batches; average over the accumulation too.
-            _scale_grads(self.pm.parameters(), 1.0 / t.grad_accum)
-        if self.geo is not None:
-            self.geo.reduce_gradients(self.pm.parameters())
+        losses = self._forward_backward(inputs, targets)
+        # DDP and FSDP reduced the gradients during backward; with geo.sync its strategy does, here.
+        self.hooks.reduce_gradients(self.pm.parameters())
         pp_group = self._mesh_group("pp") if self.dims.pp_enabled else None
-        wait = self.bubbles.wait if self.bubbles is not None else None
-        grad_norm = clip_grad_norm(self.pm.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf, pp_group, wait)
-        with self._span("optimizer"):
+        max_norm = t.grad_clip if t.grad_clip > 0 else math.inf
+        grad_norm = clip_grad_norm(self.pm.parameters(), max_norm, pp_group, self.hooks.wait)
+        with self.hooks.span("optimizer"):
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        if self.geo is not None:
-            self.geo.after_optimizer_step(self.step, self.pm.parameters())
         self.step += 1
+        self.hooks.after_optimizer_step(self.step, self.pm.parameters())
         local = torch.stack(losses).mean() if losses else None
         return StepSum(local, self.geo_run.step_counters(), self.world), grad_norm
+
+    def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        """Forward and backward over grad_accum micro-batches, gradients accumulated; returns the
+        losses this rank computed (none on a pipeline stage before the last)."""
+        accum = self.cfg.train.grad_accum
+        # Equal-sized micro-batches, each loss scaled by 1/accum: the accumulated gradient is the
+        # gradient of the mean loss over the whole batch, exactly as without accumulation.
+        scale = 1.0 if self.pm.schedule is not None else 1.0 / accum
+        losses: list[torch.Tensor] = []
+        chunks = list(zip(inputs.chunk(accum), targets.chunk(accum)))
+        for i, (x, y) in enumerate(chunks):
+            with (
+                self._grad_sync(i == len(chunks) - 1),
+                self.pm.compute_precision(self.device.type),
+                self.hooks.span("forward+backward"),
+            ):
+                loss = forward_backward(self.pm, x, y, scale, self.loss_fn)
+            if loss is not None:
+                losses.append(loss)
+        if self.pm.schedule is not None and accum > 1:
+            # Each schedule step averages over its micro-batches; average over the accumulation too.
+            _scale_grads(self.pm.parameters(), 1.0 / accum)
+        return losses
 
     @torch.no_grad()
     def validate(self) -> float:
@@ -402,6 +405,7 @@ class Trainer:
             while self.step < t.steps:
                 step_start = time.perf_counter()
                 lr = float(self.scheduler.get_last_lr()[0])
+                self.hooks.begin_step(self.step + 1)
                 step_sum, grad_norm = self.train_step()
                 if open_step is not None:
                     self._close_step(open_step, result, metrics)
@@ -411,9 +415,7 @@ class Trainer:
                     self._set_timeouts()
                 # The outer round's quorum and the busy fractions (a collective of their own) are
                 # the step's own: taken at its end, not when its sums arrive.
-                extra: dict[str, Any] = self.geo_run.round_metrics()
-                if self.bubbles is not None:
-                    extra.update(self.bubbles.end_step(self.step))
+                extra = self.hooks.end_step(self.step)
                 open_step = _OpenStep(self.step, lr, step_times[-1], step_sum, grad_norm, extra)
                 validate = bool(t.val_every and self.step % t.val_every == 0) or self.step == t.steps
                 save = self.checkpointer.due(self.step, last=self.step == t.steps)
@@ -438,9 +440,8 @@ class Trainer:
             if metrics is not None:
                 metrics.close()
         self.checkpointer.wait()
-        if self.bubbles is not None:
-            self.bubbles.finish()
-        result.bytes_by_tier = self.geo_run.finish(self.pm.parameters())
+        self.hooks.finish(self.pm.parameters())
+        result.bytes_by_tier = self.geo_run.bytes_by_tier
         result.elapsed_s = time.perf_counter() - start
         # The first step warms up the allocator and kernels (and pipeline shape inference): leave it out.
         timed = step_times[1:] or step_times
@@ -455,7 +456,7 @@ class Trainer:
 
     def _close_step(self, done: _OpenStep, result: TrainResult, metrics: MetricsLogger | None) -> None:
         """Collect a step's loss and byte counts summed over ranks; check and log them."""
-        done.sum.wait(self.bubbles.wait if self.bubbles is not None else None)
+        done.sum.wait(self.hooks.wait)
         self._check_finite(done.sum.loss, done.grad_norm, self.cfg.train.lr, done.step)
         result.losses.append(done.sum.loss)
         result.grad_norms.append(done.grad_norm)
