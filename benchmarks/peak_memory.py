@@ -252,6 +252,7 @@ def block_bytes(flavor: str, batch: int, precision: str) -> int:
 def print_block(flavor: str) -> None:
     """Per precision, what one block keeps per token (the growth from batch 4 to 8) and per block
     (the rest: weight copies, rotary tables), against the planner's per-token accounting."""
+    from isthmus.planner.compute import BlockShape
     from isthmus.planner.memory import layer_activation_bytes
     from isthmus.planner.workload import RUNTIMES
 
@@ -269,7 +270,7 @@ def print_block(flavor: str) -> None:
         four, eight = block_bytes(flavor, 4, precision), block_bytes(flavor, 8, precision)
         per_token = (eight - four) / (4 * SEQ)
         fixed = four - 4 * SEQ * per_token
-        planned = layer_activation_bytes(args, 1, 1, 1, 1, False, runtime, dtype, fsdp=fsdp)
+        planned = layer_activation_bytes(BlockShape(args, 1, 1, 1, 1, False, dtype), runtime, fsdp=fsdp)
         name = runtime.name + (", FSDP" if runtime.autocast and fsdp else "")
         cells = [precision, f"{per_token:,.0f}", f"{fixed / 1024:,.0f}", f"{planned:,.0f} ({name})"]
         print("| " + " | ".join(cells) + f" | {per_token / planned:.2f} |")

@@ -15,7 +15,7 @@ from isthmus.models.flops import forward_flops_per_token, layer_matmul_params
 from isthmus.models.llama import TransformerBlock, rope_cos_sin
 from isthmus.planner import comm
 from isthmus.planner.autoplan import local_runtime
-from isthmus.planner.compute import gemm_fraction, gemm_time, head_ops, layer_ops
+from isthmus.planner.compute import BlockShape, gemm_fraction, gemm_time, head_ops, layer_ops
 from isthmus.planner.cost import estimate
 from isthmus.planner.geo import cross_dc_all_reduce
 from isthmus.planner.memory import (
@@ -36,8 +36,8 @@ MEG, ISTH = RUNTIMES["megatron-2021"], RUNTIMES["isthmus"]
 @pytest.mark.parametrize("tp", [1, 8])
 def test_op_flops_add_up_to_exact_model_flops(flavor: str, runtime: object, tp: int) -> None:
     args, b, s = get_flavor(flavor), 2, 2048
-    ops = layer_ops(A100, "bf16", args, b, s, tp, 1, False, runtime) * args.n_layers  # type: ignore[arg-type]
-    ops += head_ops(A100, "bf16", args, b, s, tp, 1, False)
+    ops = layer_ops(A100, BlockShape(args, b, s, tp), runtime) * args.n_layers  # type: ignore[arg-type]
+    ops += head_ops(A100, BlockShape(args, b, s, tp))
     fwd = sum(op.flops for op in ops if op.phase == "fwd") * tp
     assert fwd == pytest.approx(forward_flops_per_token(args, s) * b * s, rel=1e-12)
     if runtime is MEG:  # every GEMM's two backward GEMMs have its FLOPs
@@ -114,20 +114,24 @@ def test_korthikanti_activation_formulas_exact() -> None:
     args = gpt3(96, 12288, 96)
     s, b, h, a = 2048, 1, 12288, 96
     sbh = s * b * h
-    assert layer_activation_bytes(args, b, s, 1, 1, False, MEG) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert layer_activation_bytes(BlockShape(args, b, s, 1, 1, False), MEG) == pytest.approx(sbh * (34 + 5 * a * s / h))
     for t in (2, 8):
-        assert layer_activation_bytes(args, b, s, t, 1, False, MEG) == pytest.approx(
+        assert layer_activation_bytes(BlockShape(args, b, s, t, 1, False), MEG) == pytest.approx(
             sbh * (10 + 24 / t + 5 * a * s / (h * t))
         )
-        assert layer_activation_bytes(args, b, s, t, 1, True, MEG) == pytest.approx(
+        assert layer_activation_bytes(BlockShape(args, b, s, t, 1, True), MEG) == pytest.approx(
             sbh * (34 / t + 5 * a * s / (h * t))
         )
-    assert layer_input_bytes(args, b, s, 8, 1, False) == 2 * sbh
+    assert layer_input_bytes(BlockShape(args, b, s, 8, 1, False)) == 2 * sbh
     # Fused attention and no dropout drop the 5as/h term and the masks.
-    assert layer_activation_bytes(args, b, s, 1, 1, False, RUNTIMES["torchtitan"]) == pytest.approx(sbh * 32)
+    assert layer_activation_bytes(BlockShape(args, b, s, 1, 1, False), RUNTIMES["torchtitan"]) == pytest.approx(
+        sbh * 32
+    )
     # isthmus's block on CPU ranks (fp32) keeps the same tensors at twice the width: its RMSNorm keeps
     # the input and rsqrt alone (the rsqrt per token, not counted), as the fused kernels do.
-    assert layer_activation_bytes(args, b, s, 1, 1, False, local_runtime(), "fp32") == pytest.approx(sbh * 64)
+    assert layer_activation_bytes(BlockShape(args, b, s, 1, 1, False, dtype="fp32"), local_runtime()) == pytest.approx(
+        sbh * 64
+    )
 
 
 @pytest.mark.parametrize("precision", ["fp32", "autocast-bf16", "fsdp-bf16"])
@@ -163,13 +167,15 @@ def test_a_block_keeps_what_the_runtime_counts(precision: str) -> None:
     ):
         block(x, cos, sin)
     if precision == "fsdp-bf16":
-        planned = layer_activation_bytes(args, b, s, 1, 1, False, RUNTIMES["isthmus"], "bf16", fsdp=True)
+        planned = layer_activation_bytes(
+            BlockShape(args, b, s, 1, 1, False, dtype="bf16"), RUNTIMES["isthmus"], fsdp=True
+        )
     elif autocast:
         rt = RUNTIMES["isthmus"]
-        planned = layer_activation_bytes(args, b, s, 1, 1, False, rt)
+        planned = layer_activation_bytes(BlockShape(args, b, s, 1, 1, False), rt)
         planned += autocast_weight_copy_bytes(args, 1, False, 1, rt, "bf16")
     else:
-        planned = layer_activation_bytes(args, b, s, 1, 1, False, local_runtime(), "fp32")
+        planned = layer_activation_bytes(BlockShape(args, b, s, 1, 1, False, dtype="fp32"), local_runtime())
     assert sum(kept.values()) == planned
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from isthmus.models.flavors import get_flavor, gpt3
+from isthmus.planner.compute import BlockShape
 from isthmus.planner.memory import layer_activation_bytes, model_state_bytes
 from isthmus.planner.reference import implied_micro_batch, published_runs, source_micro_batch
 from isthmus.planner.workload import RUNTIMES
@@ -82,10 +83,18 @@ def test_activation_bytes_follow_korthikanti_2022() -> None:
     h, heads, rt = a.dim, a.n_heads, RUNTIMES["megatron-2022"]
     sbh = s * b * h
     scores = 5 * heads * s / h
-    assert layer_activation_bytes(a, b, s, 1, 1, False, rt, "fp16") == pytest.approx(sbh * (34 + scores))
-    assert layer_activation_bytes(a, b, s, t, 1, False, rt, "fp16") == pytest.approx(sbh * (10 + 24 / t + scores / t))
-    assert layer_activation_bytes(a, b, s, t, 1, True, rt, "fp16") == pytest.approx(sbh * (34 / t + scores / t))
-    assert layer_activation_bytes(a, b, s, t, 1, True, rt, "fp16", scores=False) == pytest.approx(sbh * 34 / t)
+    assert layer_activation_bytes(BlockShape(a, b, s, 1, 1, False, dtype="fp16"), rt) == pytest.approx(
+        sbh * (34 + scores)
+    )
+    assert layer_activation_bytes(BlockShape(a, b, s, t, 1, False, dtype="fp16"), rt) == pytest.approx(
+        sbh * (10 + 24 / t + scores / t)
+    )
+    assert layer_activation_bytes(BlockShape(a, b, s, t, 1, True, dtype="fp16"), rt) == pytest.approx(
+        sbh * (34 / t + scores / t)
+    )
+    assert layer_activation_bytes(BlockShape(a, b, s, t, 1, True, dtype="fp16"), rt, scores=False) == pytest.approx(
+        sbh * 34 / t
+    )
 
 
 def test_recomputed_pointwise_results_leave_what_matmuls_and_attention_read() -> None:
@@ -96,8 +105,10 @@ def test_recomputed_pointwise_results_leave_what_matmuls_and_attention_read() ->
     lean, eager = RUNTIMES["llama3"], RUNTIMES["torchtitan"]
     assert lean.pointwise_recompute and not eager.pointwise_recompute
     kept = 2 * s * (2 * h + 2 * q + 2 * kv + 2 * f) / t
-    assert layer_activation_bytes(a, 1, s, t, 1, True, lean) == pytest.approx(kept)
-    assert layer_activation_bytes(a, 1, s, t, 1, True, eager) == pytest.approx(kept + 2 * s * (2 * h + 2 * f) / t)
+    assert layer_activation_bytes(BlockShape(a, 1, s, t, 1, True), lean) == pytest.approx(kept)
+    assert layer_activation_bytes(BlockShape(a, 1, s, t, 1, True), eager) == pytest.approx(
+        kept + 2 * s * (2 * h + 2 * f) / t
+    )
 
 
 def test_distributed_optimizer_state_per_rank() -> None:

@@ -26,6 +26,7 @@ from isthmus.models.args import ModelArgs
 from isthmus.models.flavors import list_flavors
 from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.planner.autoplan import local_runtime
+from isthmus.planner.compute import BlockShape
 from isthmus.planner.memory import MemoryBreakdown, device_memory
 from isthmus.planner.pipeline import in_flight
 from isthmus.serve.requests import TOKEN_BYTES, RequestLimits, check_synthetic, iter_request_file
@@ -233,23 +234,17 @@ def estimate_rank_memory(cfg: JobConfig, args: ModelArgs, dims: ParallelDims) ->
     worst: MemoryBreakdown | None = None
     for first, last in ((True, dims.pp == 1), (False, True)) if dims.pp > 1 else ((True, True),):
         m = device_memory(
-            args,
+            BlockShape(args, micro, t.seq_len, dims.tp, dims.cp, p.sequence_parallel, t.dtype),
             local_runtime(),  # CPU ranks: this check runs only for them
             layers=layers,
             first=first,
             last=last,
             pp=dims.pp,
-            tp=dims.tp,
-            cp=dims.cp,
-            sp=p.sequence_parallel,
-            micro_batch=micro,
-            seq_len=t.seq_len,
             activation_checkpoint=p.activation_checkpoint,
             in_flight=in_flight(p.pp_schedule, dims.pp, p.pp_virtual_stages, p.microbatches),
             zero_stage=p.zero_stage,
             shard=shard,
             accumulate=t.grad_accum > 1,
-            dtype=t.dtype,
             microbatches=p.microbatches,
             virtual_stages=p.pp_virtual_stages if dims.pp > 1 else 1,
         )

@@ -17,7 +17,7 @@ What the pieces answer (the simulator and calibration build on these):
 """
 
 from isthmus.planner.comm import Span, all_gather, all_reduce, all_to_all, p2p, reduce_scatter
-from isthmus.planner.compute import Op, gemm_fraction, gemm_time, layer_ops, memory_time
+from isthmus.planner.compute import BlockShape, Op, gemm_fraction, gemm_time, layer_ops, memory_time
 from isthmus.planner.cost import Estimate, StageCost, estimate, rank_memory, stage_costs
 from isthmus.planner.memory import MemoryBreakdown, device_memory
 from isthmus.planner.pipeline import in_flight, partition_layers, pipeline_time
@@ -29,6 +29,7 @@ __all__ = [
     "RUNTIMES",
     "Runtime",
     "Workload",
+    "BlockShape",
     "Op",
     "gemm_fraction",
     "gemm_time",

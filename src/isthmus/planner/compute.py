@@ -16,7 +16,7 @@ from functools import lru_cache
 from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.planner.topology import DeviceKind
-from isthmus.planner.workload import Runtime
+from isthmus.planner.workload import Runtime, Workload
 
 ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 FLASH_EFFICIENCY = 0.7
@@ -27,6 +27,28 @@ CAUSAL_SKIP = 0.5
 """Fraction of the S x S square a causal fused kernel computes (masked tiles are skipped)."""
 OPTIMIZER_BYTES_PER_PARAM = 32
 """Adam step, gradient-norm and zeroing traffic per local parameter (fp32 master, m, v, grad)."""
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """What one transformer block computes for one microbatch on one device: the model's shape, the
+    microbatch and sequence, how tensor and context parallelism split them (``sp``: sequence
+    parallelism inside the tensor-parallel group), and the compute dtype."""
+
+    args: ModelArgs
+    micro_batch: int
+    seq_len: int
+    tp: int = 1
+    cp: int = 1
+    sp: bool = False
+    dtype: str = "bf16"
+
+    @classmethod
+    def of(cls, work: Workload, layout: LayoutSpec) -> BlockShape:
+        """The block of ``work`` under ``layout``."""
+        return cls(
+            work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel, work.dtype
+        )
 
 
 @dataclass(frozen=True)
@@ -78,18 +100,10 @@ def _mem_ops(kind: DeviceKind, name: str, fwd_bytes: float, kernels: int = 1) ->
     ]
 
 
-def layer_ops(
-    kind: DeviceKind,
-    dtype: str,
-    args: ModelArgs,
-    micro_batch: int,
-    seq_len: int,
-    tp: int,
-    cp: int,
-    sp: bool,
-    runtime: Runtime,
-) -> list[Op]:
+def layer_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]:
     """Every operator of one transformer block for one microbatch on one device."""
+    dtype, args, micro_batch, seq_len = block.dtype, block.args, block.micro_batch, block.seq_len
+    tp, cp, sp = block.tp, block.cp, block.sp
     e = ELEM_BYTES[dtype]
     h, hd, f = args.dim, args.head_dim, args.ffn_dim
     q, kv = args.n_heads * hd, args.n_kv_heads * hd
@@ -128,10 +142,10 @@ def layer_ops(
     return ops
 
 
-def head_ops(
-    kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool
-) -> list[Op]:
+def head_ops(kind: DeviceKind, block: BlockShape) -> list[Op]:
     """Final norm, output projection (vocabulary split over tp) and cross-entropy of one microbatch."""
+    dtype, args, micro_batch, seq_len = block.dtype, block.args, block.micro_batch, block.seq_len
+    tp, cp, sp = block.tp, block.cp, block.sp
     e = ELEM_BYTES[dtype]
     tokens = micro_batch * seq_len / cp
     logits = tokens * args.vocab_size / tp
@@ -146,9 +160,9 @@ def head_ops(
     return ops
 
 
-def embedding_ops(kind: DeviceKind, dtype: str, args: ModelArgs, micro_batch: int, seq_len: int, cp: int) -> list[Op]:
-    e = ELEM_BYTES[dtype]
-    nbytes = e * micro_batch * seq_len / cp * args.dim
+def embedding_ops(kind: DeviceKind, block: BlockShape) -> list[Op]:
+    e = ELEM_BYTES[block.dtype]
+    nbytes = e * block.micro_batch * block.seq_len / block.cp * block.args.dim
     return [
         Op("embed", "fwd", 0.0, nbytes, memory_time(kind, nbytes)),
         Op("embed.bwd", "bwd", 0.0, 2 * nbytes, memory_time(kind, 2 * nbytes)),
@@ -177,55 +191,23 @@ def sum_phases(ops: list[Op]) -> PhaseTimes:
 
 
 @lru_cache(maxsize=4096)
-def layer_times(
-    kind: DeviceKind,
-    dtype: str,
-    args: ModelArgs,
-    micro_batch: int,
-    seq_len: int,
-    tp: int,
-    cp: int,
-    sp: bool,
-    runtime: Runtime,
-) -> PhaseTimes:
+def layer_times(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> PhaseTimes:
     """Cached :func:`layer_ops` totals (the search calls this for every candidate)."""
-    return sum_phases(layer_ops(kind, dtype, args, micro_batch, seq_len, tp, cp, sp, runtime))
+    return sum_phases(layer_ops(kind, block, runtime))
 
 
 @lru_cache(maxsize=4096)
-def attention_core_fwd(
-    kind: DeviceKind,
-    dtype: str,
-    args: ModelArgs,
-    micro_batch: int,
-    seq_len: int,
-    tp: int,
-    cp: int,
-    sp: bool,
-    runtime: Runtime,
-) -> float:
+def attention_core_fwd(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> float:
     """Seconds of one block's attention core forward (scores, softmax, dropout, values; or the fused
     kernel): what selective recomputation of the attention core runs again before the backward."""
-    ops = layer_ops(kind, dtype, args, micro_batch, seq_len, tp, cp, sp, runtime)
+    ops = layer_ops(kind, block, runtime)
     return sum(op.seconds for op in ops if op.phase == "fwd" and op.name.startswith("attn."))
 
 
 @lru_cache(maxsize=4096)
-def ends_times(
-    kind: DeviceKind,
-    dtype: str,
-    args: ModelArgs,
-    micro_batch: int,
-    seq_len: int,
-    tp: int,
-    cp: int,
-    sp: bool,
-) -> tuple[PhaseTimes, PhaseTimes]:
+def ends_times(kind: DeviceKind, block: BlockShape) -> tuple[PhaseTimes, PhaseTimes]:
     """(embedding, head + loss) times of one microbatch: the first and last pipeline stage's extras."""
-    return (
-        sum_phases(embedding_ops(kind, dtype, args, micro_batch, seq_len, cp)),
-        sum_phases(head_ops(kind, dtype, args, micro_batch, seq_len, tp, cp, sp)),
-    )
+    return sum_phases(embedding_ops(kind, block)), sum_phases(head_ops(kind, block))
 
 
 def optimizer_time(kind: DeviceKind, local_params: float) -> float:

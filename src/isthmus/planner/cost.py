@@ -20,6 +20,7 @@ from isthmus.models.flops import flops_per_token
 from isthmus.planner import comm
 from isthmus.planner.compute import (
     ELEM_BYTES,
+    BlockShape,
     PhaseTimes,
     attention_core_fwd,
     ends_times,
@@ -82,19 +83,10 @@ def tp_on_host(site: SiteSpans, runtime: Runtime) -> bool:
 
 
 @lru_cache(maxsize=8192)
-def block_cost(
-    kind: DeviceKind,
-    site: SiteSpans,
-    work: Workload,
-    tp: int,
-    cp: int,
-    sp: bool,
-    cp_impl: str,
-    micro_batch: int,
-    runtime: Runtime,
-) -> BlockCost:
-    a, b, s, e = work.args, micro_batch, work.seq_len, ELEM_BYTES[work.dtype]
-    t = layer_times(kind, work.dtype, a, b, s, tp, cp, sp, runtime)
+def block_cost(kind: DeviceKind, site: SiteSpans, block: BlockShape, cp_impl: str, runtime: Runtime) -> BlockCost:
+    a, b, s, e = block.args, block.micro_batch, block.seq_len, ELEM_BYTES[block.dtype]
+    tp, cp, sp = block.tp, block.cp, block.sp
+    t = layer_times(kind, block, runtime)
     act = b * s / cp * a.dim * e
     # Two all-reduces per block each way (with sp an all-gather + reduce-scatter: the same bytes).
     tp_time = 2 * comm.all_reduce(act, tp_span(site, runtime))
@@ -111,7 +103,7 @@ def block_cost(
         else:
             q = b * s / cp * a.n_heads * a.head_dim / tp * e
             cp_f = cp_b = comm.all_to_all(q + kv, site.cp) + comm.all_to_all(q, site.cp)
-    core = attention_core_fwd(kind, work.dtype, a, b, s, tp, cp, sp, runtime)
+    core = attention_core_fwd(kind, block, runtime)
     return BlockCost(t, tp_time, cp_f, cp_b, core)
 
 
@@ -163,9 +155,7 @@ def recompute_flops_per_token(args: ModelArgs, seq_len: int, recompute: str, run
 
 
 def _ends(kind: DeviceKind, work: Workload, layout: LayoutSpec, r: int) -> tuple[PhaseTimes, PhaseTimes]:
-    emb, head = ends_times(
-        kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel
-    )
+    emb, head = ends_times(kind, BlockShape.of(work, layout))
     zero = PhaseTimes(0.0, 0.0, 0.0, 0.0)
     return (emb if r == 0 else zero), (head if r == layout.pp - 1 else zero)
 
@@ -173,23 +163,8 @@ def _ends(kind: DeviceKind, work: Workload, layout: LayoutSpec, r: int) -> tuple
 def stage_costs(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement) -> list[StageCost]:
     """Per pipeline rank: layers (Megatron: even split; isthmus: balanced by speed) and microbatch cost."""
     p, v, e = layout.pp, layout.pp_virtual_stages, ELEM_BYTES[work.dtype]
-    per_site = [
-        (
-            site,
-            block_cost(
-                site.dc.kind,
-                site,
-                work,
-                layout.tp,
-                layout.cp,
-                layout.sequence_parallel,
-                layout.cp_impl,
-                layout.micro_batch,
-                runtime,
-            ),
-        )
-        for site in pl.sites
-    ]
+    block = BlockShape.of(work, layout)
+    per_site = [(site, block_cost(site.dc.kind, site, block, layout.cp_impl, runtime)) for site in pl.sites]
     blocks = [[per_site[i] for i in pl.stage_sites[r]] for r in range(p)]
     if runtime.megatron_stages or p == 1:
         layers = even_partition(work.args.n_layers, p)
@@ -341,23 +316,17 @@ def rank_memory(
     the weights (default: the layout's data-parallel kind); ``tp_shared_file``: its tensor-parallel
     group exchanges through the host's shared memory (:func:`tp_on_host`)."""
     return device_memory(
-        work.args,
+        BlockShape.of(work, layout),
         runtime,
         layers=layers,
         first=r == 0,
         last=r == layout.pp - 1,
         pp=layout.pp,
-        tp=layout.tp,
-        cp=layout.cp,
-        sp=layout.sequence_parallel,
-        micro_batch=layout.micro_batch,
-        seq_len=work.seq_len,
         activation_checkpoint=layout.activation_checkpoint,
         in_flight=in_flight(layout.pp_schedule, layout.pp, layout.pp_virtual_stages, layout.microbatches, r),
         zero_stage=layout.zero_stage,
         shard=layout.shard_degree,
         accumulate=layout.microbatches_per_step > 1,
-        dtype=work.dtype,
         microbatches=layout.microbatches,
         virtual_stages=layout.pp_virtual_stages,
         fsdp=layout.data_parallel_kind == "fsdp" if fsdp is None else fsdp,

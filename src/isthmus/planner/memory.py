@@ -17,12 +17,12 @@ table exactly for a GPT block (tests/planner/test_planner_cost.py checks it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from isthmus.layout import rules
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import layer_matmul_params
-from isthmus.planner.compute import ELEM_BYTES
+from isthmus.planner.compute import ELEM_BYTES, BlockShape
 from isthmus.planner.workload import Runtime
 
 USABLE_FRACTION = 0.95
@@ -81,22 +81,20 @@ def _module_sizes(layers: int, virtual_stages: int) -> list[int]:
     return [base + (1 if c < extra else 0) for c in range(max(1, virtual_stages))]
 
 
-def layer_activation_bytes(
-    args: ModelArgs,
-    micro_batch: int,
-    seq_len: int,
-    tp: int,
-    cp: int,
-    sp: bool,
-    runtime: Runtime,
-    dtype: str = "bf16",
-    scores: bool = True,
-    fsdp: bool = False,
-) -> float:
+def layer_activation_bytes(block: BlockShape, runtime: Runtime, scores: bool = True, fsdp: bool = False) -> float:
     """Bytes one block keeps for backward, for one microbatch, without recomputation (``scores=False``:
     without the attention core's S x S tensors, which attention-core selective recomputation drops).
     ``fsdp``: the layout's data parallelism is FSDP2, whose mixed precision isthmus computes bf16
     under instead of autocast (:func:`fsdp_mixed_precision`)."""
+    args, micro_batch, seq_len, tp, cp, sp, dtype = (
+        block.args,
+        block.micro_batch,
+        block.seq_len,
+        block.tp,
+        block.cp,
+        block.sp,
+        block.dtype,
+    )
     e = ELEM_BYTES[dtype]
     sb = micro_batch * seq_len / cp
     h, hd, f = args.dim, args.head_dim, args.ffn_dim
@@ -167,11 +165,10 @@ def autocast_weight_copy_bytes(
     return 2 * (layers * layer_matmul_params(args) + (args.vocab_size * args.dim if last else 0)) / tp
 
 
-def layer_input_bytes(
-    args: ModelArgs, micro_batch: int, seq_len: int, tp: int, cp: int, sp: bool, dtype: str = "bf16"
-) -> float:
+def layer_input_bytes(block: BlockShape) -> float:
     """What a fully recomputed block keeps: its input."""
-    return ELEM_BYTES[dtype] * micro_batch * seq_len / cp * args.dim / (tp if sp else 1)
+    b = block
+    return ELEM_BYTES[b.dtype] * b.micro_batch * b.seq_len / b.cp * b.args.dim / (b.tp if b.sp else 1)
 
 
 def stage_params(args: ModelArgs, layers: int, first: bool, last: bool, pp: int) -> float:
@@ -227,36 +224,39 @@ def model_state_bytes(
 
 
 def device_memory(
-    args: ModelArgs,
+    block: BlockShape,
     runtime: Runtime,
     *,
     layers: int,
     first: bool,
     last: bool,
     pp: int,
-    tp: int,
-    cp: int,
-    sp: bool,
-    micro_batch: int,
-    seq_len: int,
     activation_checkpoint: str,
     in_flight: float,
     zero_stage: int,
     shard: int,
     accumulate: bool = False,
-    dtype: str = "bf16",
     microbatches: int = 1,
     virtual_stages: int = 1,
     modules: Sequence[int] | None = None,
     fsdp: bool = False,
     tp_shared_file: bool = False,
 ) -> MemoryBreakdown:
-    """Peak memory of one device of one pipeline rank. ``modules``: the blocks of each of its stage
+    """Peak memory of one device of one pipeline rank holding ``layers`` of ``block``. ``modules``: the blocks of each of its stage
     modules (default: ``layers`` split evenly over ``virtual_stages``), what every-other-block
     recomputation goes by: it wraps blocks 0, 2, ... of each module (:func:`alternate_share`).
     ``fsdp``: FSDP2 holds the weights (``LayoutSpec.data_parallel_kind``), with its mixed precision
     under bf16 where the runtime uses it (:func:`fsdp_mixed_precision`). ``tp_shared_file``: the
     tensor-parallel collectives go through a shared file on the host (:func:`shared_file_bytes`)."""
+    args, micro_batch, seq_len, tp, cp, sp, dtype = (
+        block.args,
+        block.micro_batch,
+        block.seq_len,
+        block.tp,
+        block.cp,
+        block.sp,
+        block.dtype,
+    )
     sizes = list(modules) if modules is not None else _module_sizes(max(1, layers), virtual_stages)
     wrapped = sum((k + 1) // 2 for k in sizes) / max(1, layers)
     # Backward starts at a module's last block with every stored activation held: recomputing it
@@ -267,16 +267,14 @@ def device_memory(
     gathered = gathered_weight_bytes(runtime, dtype, fsdp)
     fsdp_mp = gathered is not None
     w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp, gathered)
-    full = layer_activation_bytes(args, micro_batch, seq_len, tp, cp, sp, runtime, dtype, fsdp=fsdp)
+    full = layer_activation_bytes(block, runtime, fsdp=fsdp)
     # The residual stream (a block's input, what travels between stages) stays fp32 under autocast.
     residual = "fp32" if runtime.autocast and not fsdp_mp else dtype
-    kept = layer_input_bytes(args, micro_batch, seq_len, tp, cp, sp, residual)
+    kept = layer_input_bytes(replace(block, dtype=residual))
     if activation_checkpoint == "full":
         per_layer = kept
     elif activation_checkpoint == "selective" and runtime.selective == "attention_core":
-        per_layer = layer_activation_bytes(
-            args, micro_batch, seq_len, tp, cp, sp, runtime, dtype, scores=False, fsdp=fsdp
-        )
+        per_layer = layer_activation_bytes(block, runtime, scores=False, fsdp=fsdp)
     elif activation_checkpoint == "selective":  # isthmus: every other block fully recomputed
         per_layer = wrapped * kept + (1 - wrapped) * full
     else:

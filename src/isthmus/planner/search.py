@@ -29,7 +29,7 @@ from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import count_params
 from isthmus.planner import comm
-from isthmus.planner.compute import ELEM_BYTES, layer_times
+from isthmus.planner.compute import ELEM_BYTES, BlockShape, layer_times
 from isthmus.planner.cost import (
     Estimate,
     StageCost,
@@ -453,17 +453,7 @@ def _prepare(
         for d, t in (
             (
                 d,
-                layer_times(
-                    d.kind,
-                    work.dtype,
-                    work.args,
-                    core.micro_batch,
-                    work.seq_len,
-                    core.tp,
-                    core.cp,
-                    core.sequence_parallel,
-                    runtime,
-                ),
+                layer_times(d.kind, BlockShape.of(work, core), runtime),
             )
             for d in (topo.datacenters[i] for i in _used(topo, core.datacenters))
         )

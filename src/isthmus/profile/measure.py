@@ -60,7 +60,7 @@ from isthmus.models.flavors import get_flavor
 from isthmus.models.llama import build_model, init_weights
 from isthmus.parallel.rendezvous import loopback_store_server, served_group_args
 from isthmus.planner.autoplan import local_runtime
-from isthmus.planner.compute import layer_times
+from isthmus.planner.compute import BlockShape, layer_times
 from isthmus.planner.cost import estimate
 from isthmus.planner.topology import device_kinds, parse_topology
 from isthmus.planner.workload import RUNTIMES, Workload
@@ -265,7 +265,7 @@ def measure_mechanisms(flavor: str, batch: int, seq: int, budget: float, repeats
 
     # As many steps as the budget allows, from the cpu kind's guess at one 3-block step.
     a = get_flavor(flavor)
-    t = layer_times(device_kinds()["cpu"], "fp32", a, batch, seq, 1, 1, False, RUNTIMES["isthmus"])
+    t = layer_times(device_kinds()["cpu"], BlockShape(a, batch, seq, dtype="fp32"), RUNTIMES["isthmus"])
     guess = 4 * (t.fwd + t.bwd + t.wgrad)
     steps = max(repeats, min(12, int(budget / (len(MECHANISMS) * 2 * 2 * max(guess, 1e-3)))))
     return _two_ranks(
@@ -476,7 +476,7 @@ def fit_block(
 
     def block(b: int, launch: float, bw: float) -> float:
         k = replace(kind, kernel_launch_s=launch, memory_bandwidth=bw)
-        t = layer_times(k, "fp32", args, b, seq, 1, 1, False, RUNTIMES["isthmus"])
+        t = layer_times(k, BlockShape(args, b, seq, dtype="fp32"), RUNTIMES["isthmus"])
         return t.fwd + t.bwd + t.wgrad
 
     rows = []

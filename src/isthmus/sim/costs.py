@@ -16,7 +16,7 @@ from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flops import layer_matmul_params
 from isthmus.planner import comm
 from isthmus.planner.comm import Span
-from isthmus.planner.compute import ELEM_BYTES, PhaseTimes, ends_times, layer_ops
+from isthmus.planner.compute import ELEM_BYTES, BlockShape, PhaseTimes, ends_times, layer_ops
 from isthmus.planner.cost import BlockCost, block_cost
 from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside, streaming_equivalent
 from isthmus.planner.placement import SiteSpans
@@ -75,17 +75,7 @@ def _split(kind: DeviceKind, work: Workload, layout: LayoutSpec, runtime: Runtim
     The attention half (norm, QKV, attention, output projection) ends in one all-reduce
     (all-gather + reduce-scatter with sp), the MLP half (residual, norm, MLP, residual) in the other.
     """
-    ops = layer_ops(
-        kind,
-        work.dtype,
-        work.args,
-        layout.micro_batch,
-        work.seq_len,
-        layout.tp,
-        layout.cp,
-        layout.sequence_parallel,
-        runtime,
-    )
+    ops = layer_ops(kind, BlockShape.of(work, layout), runtime)
     out = {"fwd": [0.0, 0.0], "bwd": [0.0, 0.0], "wgrad": [0.0, 0.0]}
     half = 0
     for op in ops:
@@ -107,13 +97,9 @@ def stage_ops(
     last: bool,
 ) -> StageOps:
     """The forward / backward / weight ops of one stage holding ``layers`` blocks."""
-    bc: BlockCost = block_cost(
-        kind, site, work, layout.tp, layout.cp, layout.sequence_parallel, layout.cp_impl, layout.micro_batch, runtime
-    )
+    bc: BlockCost = block_cost(kind, site, BlockShape.of(work, layout), layout.cp_impl, runtime)
     split = _split(kind, work, layout, runtime)
-    emb, head = ends_times(
-        kind, work.dtype, work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel
-    )
+    emb, head = ends_times(kind, BlockShape.of(work, layout))
     zero = PhaseTimes(0.0, 0.0, 0.0, 0.0)
     emb, head = (emb if first else zero), (head if last else zero)
     ar = bc.tp / 2

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isthmus.layout.spec import LayoutSpec
-from isthmus.planner.compute import ends_times, optimizer_time, shard_overhead
+from isthmus.planner.compute import BlockShape, ends_times, optimizer_time, shard_overhead
 from isthmus.planner.cost import block_cost, recomputed, stage_costs
 from isthmus.planner.geo import dp_sync, pipeline_transfer
 from isthmus.planner.pipeline import partition_layers
@@ -146,22 +146,10 @@ class Simulation:
         per_rank = []
         for r in range(lay.pp):
             site = self.placement.sites[self.placement.stage_sites[r][0]]
-            bc = block_cost(
-                site.dc.kind,
-                site,
-                work,
-                lay.tp,
-                lay.cp,
-                lay.sequence_parallel,
-                lay.cp_impl,
-                lay.micro_batch,
-                self.runtime,
-            )
+            bc = block_cost(site.dc.kind, site, BlockShape.of(work, lay), lay.cp_impl, self.runtime)
             per_rank.append(bc.fwd + bc.bwd + sum(recomputed(bc, lay.activation_checkpoint, self.runtime)))
         site = self.placement.sites[0]
-        emb, head = ends_times(
-            site.dc.kind, work.dtype, work.args, lay.micro_batch, work.seq_len, lay.tp, lay.cp, lay.sequence_parallel
-        )
+        emb, head = ends_times(site.dc.kind, BlockShape.of(work, lay))
         extra = [0.0] * self.n_stages
         extra[0] += emb.fwd + emb.backward
         extra[-1] += head.fwd + head.backward

@@ -14,6 +14,7 @@ from statistics import mean
 
 from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flops import flops_per_token
+from isthmus.planner.compute import BlockShape
 from isthmus.planner.cost import (
     Estimate,
     bottleneck_of,
@@ -164,23 +165,17 @@ def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
     first = any(o.first for o in plan.stages.values())
     last = any(o.last for o in plan.stages.values())
     return device_memory(
-        work.args,
+        BlockShape.of(work, lay),
         sim.runtime,
         layers=layers,
         first=first,
         last=last,
         pp=lay.pp,
-        tp=lay.tp,
-        cp=lay.cp,
-        sp=lay.sequence_parallel,
-        micro_batch=lay.micro_batch,
-        seq_len=work.seq_len,
         activation_checkpoint=lay.activation_checkpoint,
         in_flight=min(float(lay.microbatches), sim.peak_in_flight(r)) if lay.pp > 1 else 1.0,
         zero_stage=lay.zero_stage,
         shard=lay.shard_degree,
         accumulate=lay.microbatches_per_step > 1,
-        dtype=work.dtype,
         microbatches=lay.microbatches,
         # Each simulated stage module wraps blocks 0, 2, ... of its own, as the runtime does.
         modules=[o.layers for o in plan.stages.values()],
