@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from isthmus.geo import GeoConfig, build_geo_groups, build_geo_sync
+from isthmus.config import GeoConfig
+from isthmus.geo import build_geo_groups, build_geo_sync
 from isthmus.geo.compress import QMAX
 from multirank import run_ranks
 

@@ -8,8 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from isthmus.config import GeoConfig
+from isthmus.config import validate_geo as validate
 from isthmus.errors import ConfigError
-from isthmus.geo import GeoConfig, GeoGroups, accounting, compress, validate
+from isthmus.geo import GeoGroups, accounting, compress
 from isthmus.geo.buckets import build_buckets, pack_params, split_fragments, unpack_params
 
 

@@ -7,8 +7,6 @@ for what the trainer calls when, and :mod:`isthmus.geo.run` for what else it ask
 datacenters (one job, or one datacenter's job under ``geo.fault_tolerant``).
 """
 
-from isthmus.config import GeoConfig, ranks_per_datacenter, resolved_outer_dtype
-from isthmus.config import validate_geo as validate
 from isthmus.geo.accounting import TIERS, bytes_delta, format_bytes, total_over_ranks
 from isthmus.geo.groups import GeoGroups, build_geo_groups
 from isthmus.geo.strategy import GeoSync
@@ -16,15 +14,11 @@ from isthmus.geo.sync import build_geo_sync
 
 __all__ = [
     "TIERS",
-    "GeoConfig",
     "GeoGroups",
     "GeoSync",
     "build_geo_groups",
     "build_geo_sync",
     "bytes_delta",
     "format_bytes",
-    "ranks_per_datacenter",
-    "resolved_outer_dtype",
     "total_over_ranks",
-    "validate",
 ]
