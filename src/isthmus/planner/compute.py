@@ -215,13 +215,13 @@ def optimizer_time(kind: DeviceKind, local_params: float) -> float:
     return memory_time(kind, OPTIMIZER_BYTES_PER_PARAM * local_params, kernels=4)
 
 
-def shard_collectives(zero_stage: int, shard: int, pp: int, microbatches: int) -> int:
+def shard_collectives(zero_stage: int, shard: int, pp: int, microbatches_per_step: int) -> int:
     """FSDP2 collectives per block and step, as ``geo.dp_sync`` counts them: ZeRO-2 gathers per
     microbatch (once per step under a pipeline), ZeRO-3 per forward and per backward (a pipeline
     keeps the step's first gather), and one reduce-scatter per step."""
     if shard <= 1 or zero_stage == 1:
         return 0
-    m = microbatches
+    m = microbatches_per_step
     gathers = (m if pp == 1 else 1) if zero_stage == 2 else (2 * m if pp == 1 else m + 1)
     return gathers + 1
 

@@ -272,7 +272,7 @@ def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placemen
     worst: RankSync | None = None
     for i in pl.stage_sites[r]:
         site = pl.sites[i]
-        sc = dp_sync(params, site, layout, runtime, layout.microbatches_per_step)
+        sc = dp_sync(params, site, layout, runtime)
         # Gradients of rank r are final r backward-chunks before rank 0's; the sync overlaps that.
         window = (st.bwd + r * st.bwd / layout.pp_virtual_stages) if runtime.dp_overlap else 0.0
         outer = sc.wan if layout.sync == "diloco" else 0.0  # DiLoCo's outer sync blocks, every H steps

@@ -180,7 +180,7 @@ def streaming_exposed(fragment_s: float, step_s: float, layout: LayoutSpec) -> f
     return max(0.0, fragment_s - layout.overlap_steps * step_s) * max(1, layout.fragments) / h
 
 
-def dp_sync(params: float, site: SiteSpans, layout: LayoutSpec, runtime: Runtime, microbatches: int) -> SyncCost:
+def dp_sync(params: float, site: SiteSpans, layout: LayoutSpec, runtime: Runtime) -> SyncCost:
     """Communication for one device holding ``params`` parameters (after tp and pp) per step."""
     grads = params * runtime.grad_bytes
     weights = params * runtime.weight_bytes

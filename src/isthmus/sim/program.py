@@ -177,7 +177,7 @@ class Simulation:
                 rank_actions(lay.pp_schedule, lay.pp, lay.pp_virtual_stages, lay.microbatches_per_step, r),
                 params,
                 costs.dp_plan(site, lay, self.runtime),
-                dp_sync(params, site, lay, self.runtime, lay.microbatches_per_step).wan_bytes,
+                dp_sync(params, site, lay, self.runtime).wan_bytes,
             )
             if best is None or total > sum(o.fwd.seconds + o.full_bwd.seconds for o in best.stages.values()):
                 best = plan
