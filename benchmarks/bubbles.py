@@ -177,8 +177,9 @@ def plot(without: dict[str, Any], with_: dict[str, Any], title: str, path: str) 
     plt = plots.pyplot()
     if plt is None:
         return
-    colors = {"forward": "#1f77b4", "backward": "#ff7f0e", "optimizer": "#9467bd", "prefill": "#2ca02c", "wait": "0.85"}
-    fig, axes = plt.subplots(2, 1, figsize=(8, 4.2), sharex=True)
+    # Waits first, so that the training ops a wait encloses (the filler's chunks run inside it) stay on top.
+    colors = {"wait": "0.88", "forward": "#1f77b4", "backward": "#ff7f0e", "optimizer": "#9467bd", "prefill": "#2ca02c"}
+    fig, axes = plt.subplots(2, 1, figsize=(9, 4.2), sharex=True)
     for ax, (name, tl) in zip(axes, (("without filling", without), ("with filling", with_))):
         labels = []
         for rank, spans in tl["ranks"].items():
@@ -191,7 +192,7 @@ def plot(without: dict[str, Any], with_: dict[str, Any], title: str, path: str) 
         ax.set_yticks([v for v, _ in labels], [t for _, t in labels], fontsize=7)
         busy = ", ".join(f"{b:.0%}" for b in tl["busy"])
         ax.set_title(f"{name}: step {tl['step']}, busy per rank {busy}", fontsize=9)
-    axes[0].legend(fontsize=7, ncols=5, loc="upper right")
+    axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     axes[1].set_xlabel("seconds into the step (each rank's own step window)")
     fig.suptitle(title, fontsize=9)
     plots.save(fig, path)

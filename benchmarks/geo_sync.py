@@ -419,7 +419,7 @@ def plot(results: list[Summary], ns: argparse.Namespace, path: str) -> None:
         ax.set_xlabel("training time, s (sum of step times; log scale)")
         where = f"WAN {ns.wan_mbit:g} Mbit/s"
     ax.set_ylabel("validation loss")
-    ax.set_ylim(top=min(max(v[2] for s in results for v in s.val), results[0].final_val * 1.5))
+    ax.set_ylim(top=min(max(v[2] for s in results for v in s.val), results[0].final_val * 1.5) + 0.05)
     ax.set_title(f"{FLAVOR}, 2 datacenters x 2 CPU ranks, {where}, {BATCH} x {SEQ} tokens per step", fontsize=9)
     ax.legend(fontsize=7)
     plots.save(fig, path)
