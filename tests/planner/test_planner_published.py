@@ -123,7 +123,8 @@ def test_the_1t_layout_korthikanti_ran_is_admitted_with_its_memory_printed() -> 
         "simulate", "--model.flavor", "gpt3-1t", "--topology", "selene-a100", "--gpus",
         "512", "--train.batch_size", "512", "--train.seq_len", "2048", "--micro-batch", "1", "--train.dtype", "fp16",
         "--parallel.activation_checkpoint", "selective", "--runtime", "megatron-2022",
-        "--plan", "tp=8,pp=64,sequence_parallel=true,pp_schedule=1f1b",
+        "--parallel.tp", "8", "--parallel.pp", "64", "--parallel.sequence_parallel", "true",
+        "--parallel.pp_schedule", "1f1b",
     ]  # fmt: skip
     out = run_isthmus(*cmd, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -240,7 +241,8 @@ def test_llama3_405b_with_eager_storage_is_refused_naming_each_part_of_the_memor
     cmd = [
         "simulate", "--runtime", "isthmus", "--model.flavor", "llama3-405b",
         "--topology", "meta-h100", "--gpus", "8192", "--train.batch_size", "2048", "--train.seq_len", "8192",
-        "--micro-batch", "1", "--train.dtype", "bf16", "--plan", "tp=8,pp=16,cp=1,pp_schedule=1f1b,activation_checkpoint=none",
+        "--micro-batch", "1", "--train.dtype", "bf16", "--parallel.tp", "8", "--parallel.pp", "16", "--parallel.cp", "1",
+        "--parallel.pp_schedule", "1f1b", "--parallel.activation_checkpoint", "none",
     ]  # fmt: skip
     out = run_isthmus(*cmd, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and out.stderr.startswith("isthmus: error:"), out

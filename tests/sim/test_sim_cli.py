@@ -35,9 +35,9 @@ def test_json_has_the_plan_fields_and_no_plan_takes_the_best(capsys: pytest.Capt
     assert simulated["step_time_s"] == pytest.approx(planned["step_time_s"], rel=0.03)
 
 
-def test_a_partial_plan_fixes_what_it_names(capsys: pytest.CaptureFixture[str]) -> None:
-    plan = "pp=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2,microbatches=4"
-    assert run("simulate", [*LOCAL, "--plan", plan, "--json"]) == 0
+def test_the_layout_flags_fix_what_they_name(capsys: pytest.CaptureFixture[str]) -> None:
+    plan = ["--parallel.pp", "2", "--parallel.pp_schedule", "interleaved_1f1b", "--parallel.pp_virtual_stages", "2"]
+    assert run("simulate", [*LOCAL, *plan, "--parallel.microbatches", "4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     par = out["parallel"]
     assert (par["pp"], par["pp_schedule"], par["pp_virtual_stages"], par["microbatches"]) == (
@@ -46,11 +46,13 @@ def test_a_partial_plan_fixes_what_it_names(capsys: pytest.CaptureFixture[str]) 
         2,
         4,
     )
-    assert run("simulate", [*LOCAL, "--plan", "tp=2,sequence_parallel=false", "--json"]) == 0
+    assert run("simulate", [*LOCAL, "--parallel.tp", "2", "--parallel.sequence_parallel", "false", "--json"]) == 0
     par = json.loads(capsys.readouterr().out)["parallel"]
     assert par["tp"] == 2 and par["sequence_parallel"] is False
-    assert run("simulate", [*LOCAL, "--plan", "nproc=1", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["parallel"]["nproc"] == 1
+    assert run("simulate", [*LOCAL, "--train.grad_accum", "2", "--parallel.dp_replicate", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["train"]["grad_accum"], out["parallel"]["microbatches"], out["parallel"]["dp_replicate"]) == (2, 1, 2)
+    assert out["layout"]["grad_accum"] == 2 and out["label"].endswith("x2")
 
 
 def test_table_trace_and_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -58,8 +60,7 @@ def test_table_trace_and_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[
     trace, png = tmp_path / "t.json", tmp_path / "t.png"
     argv = [
         *LOCAL,
-        "--plan",
-        "pp=2,pp_schedule=1f1b,microbatches=4",
+        *("--parallel.pp", "2", "--parallel.pp_schedule", "1f1b", "--parallel.microbatches", "4"),
         "--iterations",
         "2",
         "--trace",
@@ -77,19 +78,21 @@ def test_table_trace_and_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.parametrize(
-    "plan, needle",
+    "flags, needle",
     [
-        ("bogus=1", "--plan = 'bogus=1': expected key=value"),
-        ("tp=two", "--plan tp = 'two': must be an integer"),
-        ("pp_schedule=warp", "--plan pp_schedule = 'warp': must be one of"),
-        ("sequence_parallel=maybe", "must be true or false"),
-        ("tp=0", "must be at least 1"),
-        ("tp=3", "--plan = 'tp=3': no layout that fits matches it"),
+        (["--parallel.bogus", "1"], "unrecognized arguments: --parallel.bogus"),
+        (["--parallel.tp", "two"], "argument --parallel.tp: invalid int value: 'two'"),
+        (["--parallel.pp_schedule", "warp"], "argument --parallel.pp_schedule: invalid choice: 'warp'"),
+        (["--parallel.sequence_parallel", "maybe"], "expected true or false"),
+        (["--parallel.tp", "0"], "--parallel.tp = 0: must be at least 1"),
+        (["--parallel.tp", "3"], "--parallel.tp = 3: no valid layout"),
+        (["--parallel.tp", "1", "--parallel.sequence_parallel", "true"], "--parallel.sequence_parallel True together"),
+        (["--plan", "tp=2"], "unrecognized arguments: --plan"),
     ],
 )
-def test_bad_plans_are_one_line_errors(plan: str, needle: str) -> None:
+def test_bad_layout_flags_are_one_line_errors(flags: list[str], needle: str) -> None:
     with pytest.raises(IsthmusError) as info:
-        run("simulate", [*LOCAL, "--plan", plan])
+        run("simulate", [*LOCAL, *flags, "--parallel.pp", "1"])
     assert needle in str(info.value) and "\n" not in str(info.value)
 
 

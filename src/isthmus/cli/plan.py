@@ -36,11 +36,8 @@ MODEL_KEYS = ("flavor", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "
 """The ``[model]`` keys a plan reads: the flavor and its shape (the others change no plan)."""
 SEARCHED_TRAIN_KEYS = ("batch_size", "seq_len")
 """``[train]`` keys the search chooses when not given."""
-LAYOUT_FLAGS = tuple(
-    f.name for f in fields(LayoutSpec) if f.name != "sequence_parallel" and LayoutSpec.config_key(f.name) is not None
-)
-"""Every layout field with a config key, a flag of its own name: all but ``sequence_parallel``, which
-the search takes wherever tp > 1 (``isthmus simulate --plan`` sets it)."""
+LAYOUT_FLAGS = tuple(f.name for f in fields(LayoutSpec) if LayoutSpec.config_key(f.name) is not None)
+"""Every layout field with a config key: a flag named as the key, which fixes the field."""
 OWN_INT_FLAGS = {"micro_batch": "--micro-batch", "max_batch_tokens": "--max-batch-tokens"}
 OTHER_INT_FLAGS = {"top": "--top", "gpus": "--gpus", "nodes": "--nodes"}
 

@@ -1,13 +1,13 @@
 """`isthmus simulate`: run one layout through the discrete-event simulator.
 
     isthmus simulate --model.flavor gpt3-145.6b --model.n_layers 80 --topology selene-a100 --gpus 1536 \\
-        --train.batch_size 2304 --train.seq_len 2048 --micro-batch 1 --parallel.activation_checkpoint full --runtime megatron-2021 \\
-        --plan 'tp=8,pp=8,pp_schedule=interleaved_1f1b,pp_virtual_stages=2' --trace t.json --png t.png
+        --train.batch_size 2304 --train.seq_len 2048 --micro-batch 1 --parallel.activation_checkpoint full \\
+        --parallel.tp 8 --parallel.pp 8 --parallel.pp_schedule interleaved_1f1b --parallel.pp_virtual_stages 2 \\
+        --runtime megatron-2021 --trace t.json --png t.png
 
-Takes ``isthmus plan``'s arguments plus a layout: ``--plan`` names ``[parallel]`` keys, and the
-search fills in whatever it leaves out (no ``--plan``: the planner's best). Prints the planner's
-figures as simulated (``--json``: the fields of ``isthmus plan --json``), next to the cost model's
-step time.
+Takes ``isthmus plan``'s flags: the layout keys it names are fixed, and the search fills in the rest
+(naming none: the planner's best). Prints the planner's figures as simulated (``--json``: the fields
+of ``isthmus plan --json``), next to the cost model's step time.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import Any
 from isthmus.cli import plan as plan_cli
 from isthmus.errors import ConfigError
 from isthmus.models.resolve import resolve_model_args
-from isthmus.planner.autoplan import choose_layout, parse_plan
 from isthmus.planner.placement import runnable
+from isthmus.planner.search import search
 from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.run import SimResult
 
@@ -41,13 +41,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "sharing links, the pipeline schedule per microbatch) and report the planner's figures; write a "
         "Chrome/Perfetto trace and a PNG timeline.",
     )
-    p.add_argument(
-        "--plan",
-        default=None,
-        metavar="K=V,...",
-        help="the layout, as [parallel] keys (e.g. 'tp=8,pp=4,dp_shard=16,pp_schedule=interleaved_1f1b,"
-        "pp_virtual_stages=3,sequence_parallel=true'); what it leaves out is searched (default: the best)",
-    )
     p.add_argument("--iterations", type=int, default=1, metavar="N", help="optimizer steps to simulate (default: 1)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
     p.add_argument("--png", default=None, metavar="FILE.png", help="write a timeline (needs the plot extra)")
@@ -62,15 +55,12 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     plan_cli.check_arguments(ns)
     if ns.iterations < 1:
         raise ConfigError("--iterations", ns.iterations, "must be at least 1")
-    fixed = parse_plan(ns.plan) if ns.plan else {}
     args = resolve_model_args(plan_cli.model_config(ns))
     topo = plan_cli.cli_topology(ns)
     space = plan_cli.search_space(ns)
     runtime = plan_cli.planned_runtime(ns)
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
-    chosen = choose_layout(args, topo, space, fixed, runtime, dtype, top=ns.top)
-    if "nproc" in fixed and fixed["nproc"] != topo.n_devices:
-        topo = topo.subset(fixed["nproc"])
+    chosen = search(args, topo, space, runtime, top=ns.top, dtype=dtype).best
     record = bool(ns.trace or ns.png)
     result = simulate(chosen.work, topo, chosen.layout, runtime, iterations=ns.iterations, record=record)
     written = []

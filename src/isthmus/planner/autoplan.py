@@ -1,9 +1,7 @@
 """The planner's choice for a run: partial layouts, local ranks, ``--parallel.plan auto``.
 
-- :func:`parse_plan` reads ``'tp=8,pp=4,pp_schedule=interleaved_1f1b,sequence_parallel=true'``
-  (keys of the ``[parallel]`` config section);
-- :func:`choose_layout` runs the search with what the plan names fixed and returns the best layout
-  that matches it (``isthmus simulate --plan``);
+- :func:`choose_layout` runs the search with the ``[parallel]`` values a run names fixed and returns
+  the best layout that has them (or the simplest of those near it);
 - :func:`local_topology` describes N local ranks on this machine's cores (from the ``local``
   preset or an ``isthmus profile`` file), threads and time-slicing included;
 - :func:`choose_local_layout` is ``--parallel.plan auto``: the best layout for ``parallel.nproc``
@@ -23,11 +21,10 @@ from typing import Any
 
 from isthmus.errors import ConfigError
 from isthmus.layout import rules
-from isthmus.layout.choices import ACTIVATION_CHECKPOINTS, CP_IMPLS, PP_SCHEDULES
 from isthmus.layout.spec import PARALLEL_KEYS, LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.resolve import expected_vocab, resolve_model_args
-from isthmus.planner.cost import Estimate, estimate
+from isthmus.planner.cost import Estimate
 from isthmus.planner.pipeline import check_pipeline
 from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import DeviceKind, Topology, load_topology, parse_topology, shipped_topologies_dir
@@ -35,55 +32,14 @@ from isthmus.planner.workload import Runtime
 
 PLAN_KEYS: dict[str, type] = {"nproc": int, **{k: type(getattr(LayoutSpec(), k)) for k in PARALLEL_KEYS}}
 """The ``[parallel]`` keys a plan may name, with their types (LayoutSpec's fields)."""
-_CHOICES = {
-    "cp_impl": CP_IMPLS,
-    "pp_schedule": PP_SCHEDULES,
-    "activation_checkpoint": ACTIVATION_CHECKPOINTS,
-    "zero_stage": (1, 2, 3),
-}
 
 
-def parse_plan(text: str, flag: str = "--plan") -> dict[str, Any]:
-    """``key=value`` pairs (comma-separated) of the ``[parallel]`` section, typed and checked."""
-    out: dict[str, Any] = {}
-    for item in (s.strip() for s in text.split(",")):
-        if not item:
-            continue
-        key, sep, raw = item.partition("=")
-        key, raw = key.strip(), raw.strip()
-        if not sep or key not in PLAN_KEYS:
-            raise ConfigError(flag, item, f"expected key=value with a [parallel] key: {', '.join(PLAN_KEYS)}")
-        typ = PLAN_KEYS[key]
-        if typ is bool:
-            if raw.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise ConfigError(f"{flag} {key}", raw, "must be true or false")
-            value: Any = raw.lower() in ("true", "1", "yes")
-        elif typ is int:
-            try:
-                value = int(raw)
-            except ValueError:
-                raise ConfigError(f"{flag} {key}", raw, "must be an integer") from None
-            if value < 1:
-                raise ConfigError(f"{flag} {key}", value, "must be at least 1")
-        else:
-            value = raw
-        if key in _CHOICES and value not in _CHOICES[key]:
-            raise ConfigError(f"{flag} {key}", value, f"must be one of {', '.join(map(str, _CHOICES[key]))}")
-        out[key] = value
-    return out
-
-
-def _space_with(space: SearchSpace, fixed: dict[str, Any], world: int, batch_size: int | None) -> SearchSpace:
-    """The search space with what ``fixed`` names kept (``sequence_parallel`` is set afterwards)."""
-    pins = {k: v for k, v in fixed.items() if k not in ("nproc", "sequence_parallel")}
+def _space_with(space: SearchSpace, fixed: dict[str, Any]) -> SearchSpace:
+    """The search space with what ``fixed`` names kept (a schedule means nothing without a pipeline)."""
+    pins = {k: v for k, v in fixed.items() if k != "nproc"}
     if pins.get("pp") == 1:
         pins.pop("pp_schedule", None)
         pins.pop("pp_virtual_stages", None)
-    # A pipeline's microbatch count -> microbatch size, when the data-parallel degree is known.
-    if "microbatches" in pins and batch_size and all(k in pins for k in ("tp", "pp")):
-        dp = world // (pins["tp"] * pins.get("cp", 1) * pins["pp"])
-        if dp and batch_size % (dp * pins["microbatches"]) == 0:
-            pins["micro_batch"] = batch_size // (dp * pins["microbatches"])
     return replace(space, fixed={**space.fixed, **pins})
 
 
@@ -97,37 +53,17 @@ def choose_layout(
     top: int = 10,
     band: float = 0.0,
 ) -> Estimate:
-    """The best layout whose ``[parallel]`` values include ``fixed``.
-
-    The search keeps what ``fixed`` names (:class:`SearchSpace`); ``sequence_parallel`` is set as
-    named (the search always prefers it when tp > 1). With ``band`` > 0, the simplest
-    layout (:func:`mechanisms`) among those within ``band`` of the best tokens/s wins instead.
-    """
+    """The best layout whose ``[parallel]`` values include ``fixed`` (the search keeps them:
+    :class:`SearchSpace`). With ``band`` > 0, the simplest layout (:func:`mechanisms`) among those
+    within ``band`` of the best tokens/s wins instead."""
     if "nproc" in fixed and fixed["nproc"] != topo.n_devices:
         topo = topo.subset(fixed["nproc"])
-    pinned = _space_with(space, fixed, topo.n_devices, space.batch_size)
-    names = ",".join(f"{k}={v}" for k, v in fixed.items())
-    try:
-        result = search(args, topo, pinned, runtime, top=top, dtype=dtype)
-    except ConfigError as e:
-        if not fixed:
-            raise
-        # The search names the fixed value at fault as its flag (--parallel.tp for tp=...): keep it.
-        rule = e.rule if e.key == "--topology" else f"{e.key} = {e.value!r}: {e.rule}"
-        raise ConfigError(
-            "--plan", names, f"no layout that fits matches it on {topo.name} ({topo.n_devices} devices: {rule})"
-        ) from None
-    pool = result.ranked
+    pinned = _space_with(space, fixed)
+    pool = search(args, topo, pinned, runtime, top=top, dtype=dtype).ranked
     best = pool[0]
     if band > 0:
         near = [e for e in pool if e.effective_tokens_per_s >= (1 - band) * best.effective_tokens_per_s]
         best = min(near, key=lambda e: (mechanisms(e.layout), -e.effective_tokens_per_s))
-    if "sequence_parallel" in fixed and fixed["sequence_parallel"] != best.layout.sequence_parallel:
-        if fixed["sequence_parallel"] and not runtime.sequence_parallel:
-            raise ConfigError("--plan sequence_parallel", True, f"runtime {runtime.name} has no sequence parallelism")
-        if fixed["sequence_parallel"] and best.layout.tp == 1:
-            raise ConfigError("--plan sequence_parallel", True, "needs tp > 1")
-        best = estimate(best.work, topo, replace(best.layout, sequence_parallel=fixed["sequence_parallel"]), runtime)
     lay = best.layout
     why = check_pipeline(
         lay.pp_schedule, lay.pp, lay.microbatches, lay.pp_virtual_stages, args.n_layers, runtime.megatron_stages
@@ -316,8 +252,10 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
         if not pins:
             raise
         named = ",".join(f"{k}={v}" for k, v in pins.items())
+        # The search names the fixed value at fault by its flag (--parallel.tp for tp): keep it.
+        rule = e.rule if e.key == "--topology" else f"{e.key} = {e.value!r}: {e.rule}"
         raise ConfigError(
-            "parallel.plan", "auto", f"no layout of {p.nproc} local rank(s) with {named} fits ({e.rule})"
+            "parallel.plan", "auto", f"no layout of {p.nproc} local rank(s) with {named} fits ({rule})"
         ) from None
     lay = est.layout
     parallel = {k: v for k, v in lay.parallel_config().items() if k != "activation_checkpoint"}

@@ -93,7 +93,7 @@ def megatron_row_estimate(row: MegatronRow, topo: Topology | None = None) -> Est
 @dataclass(frozen=True)
 class PublishedRun:
     """One row of ``published_runs.csv``: a published run, what it reported, and the
-    ``isthmus simulate`` arguments that reproduce it (``--plan`` values use ``;`` for ``,``)."""
+    ``isthmus simulate`` arguments that reproduce it."""
 
     source: str
     table: str
@@ -110,16 +110,12 @@ class PublishedRun:
 
     def argv(self) -> list[str]:
         """The ``isthmus`` command line of this row (with ``--json``)."""
-        words = [w.replace(";", ",") for w in shlex.split(self.args)]
-        return ["simulate", *words, "--runtime", self.runtime, "--json"]
+        return ["simulate", *shlex.split(self.args), "--runtime", self.runtime, "--json"]
 
     def option(self, flag: str) -> str:
-        """The value of one flag of ``args`` (``--micro-batch``), or of one ``--plan`` field (``pp``)."""
+        """The value of one flag of ``args`` (``--micro-batch``, ``--parallel.pp``)."""
         words = shlex.split(self.args)
-        if flag.startswith("--"):
-            return words[words.index(flag) + 1]
-        fields = dict(f.split("=", 1) for f in words[words.index("--plan") + 1].split(";"))
-        return fields[flag]
+        return words[words.index(flag) + 1]
 
 
 def published_runs() -> tuple[PublishedRun, ...]:
@@ -159,10 +155,10 @@ def source_micro_batch(rows: Sequence[PublishedRun]) -> float | None:
     model, batch and pipeline at several data-parallel sizes; None for any other set of rows."""
     if len(rows) < 2 or any(r.metric != "step_time_s" for r in rows):
         return None
-    if len({(r.option("--model.flavor"), r.option("pp"), r.option("--train.batch_size")) for r in rows}) != 1:
+    if len({(r.option("--model.flavor"), r.option("--parallel.pp"), r.option("--train.batch_size")) for r in rows}) != 1:
         return None
-    pp = int(rows[0].option("pp"))
+    pp = int(rows[0].option("--parallel.pp"))
     if pp < 2 or any("dp_replicate" not in r.args for r in rows):
         return None
-    runs = [(int(r.option("--train.batch_size")) / int(r.option("dp_replicate")), r.published) for r in rows]
+    runs = [(int(r.option("--train.batch_size")) / int(r.option("--parallel.dp_replicate")), r.published) for r in rows]
     return implied_micro_batch(runs, pp)

@@ -75,7 +75,7 @@ class SearchSpace:
     """Layout fields and their values. The search pins those it enumerates (degrees, schedule,
     ZeRO stage, microbatch size, recomputation, placement), keeps only the layouts that have the
     others (dp_replicate, cp_impl, microbatches, grad_accum) and sets the :data:`SETTINGS` on every
-    layout. Not sequence_parallel (the search takes it wherever tp > 1) nor the :data:`CHOICE_LISTS`."""
+    layout; sequence_parallel, where not fixed, is taken wherever tp > 1. Not the :data:`CHOICE_LISTS`."""
     batch_size: int | None = None
     seq_len: int | None = None
     max_batch_tokens: int = DEFAULT_BATCH_TOKENS
@@ -86,7 +86,7 @@ class SearchSpace:
     """How pipelines share a WAN link at a stage boundary (geo.wan_schedule) to consider."""
 
     def __post_init__(self) -> None:
-        names = {f.name for f in fields(LayoutSpec)} - {"sequence_parallel", *CHOICE_LISTS}
+        names = {f.name for f in fields(LayoutSpec)} - set(CHOICE_LISTS)
         unknown = sorted(set(self.fixed) - names)
         if unknown:
             raise ValueError(f"the search cannot fix {', '.join(unknown)} (it fixes: {', '.join(sorted(names))})")
@@ -255,8 +255,11 @@ def _core_layouts(
                     if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS or c == space.pin("cp"))
                 ]
                 for cp in _fix(cps, space.pin("cp")):
+                    sp = _sequence_parallel(space, runtime, tp, cp, seq)
+                    if sp is None:
+                        continue
                     for pp, dp in _pipelines(used, axis, world, tp, cp, args.n_layers, space.pin("pp")):
-                        for mb in [space.pin("micro_batch")] if space.pin("micro_batch") else MICRO_BATCHES:
+                        for mb in _micro_batch_sizes(space, dp, pp):
                             m = _microbatches(space, seq, dp, mb, pp)
                             if m is None:
                                 continue
@@ -272,9 +275,7 @@ def _core_layouts(
                                     for impl in _cp_impls(args, tp, cp):
                                         core = LayoutSpec(
                                             tp=tp,
-                                            sequence_parallel=runtime.sequence_parallel
-                                            and tp > 1
-                                            and seq % (tp * cp) == 0,
+                                            sequence_parallel=sp,
                                             cp=cp,
                                             cp_impl=impl,  # type: ignore[arg-type]
                                             pp=pp,
@@ -293,6 +294,16 @@ def _core_layouts(
                                         )
                                         if space.keeps(core, _MATCHED):
                                             yield work, core, usable
+
+
+def _sequence_parallel(space: SearchSpace, runtime: Runtime, tp: int, cp: int, seq: int) -> bool | None:
+    """Sequence parallelism wherever the runtime has it and tp > 1 (the same bytes, less memory, less
+    redundant elementwise work), or as fixed; None where a fixed true cannot run."""
+    can = runtime.sequence_parallel and tp > 1 and seq % (tp * cp) == 0
+    want = space.pin("sequence_parallel")
+    if want is None:
+        return can
+    return None if want and not can else bool(want)
 
 
 def _has_valid_layout(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, dtype: str) -> bool:
@@ -381,6 +392,17 @@ def _wan_schedules(axis: str, space: SearchSpace) -> list[str]:
     if axis != "pp":
         return ["fair"]
     return [w for w in WAN_SCHEDULES if w in space.wan_schedule] or ["fair"]
+
+
+def _micro_batch_sizes(space: SearchSpace, dp: int, pp: int) -> list[int]:
+    """Microbatch sizes to try: as fixed; the one a fixed count of microbatches (or accumulated
+    passes, without a pipeline) leaves of a fixed batch; else :data:`MICRO_BATCHES`."""
+    if space.pin("micro_batch"):
+        return [space.pin("micro_batch")]
+    count = space.pin("microbatches") if pp > 1 else space.pin("grad_accum")
+    if count and space.batch_size:
+        return [space.batch_size // (dp * count)] if space.batch_size % (dp * count) == 0 else []
+    return list(MICRO_BATCHES)
 
 
 def _microbatches(space: SearchSpace, seq: int, dp: int, mb: int, pp: int) -> int | None:
