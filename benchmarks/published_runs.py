@@ -1,7 +1,7 @@
 """Published runs against the planner, through the CLI: every row of src/isthmus/planner/published_runs.csv.
 
     python benchmarks/published_runs.py             # the comparison, with median / max error per source
-    python benchmarks/published_runs.py --markdown  # the table in docs/planner.md
+    python benchmarks/published_runs.py --markdown  # the table in docs/planner-checks.md
     python benchmarks/published_runs.py --plot docs/img/published_runs.svg   # and the scatter
 
 Each row runs ``isthmus simulate <its args> --runtime <its runtime> --json`` in this process and
