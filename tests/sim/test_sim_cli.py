@@ -87,7 +87,7 @@ def test_table_trace_and_timeline(tmp_path: Path, capsys: pytest.CaptureFixture[
         (["--parallel.tp", "0"], "--parallel.tp = 0: must be at least 1"),
         (["--parallel.tp", "3"], "--parallel.tp = 3: no valid layout"),
         (["--parallel.tp", "1", "--parallel.sequence_parallel", "true"], "--parallel.sequence_parallel True together"),
-        (["--plan", "tp=2"], "unrecognized arguments: --plan"),
+        (["--plan", "tp=2"], "--plan = 'tp=2': is given by the layout flags now"),
     ],
 )
 def test_bad_layout_flags_are_one_line_errors(flags: list[str], needle: str) -> None:

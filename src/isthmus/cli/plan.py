@@ -50,13 +50,17 @@ def _bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-class _Renamed(argparse.Action):
-    """A flag an earlier version took: refused in one line naming its new name."""
+def refused(rule: str) -> type[argparse.Action]:
+    """An argparse action for a flag an earlier version took: refused in one line, ``rule`` naming
+    what replaced it."""
 
-    def __call__(
-        self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, option: Any = None
-    ) -> None:
-        raise ConfigError(str(option), values, f"is written --{self.dest} now, as isthmus train names it")
+    class Refused(argparse.Action):
+        def __call__(
+            self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, option: Any = None
+        ) -> None:
+            raise ConfigError(str(option), values, rule)
+
+    return Refused
 
 
 def _typed(tp: Any) -> dict[str, Any]:
@@ -96,7 +100,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         doc = model_docs[key] + (" (required)" if key == "flavor" else "")
         extra = {"required": True, "metavar": "FLAVOR"} if key == "flavor" else {}
         _config_flag(p, f"model.{key}", model_hints[key], doc, f"model_{key}", **extra)
-    p.add_argument("--model", dest="model.flavor", action=_Renamed, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--model", action=refused("is written --model.flavor now, as isthmus train names it"), help=argparse.SUPPRESS
+    )
     p.add_argument(
         "--topology", default="local", metavar="FILE|PRESET", help="topology TOML file or preset (default: local)"
     )

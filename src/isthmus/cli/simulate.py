@@ -41,6 +41,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "sharing links, the pipeline schedule per microbatch) and report the planner's figures; write a "
         "Chrome/Perfetto trace and a PNG timeline.",
     )
+    p.add_argument(
+        "--plan",
+        action=plan_cli.refused("is given by the layout flags now, e.g. --parallel.tp 8 --parallel.pp 4 (see --help)"),
+        help=argparse.SUPPRESS,
+    )
     p.add_argument("--iterations", type=int, default=1, metavar="N", help="optimizer steps to simulate (default: 1)")
     p.add_argument("--trace", default=None, metavar="FILE.json", help="write a Chrome/Perfetto trace")
     p.add_argument("--png", default=None, metavar="FILE.png", help="write a timeline (needs the plot extra)")

@@ -112,8 +112,8 @@ def _plan_auto(cfg: JobConfig, overrides: list[tuple[str, str]], as_comment: boo
 
     The choice is printed first (as a TOML comment above ``--print-config``'s output)."""
 
-    named = {key.split(".", 1)[1] for key, _ in overrides if key.startswith("parallel.")}
-    fixed = {k: getattr(cfg.parallel, k) for k in named if k in PLAN_KEYS and k != "nproc"}
+    named = [key.split(".", 1) for key, _ in overrides if key in PLAN_KEYS]
+    fixed = {k: getattr(getattr(cfg, section), k) for section, k in named}
     fixed = {k: v for k, v in fixed.items() if v != -1}  # a data-parallel degree of -1 is the planner's to choose
     world = launcher_world()
     choice = apply_local_choice(cfg, fixed, world)

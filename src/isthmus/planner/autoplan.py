@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from isthmus.errors import ConfigError
 from isthmus.layout import rules
-from isthmus.layout.spec import PARALLEL_KEYS, LayoutSpec
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.resolve import expected_vocab, resolve_model_args
 from isthmus.planner.cost import Estimate
@@ -30,8 +30,11 @@ from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import DeviceKind, Topology, load_topology, parse_topology, shipped_topologies_dir
 from isthmus.planner.workload import Runtime
 
-PLAN_KEYS: dict[str, type] = {"nproc": int, **{k: type(getattr(LayoutSpec(), k)) for k in PARALLEL_KEYS}}
-"""The ``[parallel]`` keys a plan may name, with their types (LayoutSpec's fields)."""
+PLAN_KEYS: tuple[str, ...] = tuple(
+    key for f in fields(LayoutSpec) if (key := LayoutSpec.config_key(f.name)) and not key.startswith("geo.")
+)
+"""The config keys ``--parallel.plan auto`` chooses: the layout's, but for ``[geo]`` (it plans the
+local ranks of one datacenter). One the command line names stays fixed."""
 
 
 def _space_with(space: SearchSpace, fixed: dict[str, Any]) -> SearchSpace:
@@ -235,7 +238,8 @@ def choose_local_layout(cfg: Any, topology: str = "local", fixed: dict[str, Any]
     if args.tie_embeddings:
         # A tied head cannot be pipelined; the config's model is kept as given.
         space = replace(space, fixed={**space.fixed, "pp": 1})
-    pins = {k: v for k, v in (fixed or {}).items() if k in PLAN_KEYS and k != "activation_checkpoint"}
+    chosen = {key.split(".", 1)[1] for key in PLAN_KEYS}
+    pins = {k: v for k, v in (fixed or {}).items() if k in chosen and k != "activation_checkpoint"}
     _check_pins(pins, args, p.nproc)
     if pins.get("pp", 1) > 1 and args.tie_embeddings:
         raise ConfigError(
