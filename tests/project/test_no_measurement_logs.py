@@ -53,8 +53,9 @@ def python_notes(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)  # a lambda's is one expression, no docstrings
         for stmt in body if isinstance(body, list) else []:
-            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str):
-                notes.append((stmt.lineno, " ".join(stmt.value.value.split())))
+            value = stmt.value if isinstance(stmt, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                notes.append((stmt.lineno, " ".join(value.value.split())))
     return notes
 
 
@@ -68,7 +69,13 @@ def toml_notes(path: Path) -> list[tuple[int, str]]:
 
 
 def lab_notes(notes: list[tuple[int, str]]) -> list[tuple[int, str, str]]:
-    return [(n, what, m.group(0)) for n, text in notes for what, rx in LAB_NOTES.items() for m in [rx.search(text)] if m]
+    """(line, what kind of lab note, the text that is one) for each note that holds one."""
+    found = []
+    for line, text in notes:
+        for what, pattern in LAB_NOTES.items():
+            if match := pattern.search(text):
+                found.append((line, what, match.group(0)))
+    return found
 
 
 def test_the_patterns_catch_lab_notes_and_pass_reasons() -> None:
