@@ -155,7 +155,8 @@ def source_micro_batch(rows: Sequence[PublishedRun]) -> float | None:
     model, batch and pipeline at several data-parallel sizes; None for any other set of rows."""
     if len(rows) < 2 or any(r.metric != "step_time_s" for r in rows):
         return None
-    if len({(r.option("--model.flavor"), r.option("--parallel.pp"), r.option("--train.batch_size")) for r in rows}) != 1:
+    shapes = {(r.option("--model.flavor"), r.option("--parallel.pp"), r.option("--train.batch_size")) for r in rows}
+    if len(shapes) != 1:
         return None
     pp = int(rows[0].option("--parallel.pp"))
     if pp < 2 or any("dp_replicate" not in r.args for r in rows):
