@@ -133,7 +133,8 @@ def run(topology: Path, mbit: float, rtt_ms: float, steps: int, prefill: str, ou
     step = statistics.median(r["step_time_s"] for r in timed)
     # Wall time per step: between consecutive steps' metrics, so the step's metrics collectives
     # (which `step_time_s` leaves out) are in it too.
-    wall = statistics.median(b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records[1:], timed, strict=False))
+    before = records[len(records) - len(timed) - 1 : -1]  # the step before each timed one
+    wall = statistics.median([b["elapsed_s"] - a["elapsed_s"] for a, b in zip(before, timed, strict=False)] or [0.0])
     busy = [statistics.median(r["busy"][k] for r in timed) for k in range(len(timed[0]["busy"]))]
     tokens = sum(r.get("prefill_tokens", 0) for r in timed) / sum(r["step_time_s"] for r in timed)
     return {
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {label} | {med(name, 'step_s'):.3f} | {med(name, 'wall_step_s'):.3f} "
             f"| {', '.join(f'{b:.0%}' for b in busy(name))} | {med(name, 'prefill_tok_s'):.0f} |"
         )
-    wall = med("with", "wall_step_s") / med("without", "wall_step_s")
+    wall = med("with", "wall_step_s") / (med("without", "wall_step_s") or float("nan"))  # nan: a one-step run
     print(
         f"step time with / without: {on / off:.3f} (wall per step {wall:.3f}); losses equal: {'yes' if same else 'NO'}"
     )
