@@ -24,9 +24,9 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 from isthmus.launch.emulate.emulation import emulated_network
 from isthmus.launch.emulate.network import EmulatedNetwork
@@ -124,82 +124,36 @@ def _agent_death(em: Emulation, procs: list[subprocess.Popen[Any]]) -> tuple[int
     return None
 
 
-def _wait_all(em: Emulation, procs: list[subprocess.Popen[Any]], timeout_s: float | None, grace_s: float) -> int:
-    """geo.fault_tolerant: a datacenter that fails does not stop the others; wait for every one.
-
-    Returns 0 when at least one datacenter completed (the run survived), else the first failure's code.
-    Raises :class:`HelperDied` when a helper of the emulation died (the Lighthouse, the delay line)."""
-    log = get_logger()
-    names = [dc.name for dc in em.dcs]
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    reported: set[int] = set()
-    death = None
-    try:
-        while True:
-            death = em.dead_helper()
-            if death is not None:
-                break
-            codes = [p.poll() for p in procs]
-            for i, c in enumerate(codes):
-                if c not in (None, 0) and i not in reported:
-                    reported.add(i)
-                    if c < 0:  # its agent was killed: a datacenter lost, as when its ranks fail
-                        em.stop_orphans(procs[i])
-                        ended = f"{Helper(f'the torchrun agent of {names[i]}', procs[i]).death()}; stopped its ranks"
-                    else:
-                        ended = f"datacenter {names[i]} ended with exit code {c}"
-                    others = [n for j, n in enumerate(names) if codes[j] is None]
-                    log.warning(
-                        "%s; %s train on", ended, ", ".join(others) if others else "no other datacenter is running to"
-                    )
-            if all(c is not None for c in codes):
-                done = [n for n, c in zip(names, codes) if c == 0]
-                if done:
-                    if reported:
-                        log.info("the run survived: %s completed", ", ".join(done))
-                    return 0
-                return next(c for c in codes if c)
-            if deadline is not None and time.monotonic() > deadline:
-                log.error("emulated run passed its %ss limit: stopping every datacenter", timeout_s)
-                rc = 124
-                break
-            time.sleep(0.1)
-    except KeyboardInterrupt:
-        rc = 128 + signal.SIGINT
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else 1
-    with signals_ignored():
-        em.stop(procs, grace_s if death is None else HELPER_DEATH_GRACE_S)
-    if death is not None:
-        raise HelperDied(death)
-    return rc
+# What a poll of the agents found: every agent ended ("done", the run's code, nothing left to stop),
+# a failure that stops the rest ("stop", its code), or a dead helper or agent ("died", its line).
+_Outcome = tuple[Literal["done", "stop", "died"], int | str] | None
 
 
-def _wait_first_failure(
-    em: Emulation, procs: list[subprocess.Popen[Any]], timeout_s: float | None, grace_s: float
+def _watch(
+    em: Emulation,
+    procs: list[subprocess.Popen[Any]],
+    timeout_s: float | None,
+    grace_s: float,
+    poll: Callable[[], _Outcome],
 ) -> int:
-    """Wait for every agent; on the first non-zero exit, Ctrl-C, SIGTERM or timeout stop the rest.
+    """Poll until `poll` reports an ending, the deadline passes, Ctrl-C or SIGTERM; then stop every agent.
 
-    Raises :class:`HelperDied` when a helper of the emulation or an agent died."""
+    Raises :class:`HelperDied` when `poll` found a helper of the emulation or an agent dead."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     rc = 0
     death = None
     try:
         while True:
-            death = em.dead_helper()
-            lost = _agent_death(em, procs)
-            if lost is not None:
-                em.stop_orphans(procs[lost[0]])
-                death = death or lost[1]
-            if death is not None:
+            outcome = poll()
+            if outcome is not None:
+                kind, value = outcome
+                if kind == "done":
+                    return int(value)
+                if kind == "died":
+                    death = str(value)
+                else:
+                    rc = int(value)
                 break
-            codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
-            if failed:
-                rc = failed[0]
-                break
-            if all(c == 0 for c in codes):
-                return 0
             if deadline is not None and time.monotonic() > deadline:
                 get_logger().error("emulated run passed its %ss limit: stopping every datacenter", timeout_s)
                 rc = 124
@@ -214,6 +168,66 @@ def _wait_first_failure(
     if death is not None:
         raise HelperDied(death)
     return rc
+
+
+def _wait_all(em: Emulation, procs: list[subprocess.Popen[Any]], timeout_s: float | None, grace_s: float) -> int:
+    """geo.fault_tolerant: a datacenter that fails does not stop the others; wait for every one.
+
+    Returns 0 when at least one datacenter completed (the run survived), else the first failure's code.
+    Raises :class:`HelperDied` when a helper of the emulation died (the Lighthouse, the delay line)."""
+    log = get_logger()
+    names = [dc.name for dc in em.dcs]
+    reported: set[int] = set()
+
+    def poll() -> _Outcome:
+        death = em.dead_helper()
+        if death is not None:
+            return "died", death
+        codes = [p.poll() for p in procs]
+        for i, c in enumerate(codes):
+            if c not in (None, 0) and i not in reported:
+                reported.add(i)
+                if c < 0:  # its agent was killed: a datacenter lost, as when its ranks fail
+                    em.stop_orphans(procs[i])
+                    ended = f"{Helper(f'the torchrun agent of {names[i]}', procs[i]).death()}; stopped its ranks"
+                else:
+                    ended = f"datacenter {names[i]} ended with exit code {c}"
+                others = [n for j, n in enumerate(names) if codes[j] is None]
+                log.warning(
+                    "%s; %s train on", ended, ", ".join(others) if others else "no other datacenter is running to"
+                )
+        if not all(c is not None for c in codes):
+            return None
+        done = [n for n, c in zip(names, codes) if c == 0]
+        if done and reported:
+            log.info("the run survived: %s completed", ", ".join(done))
+        return "done", 0 if done else next(c for c in codes if c)
+
+    return _watch(em, procs, timeout_s, grace_s, poll)
+
+
+def _wait_first_failure(
+    em: Emulation, procs: list[subprocess.Popen[Any]], timeout_s: float | None, grace_s: float
+) -> int:
+    """Wait for every agent; on the first non-zero exit, Ctrl-C, SIGTERM or timeout stop the rest.
+
+    Raises :class:`HelperDied` when a helper of the emulation or an agent died."""
+
+    def poll() -> _Outcome:
+        death = em.dead_helper()
+        lost = _agent_death(em, procs)
+        if lost is not None:
+            em.stop_orphans(procs[lost[0]])
+            death = death or lost[1]
+        if death is not None:
+            return "died", death
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return "stop", failed[0]
+        return ("done", 0) if all(c == 0 for c in codes) else None
+
+    return _watch(em, procs, timeout_s, grace_s, poll)
 
 
 def launch_emulated(
