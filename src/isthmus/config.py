@@ -50,6 +50,31 @@ class ModelConfig:
     """Override the flavor's RMSNorm epsilon (1e-5 unless the flavor says otherwise)."""
     rope_theta: float | None = None
     """Override the flavor's rotary base (10000; 500000 for Llama 3)."""
+    n_experts: int | None = None
+    """Override the routed experts per Mixture-of-Experts layer (0 = a dense model; the moe-* flavors set it)."""
+    top_k: int | None = None
+    """Override the routed experts each token goes to (2 unless the flavor says otherwise)."""
+    moe_ffn_dim: int | None = None
+    """Override the hidden size of each routed and shared expert (0 = model.ffn_dim)."""
+    n_shared_experts: int | None = None
+    """Override the always-on experts (one SwiGLU of width n_shared_experts * the expert width)."""
+    n_dense_layers: int | None = None
+    """Override how many first blocks keep the dense MLP instead of experts."""
+    router_score: Literal["softmax", "sigmoid"] | None = None
+    """Override the router's score function over the experts: softmax or sigmoid."""
+    router_norm_topk: bool | None = None
+    """Override whether each token's top-k expert weights are renormalised to sum to 1."""
+    capacity_factor: float | None = None
+    """Experts take at most ceil(capacity_factor * tokens * top_k / n_experts) of the tokens each rank routes,
+    the rest are dropped (the residual passes); 0 = dropless, the default."""
+    load_balance: Literal["aux_loss", "bias", "none"] | None = None
+    """How experts are kept evenly loaded: aux_loss (Switch/GShard auxiliary loss, the default), bias (a per-expert
+    bias on the selection scores, updated after each step; arXiv 2408.15664) or none."""
+    aux_loss_coef: float | None = None
+    """Weight of the auxiliary load-balancing loss in the training loss (0.01 unless the flavor says otherwise)."""
+    bias_update_rate: float | None = None
+    """Step of the bias method's per-expert update after each optimizer step (0.001 unless the flavor says
+    otherwise)."""
     init_from: str = ""
     """Start from these weights: a Hugging Face Llama folder or a file `isthmus export` wrote; its shape
     replaces the flavor's. Empty = a fresh seeded init."""

@@ -10,7 +10,13 @@ import torch
 
 from isthmus.errors import ConfigError
 from isthmus.models.flavors import GPT3_TABLE, get_flavor, list_flavors
-from isthmus.models.flops import count_params, flops_per_token, matmul_params, megatron_flops_per_iteration
+from isthmus.models.flops import (
+    active_params,
+    count_params,
+    flops_per_token,
+    matmul_params,
+    megatron_flops_per_iteration,
+)
 from isthmus.models.llama import build_model
 
 CSV = Path(__file__).resolve().parents[3] / "shared" / "reference" / "megatron_2021_table1.csv"
@@ -152,3 +158,22 @@ def test_debug_flavor_is_torchtitans_debug_shape() -> None:
     # 6 blocks = 5_114_880; + final norm 256 -> 6_163_712 (what `isthmus train --model.flavor debug` logs
     # with a 2048-token BPE vocabulary).
     assert count_params(get_flavor("debug")) == 6_163_712
+
+
+def test_mixtral_counts_match_hugging_face() -> None:
+    # MixtralForCausalLM(8x7B).num_parameters() is 46_702_792_704; isthmus adds one expert_bias
+    # per expert and layer (32 x 8), a parameter Mixtral does not have.
+    args = get_flavor("mixtral-8x7b")
+    assert count_params(args) == 46_702_792_704 + 32 * 8
+    # Active: 2 of 8 experts (each 3 x 4096 x 14336) per layer.
+    assert active_params(args) == count_params(args) - 32 * 6 * 3 * 4096 * 14336
+    assert round(active_params(args) / 1e9, 1) == 12.9
+
+
+def test_moe_flops_follow_active_params() -> None:
+    dense, moe = get_flavor("small"), get_flavor("moe-small")
+    assert active_params(dense) == count_params(dense)
+    # Two routed experts of 256 plus one shared: 3 x 256-wide SwiGLUs per token, plus the 8-way router.
+    per_block_ffn = 3 * 3 * 256 * 256 + 8 * 256
+    assert matmul_params(moe) - matmul_params(dense) == 4 * (per_block_ffn - 3 * 256 * 704)
+    assert flops_per_token(moe, SEQ) - flops_per_token(dense, SEQ) == 6 * (matmul_params(moe) - matmul_params(dense))

@@ -1,4 +1,4 @@
-"""Named model shapes: test and CPU-demo sizes, Llama 3, and the Megatron-LM GPT-3 family."""
+"""Named model shapes: test and CPU-demo sizes, Llama 3, the Megatron-LM GPT-3 family and MoE models."""
 
 from __future__ import annotations
 
@@ -60,6 +60,21 @@ def llama3(dim: int, n_layers: int, n_heads: int, ffn_dim: int) -> ModelArgs:
     )
 
 
+def mixtral(dim: int, n_layers: int, n_heads: int, ffn_dim: int, vocab_size: int) -> ModelArgs:
+    """A Mixtral shape: 8 KV heads, 8 SwiGLU experts of width ffn_dim, top-2, rope_theta 1e6."""
+    return ModelArgs(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=8,
+        ffn_dim=ffn_dim,
+        vocab_size=vocab_size,
+        rope_theta=1e6,
+        n_experts=8,
+        top_k=2,
+    )
+
+
 FLAVORS: dict[str, ModelArgs] = {
     # Byte-level sizes: vocab 256 needs no tokenizer.
     "tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=256),
@@ -71,6 +86,74 @@ FLAVORS: dict[str, ModelArgs] = {
     "llama3-70b": llama3(8192, 80, 64, 28672),
     "llama3-405b": llama3(16384, 126, 128, 53248),
     **{name: gpt3(heads, hidden, layers) for name, heads, hidden, layers in GPT3_TABLE},
+    # Mixture-of-Experts: byte-level test and CPU-demo sizes, then published shapes for planning.
+    "moe-tiny": ModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=256, n_experts=4, top_k=2, moe_ffn_dim=64
+    ),
+    "moe-small": ModelArgs(
+        dim=256,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=704,
+        vocab_size=256,
+        n_experts=8,
+        top_k=2,
+        moe_ffn_dim=256,
+        n_shared_experts=1,
+    ),
+    "mixtral-8x7b": mixtral(4096, 32, 32, 14336, 32000),
+    "mixtral-8x22b": mixtral(6144, 56, 48, 16384, 32768),
+    # Qwen3's attention is 32 heads of 128 (q width 4096 != dim 2048), which ModelArgs (head_dim = dim / n_heads)
+    # cannot express: the nearest shape keeps the heads at 64 wide, so attention has half its published
+    # weights (4 x 9.4M of 18.9M per layer; the experts, 604M per layer, are exact).
+    "qwen3-30b-a3b": ModelArgs(
+        dim=2048,
+        n_layers=48,
+        n_heads=32,
+        n_kv_heads=4,
+        ffn_dim=6144,
+        vocab_size=151936,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        n_experts=128,
+        top_k=8,
+        moe_ffn_dim=768,
+    ),
+    # Qwen2's sigmoid gate on the shared expert is not modelled (dim parameters per layer).
+    "qwen2-57b-a14b": ModelArgs(
+        dim=3584,
+        n_layers=28,
+        n_heads=28,
+        n_kv_heads=4,
+        ffn_dim=18944,
+        vocab_size=151936,
+        norm_eps=1e-6,
+        rope_theta=1e6,
+        n_experts=64,
+        top_k=8,
+        moe_ffn_dim=2560,
+        n_shared_experts=8,
+        router_norm_topk=False,
+    ),
+    # DeepSeek-V3 with multi-head attention standing in for MLA, no multi-token prediction head and
+    # plain top-k routing (no expert groups, no routed scaling factor).
+    "deepseek-v3-like": ModelArgs(
+        dim=7168,
+        n_layers=61,
+        n_heads=128,
+        n_kv_heads=128,
+        ffn_dim=18432,
+        vocab_size=129280,
+        norm_eps=1e-6,
+        n_experts=256,
+        top_k=8,
+        moe_ffn_dim=2048,
+        n_shared_experts=1,
+        n_dense_layers=3,
+        router_score="sigmoid",
+        load_balance="bias",
+    ),
 }
 
 

@@ -11,23 +11,49 @@ from __future__ import annotations
 from isthmus.models.args import ModelArgs
 
 
-def layer_matmul_params(args: ModelArgs) -> int:
-    """Weights of the Linear layers in one transformer block."""
+def attention_matmul_params(args: ModelArgs) -> int:
+    """Weights of one block's attention projections (wq, wk, wv, wo)."""
     q_dim = args.n_heads * args.head_dim
     kv_dim = args.n_kv_heads * args.head_dim
-    attention = args.dim * q_dim + 2 * args.dim * kv_dim + q_dim * args.dim
+    return args.dim * q_dim + 2 * args.dim * kv_dim + q_dim * args.dim
+
+
+def dense_mlp_params(args: ModelArgs) -> int:
+    """Weights of one dense MLP (w1, w3, w2 for SwiGLU; w1, w2 for GELU)."""
     n_branches = 3 if args.mlp == "swiglu" else 2
-    return attention + n_branches * args.dim * args.ffn_dim
+    return n_branches * args.dim * args.ffn_dim
+
+
+def moe_matmul_params(args: ModelArgs, active: bool = False) -> int:
+    """Weights of one MoE feed-forward: router gate, routed experts and the shared SwiGLU.
+
+    ``active=True`` counts those one token uses: the router, its ``top_k`` experts and the shared ones.
+    """
+    expert = 3 * args.dim * args.expert_ffn_dim
+    routed = args.top_k if active else args.n_experts
+    return args.n_experts * args.dim + (routed + args.n_shared_experts) * expert
+
+
+def layer_matmul_params(args: ModelArgs, layer: int | None = None, active: bool = False) -> int:
+    """Weights of the Linear layers in block ``layer`` (None: the last block, a MoE one in a MoE model).
+
+    ``active=True`` counts only the weights one token multiplies (its top-k experts, not all of them).
+    """
+    layer = args.n_layers - 1 if layer is None else layer
+    ffn = moe_matmul_params(args, active) if args.moe_layer(layer) else dense_mlp_params(args)
+    return attention_matmul_params(args) + ffn
 
 
 def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
-    """Exact number of parameters of ``build_model(args)``.
+    """Exact number of parameters of ``build_model(args)`` (a MoE router's expert_bias included).
 
     ``include_embedding=False`` leaves out the token-embedding table (and with it a
     tied head, which is the same matrix); an untied head is a matmul and stays.
     """
-    per_layer = layer_matmul_params(args) + 2 * args.dim  # two RMSNorm scales
-    total = args.n_layers * per_layer + args.dim  # final norm
+    blocks = sum(layer_matmul_params(args, i) for i in range(args.n_layers))
+    blocks += args.n_layers * 2 * args.dim  # two RMSNorm scales per block
+    blocks += args.n_moe_layers * args.n_experts  # the routers' expert_bias
+    total = blocks + args.dim  # final norm
     table = args.vocab_size * args.dim
     if include_embedding:
         total += table
@@ -36,12 +62,25 @@ def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
     return total
 
 
+def active_params(args: ModelArgs, include_embedding: bool = True) -> int:
+    """Parameters one token uses: `count_params` less the routed experts it is not sent to.
+
+    The figure MoE papers quote as "active" (Mixtral 8x7B: 12.9B of 46.7B); equal to `count_params`
+    for a dense model.
+    """
+    idle = (args.n_experts - args.top_k) * 3 * args.dim * args.expert_ffn_dim
+    return count_params(args, include_embedding) - args.n_moe_layers * idle
+
+
 def matmul_params(args: ModelArgs) -> int:
     """Parameters used in a matmul per token: all Linears and the head (tied or not).
 
-    The embedding is a gather and norms are elementwise, so neither counts.
+    The embedding is a gather and norms are elementwise, so neither counts. In a MoE layer only the
+    router and the token's top-k (and shared) experts count: FLOPs follow the active weights, as MoE
+    MFU figures are published.
     """
-    return args.n_layers * layer_matmul_params(args) + args.vocab_size * args.dim
+    blocks = sum(layer_matmul_params(args, i, active=True) for i in range(args.n_layers))
+    return blocks + args.vocab_size * args.dim
 
 
 def attention_flops_per_token(args: ModelArgs, seq_len: int) -> int:
@@ -71,7 +110,8 @@ def flops_per_token(args: ModelArgs, seq_len: int, recompute: bool = False) -> i
     """
     total = 3 * forward_flops_per_token(args, seq_len)
     if recompute:
-        total += 2 * args.n_layers * layer_matmul_params(args) + attention_flops_per_token(args, seq_len)
+        blocks = sum(layer_matmul_params(args, i, active=True) for i in range(args.n_layers))
+        total += 2 * blocks + attention_flops_per_token(args, seq_len)
     return total
 
 

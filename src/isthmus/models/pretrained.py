@@ -183,7 +183,9 @@ def model_args_from_json(text: str, path: Path) -> ModelArgs:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise CheckpointError(f"{path}: damaged isthmus metadata ({EXPORT_ARGS_KEY} has unknown fields {unknown})")
-    sizes = {k: json_size(raw, k, where) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")}
+    sizes: dict[str, Any] = {
+        k: json_size(raw, k, where) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+    }
     mlp = raw.get("mlp", "swiglu")
     if mlp not in ("swiglu", "gelu"):
         raise CheckpointError(f"{where}: mlp = {mlp!r}: must be swiglu or gelu")

@@ -19,7 +19,20 @@ _SHAPE_KEYS = (
     "tie_embeddings",
     "norm_eps",
     "rope_theta",
+    "n_experts",
+    "top_k",
+    "moe_ffn_dim",
+    "n_shared_experts",
+    "n_dense_layers",
+    "router_score",
+    "router_norm_topk",
+    "capacity_factor",
+    "load_balance",
+    "aux_loss_coef",
+    "bias_update_rate",
 )
+_ROUTING_KEYS = ("capacity_factor", "load_balance", "aux_loss_coef", "bias_update_rate")
+"""Shape keys that are training choices, not part of the weights: model.init_from takes them too."""
 
 
 def resolve_model_args(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> ModelArgs:
@@ -34,9 +47,9 @@ def resolve_model_args(cfg: ModelConfig, tokenizer_vocab: int | None = None) -> 
     if cfg.init_from:
         # The weights decide the shape: an override would make them not fit.
         for key, value in overrides.items():
-            if value is not None:
+            if value is not None and key not in _ROUTING_KEYS:
                 raise ConfigError(f"model.{key}", value, "is set by model.init_from's weights; leave it unset")
-        args = init_source_args(cfg.init_from)
+        args = init_source_args(cfg.init_from).with_overrides(**{k: overrides[k] for k in _ROUTING_KEYS})
     else:
         if tokenizer_vocab is not None and cfg.vocab_size is None:
             overrides["vocab_size"] = tokenizer_vocab

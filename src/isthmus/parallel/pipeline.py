@@ -52,7 +52,7 @@ def stage_costs(args: ModelArgs, seq_len: int) -> tuple[int, int, int]:
     first stage. The head is a dim x vocab matmul, for small models worth several
     blocks, so ignoring it would overload the last stage.
     """
-    block = 2 * layer_matmul_params(args) + attention_flops_per_token(args, seq_len) // args.n_layers
+    block = 2 * layer_matmul_params(args, active=True) + attention_flops_per_token(args, seq_len) // args.n_layers
     return block, 0, 2 * args.dim * args.vocab_size
 
 
