@@ -21,7 +21,7 @@ class ModelArgs:
     n_layers: int
     """Number of transformer blocks."""
     n_heads: int
-    """Attention (query) heads; head_dim = dim // n_heads."""
+    """Attention (query) heads; head_dim = dim // n_heads unless attn_head_dim says otherwise."""
     n_kv_heads: int
     """Key/value heads (grouped-query attention); equal to n_heads for multi-head attention."""
     ffn_dim: int
@@ -60,10 +60,16 @@ class ModelArgs:
     """Weight of the auxiliary load-balancing loss in the training loss."""
     bias_update_rate: float = 0.001
     """Step of the bias method's update: bias_e += rate * sign(mean load - load_e)."""
+    attn_head_dim: int = 0
+    """Width of each attention head when it is not dim // n_heads (Qwen3: 128 at dim 2048, 32 heads); 0 = dim //
+    n_heads. The field is not named head_dim because `head_dim` is the resolved width every user reads."""
+    qk_norm: bool = False
+    """RMSNorm each query and key head (a learned scale of head_dim) before RoPE, as Qwen3 does."""
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        """Width of each attention head: attn_head_dim, or dim // n_heads."""
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def is_moe(self) -> bool:
@@ -91,10 +97,14 @@ class ModelArgs:
 
 def check_args(args: ModelArgs) -> None:
     """Raise ConfigError for shapes the attention layout cannot represent."""
-    if args.dim % args.n_heads:
+    if args.attn_head_dim < 0:
+        raise ConfigError("model.attn_head_dim", args.attn_head_dim, "must be >= 0 (0 = dim // n_heads)")
+    if not args.attn_head_dim and args.dim % args.n_heads:
         raise ConfigError("model.n_heads", args.n_heads, f"must divide model.dim = {args.dim}")
     if args.n_heads % args.n_kv_heads:
         raise ConfigError("model.n_kv_heads", args.n_kv_heads, f"must divide model.n_heads = {args.n_heads}")
+    if args.attn_head_dim % 2:
+        raise ConfigError("model.attn_head_dim", args.attn_head_dim, "must be even for RoPE")
     if args.head_dim % 2:
         raise ConfigError("model.dim", args.dim, f"dim / n_heads = {args.head_dim} must be even for RoPE")
     if args.mlp not in ("swiglu", "gelu"):
