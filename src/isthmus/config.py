@@ -175,6 +175,9 @@ class ParallelConfig:
     """Context-parallel degree."""
     cp_impl: CpImpl = "ring"
     """Context-parallel attention: ring (online softmax) or ulysses (all-to-all)."""
+    ep: int = 1
+    """Expert-parallel degree of MoE layers, folded over dp_shard x cp (it must divide them): each of its
+    ranks holds n_experts / ep experts and exchanges tokens with the others by all-to-all."""
     pp: int = 1
     """Pipeline-parallel degree."""
     pp_schedule: PpSchedule = "1f1b"

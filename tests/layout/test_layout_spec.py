@@ -36,6 +36,7 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
             "parallel.sequence_parallel": True,
             "parallel.cp": 2,
             "parallel.cp_impl": "ulysses",
+            "parallel.ep": 2,
             "parallel.pp": 2,
             "parallel.pp_schedule": "interleaved_1f1b",
             "parallel.pp_virtual_stages": 2,
@@ -260,7 +261,7 @@ def test_one_rule_for_the_runtime_and_the_search() -> None:
 
 
 MANIFEST_KEYS = {
-    *("summary", "world_size", "dp_replicate", "dp_shard", "zero_stage", "tp", "sequence_parallel", "cp"),
+    *("summary", "world_size", "dp_replicate", "dp_shard", "zero_stage", "tp", "sequence_parallel", "cp", "ep"),
     *("cp_impl", "pp", "pp_schedule", "pp_virtual_stages", "microbatches", "datacenters", "dc_axis", "sync"),
 }
 """What a checkpoint's manifest records of its layout, as earlier versions wrote it: a run resumed

@@ -151,3 +151,24 @@ def tensor_parallel_heads(tp: int, n_heads: int, n_kv_heads: int) -> Reason | No
         if heads % tp:
             return Reason("parallel.tp", tp, f"must divide model.{name} = {heads}")
     return None
+
+
+def expert_parallel(ep: int, dp_shard: int, cp: int, n_experts: int) -> Reason | None:
+    """Expert parallelism folds over dp_shard x cp, the data-parallel ranks of one datacenter (as
+    torchtitan folds it), so experts never cross the WAN, and splits the experts evenly."""
+    if ep < 1:
+        return Reason("parallel.ep", ep, "must be >= 1")
+    if ep == 1:
+        return None
+    if n_experts == 0:
+        return Reason("parallel.ep", ep, "needs a MoE model (model.n_experts > 0)")
+    if (dp_shard * cp) % ep:
+        return Reason(
+            "parallel.ep",
+            ep,
+            f"must divide parallel.dp_shard x parallel.cp = {dp_shard * cp}: experts stay inside a datacenter, "
+            "never spread over replicas across the WAN",
+        )
+    if n_experts % ep:
+        return Reason("parallel.ep", ep, f"must divide model.n_experts = {n_experts}")
+    return None

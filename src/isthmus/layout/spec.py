@@ -70,6 +70,9 @@ class LayoutSpec:
     sequence_parallel: bool = _key("parallel", False, when=lambda s: s.tp > 1, state=True)
     cp: int = _key("parallel", 1, state=True)
     cp_impl: CpImpl = _key("parallel", "ring", when=lambda s: s.cp > 1, state=True)
+    ep: int = _key("parallel", 1, state=True)
+    """Expert-parallel degree: folds over dp_shard x cp, each of its ranks holding n_experts / ep experts
+    of every MoE layer (1: every rank holds all of them; a dense model ignores it)."""
     pp: int = _key("parallel", 1, state=True)
     pp_schedule: PpSchedule = _key("parallel", "1f1b", when=lambda s: s.pp > 1, state=True)
     pp_virtual_stages: int = _key("parallel", 1, state=True)
@@ -262,6 +265,8 @@ class LayoutSpec:
         parts = [f"tp{self.tp}" + (" sp" if self.sequence_parallel else "")]
         if self.cp > 1:
             parts.append(f"cp{self.cp}{'u' if self.cp_impl == 'ulysses' else ''}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
         if self.pp > 1:
             sched = {
                 "interleaved_1f1b": f"i1f1b v{self.pp_virtual_stages}",
