@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import BinaryIO, cast
 
@@ -134,8 +134,8 @@ class _WriteErrors:
         self.f.flush()
 
 
-_ARG_KINDS: dict[str, tuple[type, ...]] = {"mlp": (str,), "tie_embeddings": (bool,)}
-_ARG_KINDS.update(norm_eps=(int, float), rope_theta=(int, float))
+_KINDS: dict[str, tuple[type, ...]] = {"int": (int,), "bool": (bool,), "float": (int, float)}
+"""Python types a model_args.json value may have, by the field's annotation (a Literal alias: str)."""
 
 
 def load_model_args(directory: Path) -> ModelArgs:
@@ -147,13 +147,15 @@ def load_model_args(directory: Path) -> ModelArgs:
     except (ValueError, TypeError) as e:
         raise IsthmusError(f"{path}: not a valid model description ({e})") from None
     for f in fields(ModelArgs):
-        value, kinds = getattr(args, f.name), _ARG_KINDS.get(f.name, (int,))
-        # bool is an int to isinstance; only tie_embeddings may be one.
+        value, kinds = getattr(args, f.name), _KINDS.get(str(f.type), (str,))
+        # bool is an int to isinstance; only the bool fields may be one.
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
             what = "whole number" if kinds == (int,) else " or ".join(k.__name__ for k in kinds)
             raise IsthmusError(f"{path}: {f.name} = {value!r}: must be a {what}")
-        if isinstance(value, int) and kinds == (int,) and value < 1:
-            raise IsthmusError(f"{path}: {f.name} = {value!r}: must be at least 1")
+        # The sizes every model has are at least 1; optional counts (experts, a head width) 0 = unused.
+        least = 1 if f.default is MISSING else 0
+        if isinstance(value, int) and kinds == (int,) and value < least:
+            raise IsthmusError(f"{path}: {f.name} = {value!r}: must be at least {least}")
     return args
 
 
