@@ -1,0 +1,199 @@
+"""Mixture-of-Experts feed-forward: a top-k router, SwiGLU experts, optional shared experts.
+
+The layer follows torchtitan's MoE (and keeps its parameter layout, so its expert-parallel plan
+applies): the router scores in fp32, each token picks its ``top_k`` experts, the token copies are
+sorted by expert and run expert by expert (:class:`GroupedExperts`, the seam expert parallelism
+wraps), then weighted by their scores and summed back per token.
+
+Two choices make the layer a function of each sequence alone, so that any split of a batch into
+ranks or micro-batches (data, expert and pipeline parallelism, gradient accumulation) computes
+exactly what one process computes on the whole batch:
+
+- the auxiliary load-balancing loss is Switch's ``n_experts * sum_e f_e * P_e`` per sequence,
+  averaged over the sequences (DeepSeek-V3's sequence-wise balance loss); a batch-level ``f_e``
+  would change with the batch each rank happens to see;
+- with a capacity factor, the capacity is per sequence: expert ``e`` keeps at most
+  ``ceil(capacity_factor * seq_len * top_k / n_experts)`` of a sequence's tokens, the earliest
+  ones, so whether a token is dropped depends only on the tokens before it (the layer stays causal).
+  Summed over a batch this is the usual bound ``capacity_factor * tokens * top_k / n_experts``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from isthmus.models.args import ModelArgs
+
+
+def _local(t: Tensor) -> Tensor:
+    """The local shard of a DTensor parameter (expert parallelism shards experts by expert)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass (activation checkpointing re-runs forwards there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    """Scores each token against every expert and picks its ``top_k``.
+
+    ``expert_bias`` (the bias method's per-expert offsets) is added to the scores to choose the
+    experts only: the weights the outputs are mixed with are the unbiased scores.
+    """
+
+    def __init__(self, dim: int, n_experts: int, top_k: int, score: str, norm_topk: bool) -> None:
+        super().__init__()
+        self.gate = nn.Linear(dim, n_experts, bias=False)
+        self.expert_bias = nn.Parameter(torch.zeros(n_experts), requires_grad=False)
+        self.top_k = top_k
+        self.score = score
+        self.norm_topk = norm_topk
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """From x [..., dim]: (top-k weights [..., k] fp32, expert ids [..., k] int64, scores [..., E] fp32)."""
+        # fp32 on purpose: in bf16 close scores tie, and the chosen experts flip with rounding.
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
+        selection = scores + self.expert_bias.float()
+        experts = selection.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights, experts, scores
+
+
+class GroupedExperts(nn.Module):
+    """``n_experts`` SwiGLU MLPs stored as stacked weights w1, w3 [E, ffn, dim] and w2 [E, dim, ffn].
+
+    A loop over experts: ``torch._grouped_mm`` runs forward and backward on CPU fp32 in torch 2.13 and
+    gives the same bits, but it is a private op, fails on stride-0 gradients there, and was only
+    16% faster at moe-small's shape, so the plain loop stays.
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, n_experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+
+    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
+        """Rows of x [T, dim], sorted by expert (``counts[e]`` rows for local expert e), each through its expert."""
+        w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        splits = counts.tolist()
+        assert len(splits) == w1.shape[0] and sum(splits) == x.shape[0], (splits, w1.shape, x.shape)
+        # unbind, not w1[e]: its backward stacks the E gradients once instead of adding E full-size zeros.
+        outs = [
+            (F.silu(xe @ a.t()) * (xe @ c.t())) @ b.t()
+            for xe, a, b, c in zip(x.split(splits), w1.unbind(0), w2.unbind(0), w3.unbind(0), strict=True)
+        ]
+        return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional shared experts, in place of a block's FeedForward.
+
+    After each forward it keeps ``tokens_per_expert`` (tokens that chose each expert, summed over
+    forwards until `take_load` reads them), ``tokens_dropped`` (copies over capacity, likewise) and
+    ``aux_loss`` (this forward's load-balancing loss, with its graph; None unless
+    ``load_balance == "aux_loss"``).
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        from isthmus.models.llama import FeedForward  # llama imports this module
+
+        self.n_experts = args.n_experts
+        self.top_k = args.top_k
+        self.capacity_factor = args.capacity_factor
+        self.load_balance = args.load_balance
+        self.router = Router(args.dim, args.n_experts, args.top_k, args.router_score, args.router_norm_topk)
+        self.experts = GroupedExperts(args.dim, args.expert_ffn_dim, args.n_experts)
+        width = args.n_shared_experts * args.expert_ffn_dim
+        self.shared: FeedForward | None = FeedForward(args.dim, width, "swiglu") if width else None
+        self.tokens_per_expert: Tensor | None = None
+        self.tokens_dropped: Tensor | None = None
+        self.aux_loss: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [B, S, dim] -> [B, S, dim]."""
+        bsz, seqlen, dim = x.shape
+        flat = x.reshape(-1, dim)
+        weights, experts, scores = self.router(flat)
+        # One row per (token, choice): its expert, and whether it fits the expert's capacity.
+        choice_expert = experts.reshape(-1)
+        keep = self._within_capacity(experts.view(bsz, seqlen, self.top_k))
+        if not _in_backward():  # a recomputed forward (activation checkpointing) is not a new batch
+            self._count(choice_expert, keep)
+        if self.load_balance == "aux_loss":
+            self.aux_loss = self._aux_loss(scores.view(bsz, seqlen, -1), experts.view(bsz, seqlen, -1))
+        # Dropped copies sort after every expert (id n_experts) and are cut off; stable, so within
+        # an expert the copies stay in token order.
+        sort_key = choice_expert if keep is None else choice_expert.masked_fill(~keep, self.n_experts)
+        order = sort_key.argsort(stable=True)
+        counts = torch.bincount(sort_key, minlength=self.n_experts + 1)[: self.n_experts]
+        order = order[: int(counts.sum())]
+        token = order // self.top_k
+        routed = self.experts(flat[token], counts)
+        routed = (routed.float() * weights.reshape(-1)[order, None]).to(x.dtype)
+        out = torch.zeros_like(flat).index_add_(0, token, routed)
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(bsz, seqlen, dim)
+
+    def capacity(self, seqlen: int) -> int:
+        """Token copies one expert keeps per sequence (0: no limit)."""
+        if self.capacity_factor <= 0:
+            return 0
+        return math.ceil(self.capacity_factor * seqlen * self.top_k / self.n_experts)
+
+    def _within_capacity(self, experts: Tensor) -> Tensor | None:
+        """Flat [B*S*k] mask of the copies an expert keeps: per sequence, its first ``capacity`` in token
+        order (None when dropless)."""
+        cap = self.capacity(experts.shape[1])
+        if cap == 0:
+            return None
+        bsz = experts.shape[0]
+        one_hot = F.one_hot(experts.reshape(bsz, -1), self.n_experts)  # [B, S*k, E]
+        # Position of each copy among its sequence's copies for the same expert, counted from 0.
+        position = (one_hot.cumsum(dim=1) * one_hot).sum(-1) - 1
+        return (position < cap).reshape(-1)
+
+    @torch.no_grad()
+    def _count(self, choice_expert: Tensor, keep: Tensor | None) -> None:
+        counts = torch.bincount(choice_expert, minlength=self.n_experts).float()
+        dropped = choice_expert.new_zeros((), dtype=torch.float32)
+        if keep is not None:
+            dropped += (~keep).sum()
+        if self.tokens_per_expert is None or self.tokens_dropped is None:
+            self.tokens_per_expert, self.tokens_dropped = counts, dropped
+        else:
+            self.tokens_per_expert += counts
+            self.tokens_dropped += dropped
+
+    def take_load(self) -> tuple[Tensor, Tensor] | None:
+        """(tokens per expert [E], dropped copies []) since the last call, or None if no forward ran."""
+        if self.tokens_per_expert is None or self.tokens_dropped is None:
+            return None
+        load = (self.tokens_per_expert, self.tokens_dropped)
+        self.tokens_per_expert = self.tokens_dropped = None
+        return load
+
+    def _aux_loss(self, scores: Tensor, experts: Tensor) -> Tensor:
+        """Switch/GShard balance loss per sequence, averaged over sequences: 1 when perfectly balanced.
+
+        ``f_e``: the fraction of the sequence's token copies that chose expert e (no gradient);
+        ``P_e``: the mean over its tokens of e's score (normalised to sum to 1 for sigmoid scores).
+        """
+        bsz, seqlen, n_experts = scores.shape
+        probs = scores / scores.sum(dim=-1, keepdim=True) if self.router.score == "sigmoid" else scores
+        with torch.no_grad():
+            chosen = torch.zeros(bsz, n_experts, device=scores.device)
+            chosen.scatter_add_(1, experts.reshape(bsz, -1), torch.ones(bsz, seqlen * self.top_k, device=scores.device))
+            fraction = chosen / (seqlen * self.top_k)
+        return n_experts * (fraction * probs.mean(dim=1)).sum(dim=-1).mean()
