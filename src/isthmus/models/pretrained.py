@@ -11,16 +11,20 @@ import json
 import math
 import re
 import struct
-from dataclasses import fields
+from dataclasses import Field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from isthmus.errors import CheckpointError
-from isthmus.models.args import ModelArgs
+from isthmus.models.args import LoadBalance, MlpKind, ModelArgs, RouterScore
 from isthmus.models.hf_config import (
     HF_CONFIG_FILE,
+    MAX_SIZE,
+    MIXTRAL,
     args_from_hf_config,
+    hf_arch,
     json_flag,
+    json_non_negative,
     json_positive,
     json_size,
     read_hf_config,
@@ -136,6 +140,28 @@ def hf_weight_files(folder: Path) -> dict[str, Path]:
     return {name: single for name in safetensors_header(single) if name != "__metadata__"}
 
 
+def _size_checks(args: ModelArgs, config: dict[str, Any]) -> list[tuple[str, int, str, int, int]]:
+    """(tensor, its dimension, the config.json field that sizes it, that size, elements per unit of the
+    field) for one tensor of each size a config.json gives."""
+    arch = hf_arch(config, Path(HF_CONFIG_FILE))
+    checks = [
+        ("model.embed_tokens.weight", 0, "vocab_size", args.vocab_size, 1),
+        ("model.embed_tokens.weight", 1, "hidden_size", args.dim, 1),
+        ("model.layers.0.self_attn.q_proj.weight", 0, "head_dim", args.head_dim, args.n_heads),
+        ("model.layers.0.self_attn.k_proj.weight", 0, "num_key_value_heads", args.n_kv_heads, args.head_dim),
+    ]
+    if not args.moe_layer(0):
+        checks.append(("model.layers.0.mlp.gate_proj.weight", 0, "intermediate_size", args.ffn_dim, 1))
+    if args.is_moe:
+        moe = f"model.layers.{args.n_dense_layers}.{'block_sparse_moe' if arch is MIXTRAL else 'mlp'}"
+        experts_key = "num_experts" if "num_experts" in config and arch is not MIXTRAL else "num_local_experts"
+        ffn_key = "intermediate_size" if arch is MIXTRAL else "moe_intermediate_size"
+        w1 = "w1" if arch is MIXTRAL else "gate_proj"
+        checks.append((f"{moe}.gate.weight", 0, experts_key, args.n_experts, 1))
+        checks.append((f"{moe}.experts.0.{w1}.weight", 0, ffn_key, args.expert_ffn_dim, 1))
+    return checks
+
+
 def _check_config_against_weights(folder: Path, args: ModelArgs, config: dict[str, Any]) -> None:
     """Refuse a config.json whose sizes the weights beside it do not have, naming the field: the
     memory a shape needs is judged from config.json, so a wrong size there must not reach that."""
@@ -150,16 +176,8 @@ def _check_config_against_weights(folder: Path, args: ModelArgs, config: dict[st
         held = "no layers" if not layers else f"{len(layers)} layer" + ("s" if len(layers) > 1 else "")
         span = "" if not layers else f" (model.layers.{layers[0]}" + (f" to {layers[-1]})" if len(layers) > 1 else ")")
         raise refuse("num_hidden_layers", f"hold {held}{span}")
-    head_dim = args.dim // args.n_heads
-    # (tensor, its dimension, the field that sizes it, that size, elements per unit of the field)
-    checks = (
-        ("model.embed_tokens.weight", 0, "vocab_size", args.vocab_size, 1),
-        ("model.embed_tokens.weight", 1, "hidden_size", args.dim, 1),
-        ("model.layers.0.mlp.gate_proj.weight", 0, "intermediate_size", args.ffn_dim, 1),
-        ("model.layers.0.self_attn.k_proj.weight", 0, "num_key_value_heads", args.n_kv_heads, head_dim),
-    )
     headers: dict[Path, dict[str, Any]] = {}
-    for tensor, dim, field, expected, per in checks:
+    for tensor, dim, field, expected, per in _size_checks(args, config):
         if tensor not in files:
             continue  # a missing tensor is named when the weights are opened
         file = files[tensor]
@@ -168,6 +186,33 @@ def _check_config_against_weights(folder: Path, args: ModelArgs, config: dict[st
         shape = (headers[file].get(tensor) or {}).get("shape", [])
         if len(shape) == 2 and shape[dim] != expected * per:
             raise refuse(field, f"have {shape[dim] // per} ({tensor} is {shape})")
+
+
+_SIZE_FIELDS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
+_POSITIVE_FIELDS = ("norm_eps", "rope_theta")
+_CHOICES = {"mlp": get_args(MlpKind), "router_score": get_args(RouterScore), "load_balance": get_args(LoadBalance)}
+
+
+def _metadata_field(raw: dict[str, Any], f: Field[Any], where: Path) -> Any:
+    """One ModelArgs field of an export's metadata, checked by its type (a missing one takes its default)."""
+    if f.name in _SIZE_FIELDS:
+        return json_size(raw, f.name, where)
+    if f.name not in raw:
+        return f.default
+    value = raw[f.name]
+    if f.name in _CHOICES:
+        if value not in _CHOICES[f.name]:
+            raise CheckpointError(f"{where}: {f.name} = {value!r}: must be one of {', '.join(_CHOICES[f.name])}")
+        return value
+    if f.type == "bool":
+        return json_flag(raw, f.name, where, default=f.default is True)
+    if f.name in _POSITIVE_FIELDS:
+        return json_positive(value, f.name, where)
+    if f.type == "float":
+        return json_non_negative(value, f.name, where)
+    if f.type == "int" and isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SIZE:
+        return value
+    raise CheckpointError(f"{where}: {f.name} = {value!r}: must be an integer in [0, {MAX_SIZE:,}]")
 
 
 def model_args_from_json(text: str, path: Path) -> ModelArgs:
@@ -183,19 +228,7 @@ def model_args_from_json(text: str, path: Path) -> ModelArgs:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise CheckpointError(f"{path}: damaged isthmus metadata ({EXPORT_ARGS_KEY} has unknown fields {unknown})")
-    sizes: dict[str, Any] = {
-        k: json_size(raw, k, where) for k in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-    }
-    mlp = raw.get("mlp", "swiglu")
-    if mlp not in ("swiglu", "gelu"):
-        raise CheckpointError(f"{where}: mlp = {mlp!r}: must be swiglu or gelu")
-    return ModelArgs(
-        **sizes,
-        mlp=mlp,
-        tie_embeddings=json_flag(raw, "tie_embeddings", where),
-        norm_eps=json_positive(raw.get("norm_eps", 1e-5), "norm_eps", where),
-        rope_theta=json_positive(raw.get("rope_theta", 10000.0), "rope_theta", where),
-    )
+    return ModelArgs(**{f.name: _metadata_field(raw, f, where) for f in fields(ModelArgs)})
 
 
 def init_source_args(init_from: str) -> ModelArgs:

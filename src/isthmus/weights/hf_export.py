@@ -1,9 +1,11 @@
 """`isthmus export --format hf`: a run's model as a folder transformers loads with ``from_pretrained``.
 
-The folder holds ``config.json`` (``LlamaForCausalLM``), ``generation_config.json`` (the sampling
-defaults of `isthmus generate`) and ``model.safetensors`` under HF names, with wq/wk rows in HF's
-rotary layout (`isthmus.weights.hf_names`). Tensors keep their dtype, so a model imported from an HF
-folder and exported untrained is the same bytes.
+The folder holds ``config.json``, ``generation_config.json`` (the sampling defaults of `isthmus
+generate`) and ``model.safetensors`` under HF names, with wq/wk rows in HF's rotary layout and each
+MoE layer's experts one tensor apiece (`isthmus.weights.hf_names`). The architecture follows the
+model (`hf_arch_for`): ``LlamaForCausalLM``, ``Qwen3ForCausalLM`` with q/k norms, and for MoE models
+``MixtralForCausalLM``, or ``Qwen3MoeForCausalLM`` with q/k norms. Tensors keep their dtype, so a
+model imported from an HF folder and exported untrained is the same bytes.
 
 Tokenizer files, by the run's tokenizer (`tokenizer_files`): a checkpoint's (``hf:PATH``) goes back
 as the run kept it, ``tokenizer.json`` with ``tokenizer_config.json`` / ``special_tokens_map.json``
@@ -24,9 +26,9 @@ from safetensors.torch import save_file
 
 from isthmus.data.tokenizer import BPE_FILE, META_FILE, PretrainedTokenizer, byte_tokenizer_json, load_tokenizer
 from isthmus.errors import IsthmusError
-from isthmus.models.hf_config import HF_CONFIG_FILE, hf_config_from_args
+from isthmus.models.hf_config import HF_CONFIG_FILE, hf_arch_for, hf_config_from_args
 from isthmus.weights.export import ModelSource, export_summary, find_source, write_failed
-from isthmus.weights.hf_names import hf_state_dict
+from isthmus.weights.hf_names import hf_state_dict, hf_zero_names
 
 WEIGHTS_FILE = "model.safetensors"
 GENERATION_FILE = "generation_config.json"
@@ -77,7 +79,7 @@ def tokenizer_files(run: Path | None) -> tuple[dict[str, str], dict[str, int], s
 
 
 def write_hf_folder(source: ModelSource, out: Path, run: Path | None = None, overwrite: bool = False) -> dict[str, Any]:
-    """Write ``source`` as an HF Llama folder ``out`` (built aside, then renamed), with the tokenizer
+    """Write ``source`` as an HF model folder ``out`` (built aside, then renamed), with the tokenizer
     files of the run ``run`` (see `tokenizer_files`); returns a summary. With ``overwrite`` an existing
     model folder (one with a config.json) is replaced; any other non-empty folder, or a file, never is."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -86,8 +88,10 @@ def write_hf_folder(source: ModelSource, out: Path, run: Path | None = None, ove
             raise IsthmusError(f"--out {out}: exists and is not an empty folder{hint}")
     if not out.parent.is_dir():
         raise IsthmusError(f"--out {out}: no such directory {out.parent}")
-    if source.args.mlp != "swiglu":
-        raise IsthmusError(f"--format hf: the model has model.mlp = {source.args.mlp!r}; a LlamaForCausalLM is swiglu")
+    hf_arch_for(source.args)  # refuses a model no architecture computes
+    for name in hf_zero_names(source.args):
+        if source.state[name].any():
+            raise IsthmusError(f"--format hf: {name} is not zero, and HF's routers have no expert bias")
     dtype = _DTYPE_NAMES.get(source.state["tok_embeddings.weight"].dtype, "float32")
     config = hf_config_from_args(source.args, _seq_len(source.config), dtype)
     tensors = hf_state_dict(source.state, source.args)

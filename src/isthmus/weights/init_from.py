@@ -26,14 +26,15 @@ from isthmus.models.args import ModelArgs
 from isthmus.models.llama import build_model, canonical_name
 from isthmus.models.pretrained import hf_weight_files, is_hf_folder, safetensors_header
 from isthmus.weights.export import load_exported
-from isthmus.weights.hf_names import HfTensor, from_hf_rows, hf_name_map
+from isthmus.weights.hf_names import HfTensor, from_hf_rows, hf_name_map, hf_zero_names
 
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 
 
 @dataclass
 class _Located:
-    file: Path
+    files: list[Path]
+    """The file of each of ``where.names()``."""
     where: HfTensor
 
 
@@ -44,11 +45,19 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 class PretrainedWeights:
     """Tensors of a pretrained model by isthmus's canonical name, in isthmus's layout, read one block at a time."""
 
-    def __init__(self, args: ModelArgs, located: dict[str, _Located], exported: dict[str, torch.Tensor]) -> None:
+    def __init__(
+        self,
+        args: ModelArgs,
+        located: dict[str, _Located],
+        exported: dict[str, torch.Tensor],
+        zeros: frozenset[str] = frozenset(),
+    ) -> None:
         self.args = args
         self._shapes = _shapes(args)
         self._located = located
         self._exported = exported
+        self._zeros = zeros
+        """Tensors the source lacks because they are zeros there (`hf_zero_names`)."""
 
     def tensor(self, name: str) -> torch.Tensor:
         """The whole tensor."""
@@ -61,16 +70,32 @@ class PretrainedWeights:
         index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
         if name in self._exported:
             return self._exported[name][index]
+        if name in self._zeros:
+            return torch.zeros(shape)
         loc = self._located[name]
-        with safe_open(str(loc.file), framework="pt") as f:
-            stored = f.get_slice(loc.where.name)
-            heads = loc.where.rope_heads
+        if not loc.where.experts:
+            return self._read(loc.files[0], loc.where.name, loc.where.rope_heads, offset, shape)
+        # Stacked experts: one HF tensor per expert, each cut to the block's other dimensions.
+        names, files = loc.where.names(), loc.files
+        first = offset[0] if shape[0] else 0  # an empty block still needs a tensor's dtype
+        parts = [
+            self._read(files[e], names[e], 0, offset[1:], shape[1:]) for e in range(first, first + max(shape[0], 1))
+        ]
+        return torch.stack(parts)[: shape[0]]
+
+    def _read(
+        self, file: Path, hf_name: str, heads: int, offset: tuple[int, ...], shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The block (offset, shape) of one HF tensor, its rows in isthmus's rotary layout."""
+        index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+        with safe_open(str(file), framework="pt") as f:
+            stored = f.get_slice(hf_name)
             if not heads:
                 return stored[index]
             # Permuted rows stay inside their head: read the whole heads the block touches, permute, cut.
             head_rows = self.args.head_dim
             first, last = offset[0] // head_rows, -(-(offset[0] + shape[0]) // head_rows)
-            rows = from_hf_rows(stored[first * head_rows : last * head_rows, index[1]], last - first)
+            rows = from_hf_rows(stored[(slice(first * head_rows, last * head_rows), *index[1:])], last - first)
             start = offset[0] - first * head_rows
             return rows[start : start + shape[0]]
 
@@ -107,21 +132,24 @@ def _open_hf(folder: Path, args: ModelArgs) -> PretrainedWeights:
     headers: dict[Path, dict] = {}
     located = {}
     for ours, where in hf_name_map(args).items():
-        file = files.get(where.name)
-        if file is None:
-            raise CheckpointError(f"{folder}: the tensor {where.name} is missing")
-        if file not in headers:
-            headers[file] = safetensors_header(file)
-        info = headers[file].get(where.name) or {}
-        shape, dtype = tuple(info.get("shape", ())), info.get("dtype")
-        if shape != expected[ours]:
-            raise CheckpointError(
-                f"{file}: {where.name} has shape {list(shape)}, config.json says {list(expected[ours])}"
-            )
-        if dtype not in FLOAT_DTYPES:
-            raise CheckpointError(f"{file}: {where.name} is {dtype}; only {', '.join(FLOAT_DTYPES)} weights load")
-        located[ours] = _Located(file, where)
-    return PretrainedWeights(args, located, {})
+        # Each stacked expert is one slice of the isthmus tensor.
+        want = expected[ours][1:] if where.experts else expected[ours]
+        found = []
+        for name in where.names():
+            file = files.get(name)
+            if file is None:
+                raise CheckpointError(f"{folder}: the tensor {name} is missing")
+            if file not in headers:
+                headers[file] = safetensors_header(file)
+            info = headers[file].get(name) or {}
+            shape, dtype = tuple(info.get("shape", ())), info.get("dtype")
+            if shape != want:
+                raise CheckpointError(f"{file}: {name} has shape {list(shape)}, config.json says {list(want)}")
+            if dtype not in FLOAT_DTYPES:
+                raise CheckpointError(f"{file}: {name} is {dtype}; only {', '.join(FLOAT_DTYPES)} weights load")
+            found.append(file)
+        located[ours] = _Located(found, where)
+    return PretrainedWeights(args, located, {}, frozenset(hf_zero_names(args)))
 
 
 def open_weights(init_from: str, args: ModelArgs, key: bytes | None = None) -> PretrainedWeights:
