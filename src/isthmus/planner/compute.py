@@ -10,7 +10,7 @@ are memory-bound: bytes moved / (memory bandwidth x achievable fraction). FLOPs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from isthmus.layout.spec import LayoutSpec
@@ -42,13 +42,38 @@ class BlockShape:
     cp: int = 1
     sp: bool = False
     dtype: str = "bf16"
+    ep: int = 1
+    """Expert parallelism of a MoE block: its ranks hold n_experts / ep experts each (1 for a dense block)."""
 
     @classmethod
     def of(cls, work: Workload, layout: LayoutSpec) -> BlockShape:
         """The block of ``work`` under ``layout``."""
+        ep = layout.ep if work.args.is_moe else 1
         return cls(
-            work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel, work.dtype
+            work.args, layout.micro_batch, work.seq_len, layout.tp, layout.cp, layout.sequence_parallel, work.dtype, ep
         )
+
+    @property
+    def local_experts(self) -> int:
+        """Routed experts of each MoE layer on one rank."""
+        return max(1, self.args.n_experts // self.ep)
+
+
+def rank_imbalance(block: BlockShape, runtime: Runtime) -> float:
+    """Routed tokens the busiest rank of an ep group computes, over the mean: the most loaded expert's
+    excess (``Runtime.expert_imbalance``, capped by a capacity factor) shrunk by sqrt(experts per rank),
+    loads taken as independent; 1 when one rank holds every expert (it takes the mean whatever the split)."""
+    if block.ep <= 1:
+        return 1.0
+    imbalance = runtime.expert_imbalance
+    if block.args.capacity_factor > 0:
+        imbalance = min(imbalance, max(1.0, block.args.capacity_factor))
+    return 1.0 + (imbalance - 1.0) / block.local_experts**0.5
+
+
+def routed_tokens(block: BlockShape, runtime: Runtime) -> float:
+    """Token copies the busiest rank's experts compute per microbatch: its tokens x top_k x imbalance."""
+    return block.micro_batch * block.seq_len / block.cp * block.args.top_k * rank_imbalance(block, runtime)
 
 
 @dataclass(frozen=True)
@@ -134,11 +159,42 @@ def layer_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]
     ops += _gemm_ops(kind, dtype, "proj", tokens, h, q / tp)
     ops += _mem_ops(kind, "residual1", (3 * e + mask) * rep * h)
     ops += _mem_ops(kind, "norm2", 2 * e * rep * h)
-    branches = 2 if args.mlp == "swiglu" else 1
-    ops += _gemm_ops(kind, dtype, "fc1", tokens, branches * f / tp, h)
-    ops += _mem_ops(kind, "act", (branches + 1) * e * tokens * f / tp)
-    ops += _gemm_ops(kind, dtype, "fc2", tokens, h, f / tp)
+    if args.is_moe:
+        ops += moe_ops(kind, block, runtime)
+    else:
+        branches = 2 if args.mlp == "swiglu" else 1
+        ops += _gemm_ops(kind, dtype, "fc1", tokens, branches * f / tp, h)
+        ops += _mem_ops(kind, "act", (branches + 1) * e * tokens * f / tp)
+        ops += _gemm_ops(kind, dtype, "fc2", tokens, h, f / tp)
     ops += _mem_ops(kind, "residual2", (3 * e + mask) * rep * h)
+    return ops
+
+
+def moe_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]:
+    """A MoE block's feed-forward on one device for one microbatch: the router, the permutation of
+    token copies into expert order and back, the routed experts as one grouped GEMM per matmul (each
+    local expert's rows, split over tp like a dense MLP) and the shared experts. The experts run at the
+    busiest rank's load (:func:`rank_imbalance`); their FLOPs are counted at the mean, as model FLOPs.
+    A DeepSeek-style model's first dense blocks are priced as MoE blocks."""
+    dtype, args, tp = block.dtype, block.args, block.tp
+    e, h, fe = ELEM_BYTES[dtype], args.dim, args.expert_ffn_dim
+    tokens = block.micro_batch * block.seq_len / block.cp
+    rep = tokens / tp if block.sp else tokens
+    local = block.local_experts
+    routed = routed_tokens(block, runtime)
+    mean = routed / rank_imbalance(block, runtime)
+    ops = _gemm_ops(kind, dtype, "router", rep, args.n_experts, h)
+    # Dispatch gathers each token copy into expert order; combine scatters it back and sums top_k copies.
+    ops += _mem_ops(kind, "moe.permute", 4 * e * routed * h, kernels=2)
+    experts = _gemm_ops(kind, dtype, "experts.fc1", routed / local, 2 * fe / tp, h, local)
+    experts += _mem_ops(kind, "experts.act", 3 * e * routed * fe / tp)
+    experts += _gemm_ops(kind, dtype, "experts.fc2", routed / local, h, fe / tp, local)
+    ops += [replace(op, flops=op.flops * mean / routed) for op in experts]
+    if args.n_shared_experts:
+        fs = args.n_shared_experts * fe
+        ops += _gemm_ops(kind, dtype, "shared.fc1", tokens, 2 * fs / tp, h)
+        ops += _mem_ops(kind, "shared.act", 3 * e * tokens * fs / tp)
+        ops += _gemm_ops(kind, dtype, "shared.fc2", tokens, h, fs / tp)
     return ops
 
 

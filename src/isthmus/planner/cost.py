@@ -26,6 +26,7 @@ from isthmus.planner.compute import (
     ends_times,
     layer_times,
     optimizer_time,
+    rank_imbalance,
     shard_overhead,
 )
 from isthmus.planner.geo import dp_sync, pipeline_transfer, streaming_exposed
@@ -34,6 +35,7 @@ from isthmus.planner.memory import (
     MemoryBreakdown,
     alternate_share,
     device_memory,
+    stage_expert_params,
     stage_params,
 )
 from isthmus.planner.pipeline import LinkStage, even_partition, in_flight, partition_layers, pipeline_time
@@ -56,14 +58,16 @@ class BlockCost:
     cp_bwd: float
     core_fwd: float = 0.0
     """The attention core's forward alone (what attention-core selective recomputation repeats)."""
+    ep: float = 0.0
+    """A MoE block's token dispatch and combine all-to-alls of one forward (the backward has as many)."""
 
     @property
     def fwd(self) -> float:
-        return self.compute.fwd + self.tp + self.cp_fwd
+        return self.compute.fwd + self.tp + self.cp_fwd + self.ep
 
     @property
     def bwd(self) -> float:
-        return self.compute.backward + self.tp + self.cp_bwd
+        return self.compute.backward + self.tp + self.cp_bwd + self.ep
 
 
 def tp_span(site: SiteSpans, runtime: Runtime) -> comm.Span:
@@ -104,7 +108,27 @@ def block_cost(kind: DeviceKind, site: SiteSpans, block: BlockShape, cp_impl: st
             q = b * s / cp * a.n_heads * a.head_dim / tp * e
             cp_f = cp_b = comm.all_to_all(q + kv, site.cp) + comm.all_to_all(q, site.cp)
     core = attention_core_fwd(kind, block, runtime)
-    return BlockCost(t, tp_time, cp_f, cp_b, core)
+    return BlockCost(t, tp_time, cp_f, cp_b, core, expert_all_to_all(site, block, runtime))
+
+
+def expert_all_to_all(site: SiteSpans, block: BlockShape, runtime: Runtime) -> float:
+    """Seconds of one MoE block's forward all-to-alls over its ep group: dispatch sends each token's
+    top_k copies (tokens x top_k x dim elements per rank; each tp rank its sequence shard under sequence
+    parallelism) to the ranks holding their experts, combine brings them back. The busiest rank
+    receives :func:`rank_imbalance` times its share. Priced on the links the group spans: NVLink inside
+    a node, the fabric across nodes; an ep group never spans datacenters (``rules.expert_parallel``),
+    but a span over the WAN would be priced on it."""
+    if site.ep is None or block.ep <= 1:
+        return 0.0
+    a = block.args
+    tokens = block.micro_batch * block.seq_len / block.cp / (block.tp if block.sp else 1)
+    nbytes = tokens * a.top_k * a.dim * ELEM_BYTES[block.dtype] * rank_imbalance(block, runtime)
+    return 2 * comm.all_to_all(nbytes, site.ep)
+
+
+def _share(part: float, other: float) -> float:
+    """``part``'s share of ``part + other`` (0 when both are 0)."""
+    return part / (part + other) if part + other > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -142,7 +166,8 @@ def recomputed(
     if recompute == "selective" and runtime.selective == "attention_core":
         return bc.core_fwd, 0.0, 0.0
     rc = alternate_share(layers, virtual_stages) if recompute == "selective" else recompute_share(recompute)
-    return rc * bc.compute.fwd, rc * bc.tp, rc * bc.cp_fwd
+    # A recomputed MoE block dispatches and combines its tokens again: its all-to-alls count with cp's.
+    return rc * bc.compute.fwd, rc * bc.tp, rc * (bc.cp_fwd + bc.ep)
 
 
 def recompute_flops_per_token(args: ModelArgs, seq_len: int, recompute: str, runtime: Runtime) -> float:
@@ -235,7 +260,8 @@ def _stage_cost(
         parts = (
             ("compute", compute),
             ("tp comm", n * (2 * bc.tp + r_tp)),
-            ("cp comm", n * (bc.cp_fwd + r_cp + bc.cp_bwd)),
+            ("cp comm", n * (bc.cp_fwd + r_cp * _share(bc.cp_fwd, bc.ep) + bc.cp_bwd)),
+            ("ep comm", 2 * n * bc.ep + n * r_cp * _share(bc.ep, bc.cp_fwd)),
             ("pp p2p", p2p),
         )
         cost = StageCost(
@@ -269,6 +295,10 @@ class RankSync:
 
 def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement, r: int, st: StageCost) -> RankSync:
     params = stage_params(work.args, st.layers, r == 0, r == layout.pp - 1, layout.pp) / layout.tp
+    if work.args.is_moe and layout.ep > 1:
+        # A rank holds 1/ep of the routed experts; their gradients go over the replicas of those experts
+        # (dp_shard x cp x dp_replicate / ep), priced here on the dense part's group: an upper bound.
+        params -= (1 - 1 / layout.ep) * stage_expert_params(work.args, st.layers) / layout.tp
     worst: RankSync | None = None
     for i in pl.stage_sites[r]:
         site = pl.sites[i]

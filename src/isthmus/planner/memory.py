@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from isthmus.layout import rules
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import layer_matmul_params
-from isthmus.planner.compute import ELEM_BYTES, BlockShape
+from isthmus.planner.compute import ELEM_BYTES, BlockShape, routed_tokens
 from isthmus.planner.workload import Runtime
 
 USABLE_FRACTION = 0.95
@@ -128,7 +128,16 @@ def layer_activation_bytes(block: BlockShape, runtime: Runtime, scores: bool = T
     # projections, the SiLU and the product (the fc2 input); GELU's input and output. Recomputing
     # pointwise results keeps only what the matmuls produced. Every attention kernel of isthmus takes
     # grouped K and V as they are (SDPA's enable_gqa, the context-parallel kernels' own grouping).
-    mlp = (2 if args.mlp == "swiglu" else 1) * (1 if runtime.pointwise_recompute else 2) * e * sb * f
+    per_unit = (2 if args.mlp == "swiglu" else 1) * (1 if runtime.pointwise_recompute else 2) * e
+    if args.is_moe:
+        # Each routed token copy keeps its expert's projections like a dense SwiGLU, at the busiest
+        # rank's load; the copies themselves (the experts' input, whole over tp) stay for the weight
+        # gradients. The shared experts keep theirs per token.
+        routed = routed_tokens(block, runtime)
+        mlp = per_unit * (routed * args.expert_ffn_dim + sb * args.n_shared_experts * args.expert_ffn_dim)
+        gathered += e * routed * h
+    else:
+        mlp = per_unit * sb * f
     inside = e * sb * (q + 2 * kv + q) + mlp
     if runtime.attention == "materialized" and scores:
         square = micro_batch * args.n_heads * (seq_len / cp) * seq_len
@@ -150,7 +159,7 @@ def gathered_weight_bytes(runtime: Runtime, dtype: str, fsdp: bool) -> float | N
 
 
 def autocast_weight_copy_bytes(
-    args: ModelArgs, layers: int, last: bool, tp: int, runtime: Runtime, dtype: str, fsdp: bool = False
+    args: ModelArgs, layers: int, last: bool, tp: int, runtime: Runtime, dtype: str, fsdp: bool = False, ep: int = 1
 ) -> float:
     """The bf16 copies of a rank's matmul weights (its blocks', and the head's on the last stage) that
     autocast's cast cache holds from the first forward of an autocast region to its end: isthmus runs
@@ -162,7 +171,7 @@ def autocast_weight_copy_bytes(
     isthmus then computes through FSDP's mixed precision, without autocast)."""
     if not (runtime.autocast and dtype == "bf16") or fsdp:
         return 0.0
-    return 2 * (layers * layer_matmul_params(args) + (args.vocab_size * args.dim if last else 0)) / tp
+    return 2 * (layers * held_layer_params(args, ep) + (args.vocab_size * args.dim if last else 0)) / tp
 
 
 def layer_input_bytes(block: BlockShape) -> float:
@@ -184,6 +193,38 @@ def stage_params(args: ModelArgs, layers: int, first: bool, last: bool, pp: int)
     if last:
         n += args.dim + (table if (pp > 1 or not args.tie_embeddings) else 0)
     return float(n)
+
+
+def stage_expert_params(args: ModelArgs, layers: int) -> float:
+    """The routed experts' weights among :func:`stage_params` of a rank holding ``layers`` blocks (every
+    block counted as a MoE block, as ``layer_matmul_params`` counts a MoE model's blocks)."""
+    return float(layers * args.n_experts * 3 * args.dim * args.expert_ffn_dim) if args.is_moe else 0.0
+
+
+def held_layer_params(args: ModelArgs, ep: int = 1) -> float:
+    """Matmul weights of one block a rank holds (before tp): a MoE block's routed experts over ``ep``."""
+    return layer_matmul_params(args) - (1 - 1 / max(1, ep)) * stage_expert_params(args, 1)
+
+
+def moe_state_bytes(
+    params: float,
+    experts: float,
+    ep: int,
+    zero_stage: int,
+    shard: int,
+    runtime: Runtime,
+    accumulate: bool = False,
+    pp: int = 1,
+    gathered_bytes: float | None = None,
+) -> tuple[float, float, float]:
+    """:func:`model_state_bytes` of ``params`` of which ``experts`` are routed experts: those split over
+    ``ep`` ranks, what is left of the shard group (dp_shard x cp / ep) sharding them; the rest as
+    the layout shards it. The same as ``model_state_bytes`` for a dense model or ep 1."""
+    if experts <= 0 or ep <= 1:
+        return model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp, gathered_bytes)
+    dense = model_state_bytes(params - experts, zero_stage, shard, runtime, accumulate, pp, gathered_bytes)
+    mine = model_state_bytes(experts / ep, zero_stage, max(1, shard // ep), runtime, accumulate, pp, gathered_bytes)
+    return dense[0] + mine[0], dense[1] + mine[1], dense[2] + mine[2]
 
 
 def model_state_bytes(
@@ -266,7 +307,8 @@ def device_memory(
     params = stage_params(args, layers, first, last, pp) / tp
     gathered = gathered_weight_bytes(runtime, dtype, fsdp)
     fsdp_mp = gathered is not None
-    w, g, o = model_state_bytes(params, zero_stage, shard, runtime, accumulate, pp, gathered)
+    experts = stage_expert_params(args, layers) / tp
+    w, g, o = moe_state_bytes(params, experts, block.ep, zero_stage, shard, runtime, accumulate, pp, gathered)
     full = layer_activation_bytes(block, runtime, fsdp=fsdp)
     # The residual stream (a block's input, what travels between stages) stays fp32 under autocast.
     residual = "fp32" if runtime.autocast and not fsdp_mp else dtype
@@ -286,7 +328,7 @@ def device_memory(
         activation_checkpoint == "selective" and (runtime.selective == "attention_core" or wraps_last)
     )
     transient = full if recomputes_on_top else 0.0
-    transient += autocast_weight_copy_bytes(args, layers, last, tp, runtime, dtype, fsdp)
+    transient += autocast_weight_copy_bytes(args, layers, last, tp, runtime, dtype, fsdp, block.ep)
     if pp > 1 and runtime.pp_recv_buffers:
         # torch pipelining keeps a receive buffer per microbatch for each stage module's input (but
         # the first's) and its output's gradient (but the last's), allocated once and kept.
@@ -294,7 +336,7 @@ def device_memory(
         transient += ends * microbatches * kept
     if (shard > 1 or gathered is not None) and zero_stage == 3 and pp == 1:
         gathered_w = gathered if gathered is not None else runtime.weight_bytes
-        transient += 2 * (layer_matmul_params(args) / tp) * gathered_w  # this and the prefetched block
+        transient += 2 * (held_layer_params(args, block.ep) / tp) * gathered_w  # this and the prefetched block
     hidden = ELEM_BYTES[residual] * micro_batch * seq_len / cp * args.dim  # one microbatch's hidden states
     if tp > 1 and tp_shared_file:  # kept from the first collective on, like the receive buffers above
         transient += shared_file_bytes(tp, hidden)

@@ -42,6 +42,8 @@ class SiteSpans:
     """dp x cp: every rank holding a replica of the same parameters (DDP all-reduce)."""
     pp_link: Link
     """Link between consecutive pipeline ranks inside this datacenter."""
+    ep: Span | None = None
+    """Expert parallelism: ep consecutive ranks of dp_shard x cp (None: ep 1)."""
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,7 @@ def place(topo: Topology, layout: LayoutSpec) -> Placement:
                 replicate=_span(layout.replicas, s * c * t, dc, over, ring_link, rep_conc, layout.wan_streams),
                 sync=_span(layout.dp * c, t, dc, over, ring_link, sync_conc, layout.wan_streams),
                 pp_link=dc.intra_node if pp_stride < dc.devices_per_node else dc.fabric,
+                ep=_span(layout.ep, t, dc) if layout.ep > 1 else None,
             )
         )
     pp = layout.pp
@@ -219,6 +222,7 @@ def place(topo: Topology, layout: LayoutSpec) -> Placement:
                     site.sync.nodes,
                     site.replicate.per_node,
                     site.replicate.nodes,
+                    site.ep,
                 ),
                 j,
             )
@@ -259,6 +263,7 @@ class PlacementCache:
             layout.cp,
             layout.pp,
             layout.wan_streams,
+            layout.ep,
         )
         placed = self._placed.get(key)
         if placed is None:

@@ -24,7 +24,7 @@ from typing import Any
 
 from isthmus.errors import ConfigError
 from isthmus.layout.choices import GEO_SYNCS, WAN_SCHEDULES
-from isthmus.layout.rules import zero_stages
+from isthmus.layout.rules import expert_parallel, zero_stages
 from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import count_params
@@ -45,6 +45,8 @@ from isthmus.planner.memory import (
     fsdp_mixed_precision,
     gathered_weight_bytes,
     model_state_bytes,
+    moe_state_bytes,
+    stage_expert_params,
     stage_params,
 )
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
@@ -427,6 +429,7 @@ class _Core:
     shards: list[int]
     first_params: float
     first_act: float
+    first_experts: float
     usable: float
     stages: list[StageCost] | None = None
     placement: Placement | None = None
@@ -455,8 +458,14 @@ def _prepare(
     # copies), so the FSDP figure is the floor for every split.
     layers = max(core.pp_virtual_stages, work.args.n_layers // p - (1 if p > 1 else 0))
     first_params = stage_params(work.args, layers, True, p == 1, p) / core.tp
+    first_experts = stage_expert_params(work.args, layers) / core.tp
+    # A MoE core is bounded at its widest expert parallelism and balanced experts: the fewest weights
+    # held and gathered, the largest (most efficient) expert GEMMs, no waiting on a loaded expert.
+    widest_ep = max(max(_expert_choices(work.args, shard, core.cp, space), default=1) for shard in shards)
+    floor_rt = replace(runtime, expert_imbalance=1.0) if work.args.is_moe else runtime
+    floor_core = core.with_(ep=widest_ep) if work.args.is_moe else core
     first_mem = rank_memory(
-        work, core, runtime, 0, layers, True if fsdp_mixed_precision(runtime, work.dtype, True) else None
+        work, floor_core, floor_rt, 0, layers, True if fsdp_mixed_precision(runtime, work.dtype, True) else None
     )
     first_act = first_mem.activations + first_mem.transient
     widest = max(shards) * core.cp
@@ -475,7 +484,7 @@ def _prepare(
         for d, t in (
             (
                 d,
-                layer_times(d.kind, BlockShape.of(work, core), runtime),
+                layer_times(d.kind, BlockShape.of(work, floor_core), floor_rt),
             )
             for d in (topo.datacenters[i] for i in _used(topo, core.datacenters))
         )
@@ -483,7 +492,19 @@ def _prepare(
     fill = 0.0 if core.pp_schedule == "zero_bubble" else (p - 1) / core.pp_virtual_stages
     floor = (core.microbatches_per_step + fill) * work.args.n_layers / p * block
     best_q = max(runtime.quality_of(g) for g in _geos(core, space))
-    return _Core(work, core, work.tokens_per_step / floor * best_q, shards, first_params, first_act, usable)
+    return _Core(
+        work, core, work.tokens_per_step / floor * best_q, shards, first_params, first_act, first_experts, usable
+    )
+
+
+def _expert_choices(args: ModelArgs, shard: int, cp: int, space: SearchSpace) -> list[int]:
+    """Expert-parallel degrees (``layout.rules.expert_parallel``) for a shard group, as the space fixes
+    them, smallest first: 1 for a dense model."""
+    if not args.is_moe:
+        return [1] if space.pin("ep") in (None, 1) else []
+    return [
+        e for e in _fix(divisors(shard * cp), space.pin("ep")) if expert_parallel(e, shard, cp, args.n_experts) is None
+    ]
 
 
 def _tighten(cand: _Core, placed: PlacementCache, runtime: Runtime, space: SearchSpace) -> None:
@@ -492,6 +513,10 @@ def _tighten(cand: _Core, placed: PlacementCache, runtime: Runtime, space: Searc
     core, work = cand.core, cand.work
     cand.placement = placed(core)
     cand.stages = stage_costs(work, core, runtime, cand.placement)
+    if work.args.is_moe:
+        # These stages are ep 1's; a wider ep may run faster (larger expert GEMMs), so the compute
+        # bound of `_prepare` stays the bound.
+        return
     busy = [s.total for s in cand.stages]
     t_floor, _ = pipeline_time(
         busy,
@@ -540,13 +565,21 @@ def _variants(
     core, work = cand.core, cand.work
     p, per_dc = core.pp, core.dp_replicate  # the core has no dp_shard yet: its dp inside one datacenter
     fields = {f: getattr(core, f) for f in _CORE_FIELDS}
-    for shard in cand.shards:
+    for shard, ep in ((s, e) for s in cand.shards for e in _expert_choices(work.args, s, core.cp, space)):
         pl = None
         for zero in _zero_choices(core, shard, space):
-            probe = LayoutSpec(**fields, dp_replicate=per_dc // shard, dp_shard=shard, zero_stage=zero)
+            probe = LayoutSpec(**fields, dp_replicate=per_dc // shard, dp_shard=shard, zero_stage=zero, ep=ep)
             gathered = gathered_weight_bytes(runtime, work.dtype, probe.data_parallel_kind == "fsdp")
-            state = model_state_bytes(
-                cand.first_params, zero, probe.shard_degree, runtime, core.microbatches_per_step > 1, p, gathered
+            state = moe_state_bytes(
+                cand.first_params,
+                cand.first_experts,
+                ep,
+                zero,
+                probe.shard_degree,
+                runtime,
+                core.microbatches_per_step > 1,
+                p,
+                gathered,
             )
             if sum(state) + cand.first_act > cand.usable:
                 result.considered += 1  # its variants are not enumerated: counted once, as refused
@@ -575,6 +608,7 @@ def _variants(
                     dp_replicate=per_dc // shard,
                     dp_shard=shard,
                     zero_stage=zero,
+                    ep=ep,
                     sync=geo,  # type: ignore[arg-type]
                     inner_steps=space.setting("inner_steps"),
                     fragments=space.setting("fragments"),
@@ -583,7 +617,7 @@ def _variants(
                     wan_streams=space.setting("wan_streams"),
                 )
                 # Blocking sends (Megatron) put the WAN schedule into the stage costs.
-                same = runtime.p2p_async or wan_schedule == core.wan_schedule
+                same = (runtime.p2p_async or wan_schedule == core.wan_schedule) and ep == core.ep
                 est = estimate(work, topo, lay, runtime, pl, cand.stages if same else None)
                 result.considered += 1
                 if not est.fits:
@@ -644,6 +678,7 @@ def _remember(result: SearchResult, est: Estimate) -> None:
         f"pp_schedule={lay.pp_schedule}",
         f"cp={lay.cp}",
         f"zero={lay.zero_stage if lay.shard_degree > 1 else 0}",
+        f"ep={lay.ep}",
     ]
     for key in keys:
         old = result.alternatives.get(key)

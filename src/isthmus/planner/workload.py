@@ -113,6 +113,14 @@ class Runtime:
     megatron_stages: bool = False
     """Megatron-LM's pipeline rules: layers split evenly over stages (n_layers divisible by pp x v),
     interleaving only with pp > 2 and microbatches divisible by pp."""
+    expert_imbalance: float = 1.2
+    """MoE layers: tokens the most loaded expert receives over the mean (1.0: perfect balance), as a
+    router trained with a load-balancing loss or bias leaves it. A rank of an ep group holding k
+    experts carries 1 + (imbalance - 1) / sqrt(k) times its share (independent loads), and the
+    all-to-all waits for it; one rank holding every expert (ep 1) is balanced. 1.2 from Megatron's
+    MoE model zoo: dropless Qwen3-235B-A22B runs on 256 H100 reach 0.80 to 0.92 of the throughput of
+    the same runs forced to balance (best_practice/Qwen3), which 1.2 reproduces at ep 8 (docs/moe.md).
+    A capacity factor caps it (model.capacity_factor)."""
     compress_ratio: float = 0.25
     """Bytes sent over the WAN by the 'compressed' strategy, relative to the gradient's own bytes."""
     # Flat's steps over the strategy's steps to flat's validation loss, from benchmarks/geo_sync.py's
@@ -211,6 +219,24 @@ RUNTIMES: dict[str, Runtime] = {
         selective=None,  # the runs predate selective recomputation and sequence parallelism
         sequence_parallel=False,
         megatron_stages=False,  # DeepSpeed splits blocks by count, unevenly where pp does not divide them
+    ),
+    # Megatron-Core (MCore 0.8 to 0.12, 2024-25) as NVIDIA's MoE benchmarks run it: bf16 with Transformer
+    # Engine's fused attention and no dropout; the distributed optimizer (bf16 weights, fp32 main
+    # gradients, fp32 master copy and Adam moments sharded over dp) with --overlap-grad-reduce and
+    # --overlap-param-gather; sequence parallelism; interleaved pipelines whose p2p overlaps compute;
+    # Megatron's even split of blocks over stages; selective recomputation of the attention core.
+    "megatron-core": Runtime(
+        "megatron-core",
+        attention="flash",
+        dropout=False,
+        dp_overlap=True,
+        p2p_async=True,
+        scatter_gather=False,
+        weight_bytes=2,
+        grad_bytes=4,
+        optimizer_bytes=12,
+        selective="attention_core",
+        megatron_stages=True,
     ),
     # Meta's Llama 3 405B pretraining stack as Dubey et al. 2024 (section 3.3.2) describe it: 4D
     # parallelism with FSDP that shards optimizer state and gradients but keeps the bf16 weights

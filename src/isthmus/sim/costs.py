@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from isthmus.layout.spec import LayoutSpec
-from isthmus.models.flops import layer_matmul_params
 from isthmus.planner import comm
 from isthmus.planner.comm import Span
 from isthmus.planner.compute import ELEM_BYTES, BlockShape, PhaseTimes, ends_times, layer_ops
 from isthmus.planner.cost import BlockCost, block_cost
 from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside, streaming_equivalent
+from isthmus.planner.memory import held_layer_params
 from isthmus.planner.placement import SiteSpans
 from isthmus.planner.topology import DeviceKind
 from isthmus.planner.workload import Runtime, Workload
@@ -113,7 +113,8 @@ def stage_ops(
         for i in range(layers)
     ]
     a = work.args
-    per_layer = (layer_matmul_params(a) + 2 * a.dim) / layout.tp
+    # A MoE rank holds (and reduces the gradients of) 1/ep of the routed experts.
+    per_layer = (held_layer_params(a, layout.ep if a.is_moe else 1) + 2 * a.dim) / layout.tp
     embed_params = a.vocab_size * a.dim / layout.tp
     head_params = (a.dim + (a.vocab_size * a.dim if layout.pp > 1 or not a.tie_embeddings else 0)) / layout.tp
 
@@ -124,7 +125,11 @@ def stage_ops(
             seq.append((bc.cp_fwd, "cp attn", "cp"))
         if ar:
             seq.append((ar, "tp " + ("ag/rs" if layout.sequence_parallel else "all-reduce"), "tp"))
+        if bc.ep:
+            seq.append((bc.ep / 2, "ep dispatch", "ep"))
         seq.append((b, "mlp", cat))
+        if bc.ep:
+            seq.append((bc.ep / 2, "ep combine", "ep"))
         if ar:
             seq.append((ar, "tp " + ("ag/rs" if layout.sequence_parallel else "all-reduce"), "tp"))
         return seq
@@ -134,8 +139,12 @@ def stage_ops(
         seq: list[tuple[float, str, str]] = []
         if with_input and ar:
             seq.append((ar, "tp grad", "tp"))
+        if with_input and bc.ep:
+            seq.append((bc.ep / 2, "ep combine grad", "ep"))
         if with_input:
             seq.append((bb, "mlp dgrad", "bwd"))
+        if with_input and bc.ep:
+            seq.append((bc.ep / 2, "ep dispatch grad", "ep"))
         if with_weight:
             seq.append((bw, "mlp wgrad", "wgrad"))
         if with_input and ar:

@@ -366,7 +366,7 @@ class Device:
             eng.log(self.track, "compute", name, cat, start, eng.now)
             stretch = (eng.now - start) / nominal
             for off, dur, sub, c in detail or ():
-                if c in ("tp", "cp"):
+                if c in ("tp", "cp", "ep"):
                     eng.log(self.track, c, sub, c, start + off * stretch, start + (off + dur) * stretch)
         self._step()
 

@@ -115,6 +115,7 @@ def simulate(
         "compute": sum(per_step.get(k, 0.0) for k in ("fwd", "bwd", "wgrad", "recompute")),
         "tp comm": per_step.get("tp", 0.0),
         "cp comm": per_step.get("cp", 0.0),
+        "ep comm": per_step.get("ep", 0.0),
         "pp p2p": mean(s.p2p_block for s in sim.ranks[heavy].stats),
         "dp comm": mean(s.tail_wait - s.tail_wan for s in s_slow) + mean(s.gather_wait for s in sim.ranks[heavy].stats),
         "wan": tail_wan,

@@ -24,6 +24,7 @@ COLOURS = {
     "optimizer": "#9D755D",
     "tp": "#72B7B2",
     "cp": "#EECA3B",
+    "ep": "#B6992D",
     "p2p": "#79706E",
     "dp": "#FF9DA6",
     "wan": "#E45756",
@@ -36,6 +37,7 @@ LABELS = {
     "optimizer": "optimizer",
     "tp": "tp / sp collective",
     "cp": "cp exchange",
+    "ep": "ep all-to-all",
     "p2p": "pipeline send",
     "dp": "dp reduce / gather",
     "wan": "WAN transfer",
@@ -55,7 +57,7 @@ def write_png(result: SimResult, path: str | Path, width: float = 14.0) -> None:
     rows: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = defaultdict(lambda: defaultdict(list))
     for e in result.trace_events:
         if e.track.startswith("device:"):
-            row = "compute" if e.lane in ("compute", "tp", "cp") else "comm"
+            row = "compute" if e.lane in ("compute", "tp", "cp", "ep") else "comm"
         else:
             row = "link"
         rows[(e.track, row)][e.cat].append((e.start, e.end - e.start))
@@ -64,11 +66,11 @@ def write_png(result: SimResult, path: str | Path, width: float = 14.0) -> None:
     fig, ax = plt.subplots(figsize=(width, height))
     ticks, names = [], []
     for y, (track, row) in enumerate(order):
-        for cat in ("fwd", "bwd", "wgrad", "recompute", "optimizer", "p2p", "dp", "wan", "tp", "cp"):
+        for cat in ("fwd", "bwd", "wgrad", "recompute", "optimizer", "p2p", "dp", "wan", "tp", "cp", "ep"):
             spans = rows[(track, row)].get(cat)
             if not spans:
                 continue
-            inner = cat in ("tp", "cp") and row == "compute"  # collectives inside ops: a thinner bar on top
+            inner = cat in ("tp", "cp", "ep") and row == "compute"  # collectives inside ops: a thinner bar on top
             ax.broken_barh(
                 [(s * 1e3, d * 1e3) for s, d in spans],
                 (y - (0.15 if inner else 0.38), 0.3 if inner else 0.76),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from isthmus.sim.run import SimResult
 
-LANES = ("compute", "tp", "cp", "p2p", "dp")
+LANES = ("compute", "tp", "cp", "p2p", "dp", "ep")
 
 
 def track_order(track: str) -> tuple[int, int, str]:
