@@ -140,8 +140,7 @@ def test_capacity_factor_drops_the_later_tokens() -> None:
     assert out[:, :5].abs().min(dim=-1).values.gt(0).all()
     load = layer.take_load()
     assert load is not None
-    counts, dropped = load
-    assert counts.tolist() == [20.0, 20.0, 0.0, 0.0] and dropped.item() == 20.0
+    assert load.tokens.tolist() == [20.0, 20.0, 0.0, 0.0] and load.dropped.item() == 20.0 and load.forwards == 1
     assert layer.take_load() is None  # read once
 
 
@@ -184,3 +183,18 @@ def test_moe_model_init_and_expert_bias_is_frozen_zero() -> None:
     init_weights(model, 0, get_flavor("moe-tiny"))
     bias = model.layers["1"].feed_forward.router.expert_bias
     assert not bias.requires_grad and bias.abs().sum() == 0
+
+
+def test_feeds_aux_grad_as_if_added_to_the_loss() -> None:
+    """A pipeline stage's layer gives its aux loss the gradient itself: the same as adding it to the loss."""
+    layer, args = _layer()
+    x = torch.randn(2, 8, args.dim, generator=torch.Generator().manual_seed(6))
+    grads = []
+    for inject in (False, True):
+        layer.zero_grad()
+        layer.feeds_aux_grad = inject
+        out = layer(x).square().sum()
+        assert layer.aux_loss is not None
+        (out if inject else out + layer.aux_weight * layer.aux_loss).backward()
+        grads.append(layer.router.gate.weight.grad.clone())  # type: ignore[union-attr]
+    torch.testing.assert_close(grads[0], grads[1])

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from isthmus.models.args import ModelArgs, check_args
+from isthmus.models.moe import MoE
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 """``(q, k, v) -> out`` over [B, H, S, Dh]; k and v may have fewer heads than q (grouped-query attention)."""
@@ -205,14 +206,16 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.))."""
+    """Pre-norm block: x + attn(norm(x)), then + ffn(norm(.)); the ffn is a `MoE` in a MoE layer."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim, args.mlp)
+        self.feed_forward: FeedForward | MoE = (
+            MoE(args, layer_id) if args.moe_layer(layer_id) else FeedForward(args.dim, args.ffn_dim, args.mlp)
+        )
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: LayerKV | None = None) -> Tensor:
         normed = self.attention_norm(x)
@@ -232,7 +235,7 @@ class Transformer(nn.Module):
         self.hidden_seq_shards = 1
         """Sequence shards of the hidden states this module receives (set by sequence parallelism)."""
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, i) for i in range(args.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -288,16 +291,21 @@ def canonical_name(name: str) -> str:
 
 
 def init_std(name: str, args: ModelArgs) -> float | None:
-    """Std of the normal init for a canonical name; None means 'fill with ones'.
+    """Std of the normal init for a canonical name; None means 'fill with ones', 0.0 'fill with zeros'.
 
     GPT-2/Megatron scheme: 0.02 everywhere, scaled by 1/sqrt(2 * n_layers) for the
     two projections that write into the residual stream (wo, w2), so its variance
     does not grow with depth; an untied head uses dim**-0.5 so initial logits have
-    unit scale (torchtitan's choice). Norm scales start at 1.
+    unit scale (torchtitan's choice). Norm scales start at 1. Stacked experts
+    (``experts.w1`` ...) follow their Linear namesakes; a router's expert_bias starts at 0.
     """
     module = name.split(".")[-2]
     if module.endswith("norm"):
         return None
+    if name.endswith("router.expert_bias"):
+        return 0.0
+    if module == "experts":
+        module = name.split(".")[-1]
     if module in ("wo", "w2"):
         return INIT_STD / math.sqrt(2 * args.n_layers)
     if module == "output" and not args.tie_embeddings:
@@ -331,6 +339,8 @@ def init_weights(model: nn.Module, seed: int, args: ModelArgs) -> None:
         std = init_std(name, args)
         if std is None:
             full = torch.ones(p.shape)
+        elif std == 0.0:
+            full = torch.zeros(p.shape)
         else:
             gen = torch.Generator().manual_seed(param_seed(seed, name))
             full = torch.randn(p.shape, generator=gen).mul_(std)

@@ -21,6 +21,8 @@ exactly what one process computes on the whole batch:
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +40,37 @@ def _local(t: Tensor) -> Tensor:
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass (activation checkpointing re-runs forwards there)."""
     return torch._C._current_graph_task_id() != -1
+
+
+class _AuxLossGrad(torch.autograd.Function):
+    """The identity on a layer's output that, in backward, also gives the layer's auxiliary loss the
+    gradient ``scale`` (d loss / d aux): the aux loss joins the training loss without being added to
+    it, as a pipeline stage needs, whose loss is computed on another rank (Megatron's
+    MoEAuxLossAutoScaler does the same)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, aux: Tensor, scale: float) -> Tensor:
+        ctx.scale, ctx.aux_meta = scale, (aux.shape, aux.dtype, aux.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        shape, dtype, device = ctx.aux_meta
+        return grad, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+@dataclass
+class ExpertLoad:
+    """What one MoE layer saw since it was last asked (`MoE.take_load`): this rank's forwards."""
+
+    tokens: Tensor
+    """Token copies that chose each expert [n_experts] (before any capacity drop)."""
+    dropped: Tensor
+    """Copies dropped over capacity (a scalar)."""
+    aux_loss_sum: Tensor
+    """Sum of the forwards' auxiliary losses (a scalar; 0 unless load_balance is aux_loss)."""
+    forwards: int
+    """Forwards counted (micro-batches)."""
 
 
 class Router(nn.Module):
@@ -101,13 +134,18 @@ class MoE(nn.Module):
     After each forward it keeps ``tokens_per_expert`` (tokens that chose each expert, summed over
     forwards until `take_load` reads them), ``tokens_dropped`` (copies over capacity, likewise) and
     ``aux_loss`` (this forward's load-balancing loss, with its graph; None unless
-    ``load_balance == "aux_loss"``).
+    ``load_balance == "aux_loss"``). Whoever trains adds ``aux_weight * aux_loss`` of every layer to
+    the loss (`aux_loss_term`: ``aux_loss_coef`` times the mean over the layers); or, with
+    ``feeds_aux_grad`` (pipeline stages, whose loss is on another rank), the layer gives its aux loss
+    that gradient itself.
     """
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
         from isthmus.models.llama import FeedForward  # llama imports this module
 
+        self.layer_id = layer_id
+        """The block this layer belongs to."""
         self.n_experts = args.n_experts
         self.top_k = args.top_k
         self.capacity_factor = args.capacity_factor
@@ -119,6 +157,10 @@ class MoE(nn.Module):
         self.tokens_per_expert: Tensor | None = None
         self.tokens_dropped: Tensor | None = None
         self.aux_loss: Tensor | None = None
+        self.aux_weight = args.aux_loss_coef / args.n_moe_layers
+        self.feeds_aux_grad = False
+        self._aux_sum: Tensor | None = None
+        self._forwards = 0
 
     def forward(self, x: Tensor) -> Tensor:
         """x [B, S, dim] -> [B, S, dim]."""
@@ -128,10 +170,10 @@ class MoE(nn.Module):
         # One row per (token, choice): its expert, and whether it fits the expert's capacity.
         choice_expert = experts.reshape(-1)
         keep = self._within_capacity(experts.view(bsz, seqlen, self.top_k))
-        if not _in_backward():  # a recomputed forward (activation checkpointing) is not a new batch
-            self._count(choice_expert, keep)
         if self.load_balance == "aux_loss":
             self.aux_loss = self._aux_loss(scores.view(bsz, seqlen, -1), experts.view(bsz, seqlen, -1))
+        if not _in_backward():  # a recomputed forward (activation checkpointing) is not a new batch
+            self._count(choice_expert, keep)
         # Dropped copies sort after every expert (id n_experts) and are cut off; stable, so within
         # an expert the copies stay in token order.
         sort_key = choice_expert if keep is None else choice_expert.masked_fill(~keep, self.n_experts)
@@ -144,7 +186,10 @@ class MoE(nn.Module):
         out = torch.zeros_like(flat).index_add_(0, token, routed)
         if self.shared is not None:
             out = out + self.shared(flat)
-        return out.view(bsz, seqlen, dim)
+        out = out.view(bsz, seqlen, dim)
+        if self.aux_loss is not None and self.feeds_aux_grad and torch.is_grad_enabled():
+            out = _AuxLossGrad.apply(out, self.aux_loss, self.aux_weight)
+        return out
 
     def capacity(self, seqlen: int) -> int:
         """Token copies one expert keeps per sequence (0: no limit)."""
@@ -170,18 +215,22 @@ class MoE(nn.Module):
         dropped = choice_expert.new_zeros((), dtype=torch.float32)
         if keep is not None:
             dropped += (~keep).sum()
-        if self.tokens_per_expert is None or self.tokens_dropped is None:
-            self.tokens_per_expert, self.tokens_dropped = counts, dropped
+        aux = self.aux_loss.detach().float().clone() if self.aux_loss is not None else counts.new_zeros(())
+        if self.tokens_per_expert is None or self.tokens_dropped is None or self._aux_sum is None:
+            self.tokens_per_expert, self.tokens_dropped, self._aux_sum = counts, dropped, aux
         else:
             self.tokens_per_expert += counts
             self.tokens_dropped += dropped
+            self._aux_sum += aux
+        self._forwards += 1
 
-    def take_load(self) -> tuple[Tensor, Tensor] | None:
-        """(tokens per expert [E], dropped copies []) since the last call, or None if no forward ran."""
-        if self.tokens_per_expert is None or self.tokens_dropped is None:
+    def take_load(self) -> ExpertLoad | None:
+        """What the forwards since the last call saw, or None if none ran."""
+        if self.tokens_per_expert is None or self.tokens_dropped is None or self._aux_sum is None:
             return None
-        load = (self.tokens_per_expert, self.tokens_dropped)
-        self.tokens_per_expert = self.tokens_dropped = None
+        load = ExpertLoad(self.tokens_per_expert, self.tokens_dropped, self._aux_sum, self._forwards)
+        self.tokens_per_expert = self.tokens_dropped = self._aux_sum = None
+        self._forwards = 0
         return load
 
     def _aux_loss(self, scores: Tensor, experts: Tensor) -> Tensor:
@@ -197,3 +246,16 @@ class MoE(nn.Module):
             chosen.scatter_add_(1, experts.reshape(bsz, -1), torch.ones(bsz, seqlen * self.top_k, device=scores.device))
             fraction = chosen / (seqlen * self.top_k)
         return n_experts * (fraction * probs.mean(dim=1)).sum(dim=-1).mean()
+
+
+def moe_layers(modules: list[nn.Module]) -> list[MoE]:
+    """The MoE layers of a model's parts (a whole model, or this rank's pipeline stages)."""
+    return [m for part in modules for m in part.modules() if isinstance(m, MoE)]
+
+
+def aux_loss_term(layers: list[MoE]) -> Tensor | None:
+    """``aux_loss_coef`` times the mean over the model's MoE layers of this forward's aux losses, to add to
+    the loss (None without aux-loss balancing). ``layers`` are all of them: a pipeline stage's layers
+    feed their own gradient instead (``MoE.feeds_aux_grad``)."""
+    terms = [m.aux_weight * m.aux_loss for m in layers if m.aux_loss is not None and m.aux_weight > 0]
+    return torch.stack(terms).sum() if terms else None
