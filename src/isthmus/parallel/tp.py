@@ -323,3 +323,10 @@ def shard_block_locally(
             norm = block.get_submodule(name)
             assert isinstance(norm, RMSNorm), f"{name} is the block's RMSNorm"
             setattr(block, name, SequenceShardedNorm(norm, comm))
+    attention = block.get_submodule("attention")
+    for name in ("q_norm", "k_norm"):
+        # Qwen3's per-head norms: each rank normalises its own heads with the one shared scale, so the
+        # scale's gradient is summed over the group, as a sequence-sharded norm's is over tokens.
+        qk_norm = getattr(attention, name, None)
+        if isinstance(qk_norm, RMSNorm):
+            setattr(attention, name, SequenceShardedNorm(qk_norm, comm))
