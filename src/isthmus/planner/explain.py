@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from isthmus.layout.choices import DILOCO_SYNCS
 from isthmus.models.flops import count_params
+from isthmus.planner.comm import Span
 from isthmus.planner.cost import Estimate, estimate
 from isthmus.planner.placement import place, runnable
 from isthmus.planner.search import SearchResult
@@ -79,6 +80,8 @@ def explain(result: SearchResult, topo: Topology) -> str:
             f"{lay.pp} pipeline stages under {lay.pp_schedule} with {lay.microbatches} microbatches idle "
             f"{100 * best.bubble_fraction:.0f}% of the step."
         )
+    if work.args.is_moe:
+        out.append(expert_sentence(result, site.ep))
     state = "no recomputation" if lay.activation_checkpoint == "none" else f"{lay.activation_checkpoint} recomputation"
     shard = f"ZeRO-{lay.zero_stage} over {lay.shard_degree} ranks" if lay.shard_degree > 1 else "no sharding"
     out.append(f"It fits with {state} and {shard}.")
@@ -96,6 +99,38 @@ def explain(result: SearchResult, topo: Topology) -> str:
     else:
         out.append("It is compute-bound: every other cost is under 5% of the step.")
     return " ".join(out)
+
+
+def expert_sentence(result: SearchResult, span: Span | None) -> str:
+    """Why the winner's expert parallelism: where its all-to-alls run, what each rank holds, and the
+    best layout with another ep."""
+    best = result.best
+    lay, a = best.layout, best.work.args
+    if lay.ep > 1 and span is not None:
+        where = (
+            f"inside one node ({span.intra.bandwidth / 1e9:.0f} GB/s)"
+            if span.nodes == 1
+            else f"across {span.nodes} nodes ({span.fabric.bandwidth / 1e9:.0f} GB/s per device)"
+        )
+        s = (
+            f"Expert parallelism of {lay.ep} gives each rank {a.n_experts // lay.ep} of the {a.n_experts} experts "
+            f"of every MoE layer (1/{lay.ep} of their weights and optimizer state); its token dispatch and combine "
+            f"all-to-alls run {where} and take {_share(best, 'ep comm')} of the step, at "
+            f"{result.runtime.expert_imbalance:g}x the mean load on the busiest expert."
+        )
+    else:
+        s = (
+            f"Every rank keeps all {a.n_experts} experts (ep 1): no all-to-all, and the experts' state is sharded "
+            "like the rest."
+        )
+    rivals = [e for k, e in result.alternatives.items() if k.startswith("ep=") and e.layout.ep != lay.ep]
+    rival = max(rivals, key=lambda e: e.effective_tokens_per_s, default=None)
+    if rival is not None:
+        s += (
+            f" The best with ep {rival.layout.ep} ({rival.layout.label()}) reaches {rival.tokens_per_s:,.0f} "
+            f"tokens/s, {_pct(best.effective_tokens_per_s, rival.effective_tokens_per_s)} behind."
+        )
+    return s + " Experts stay inside a datacenter: ep folds over dp_shard x cp, never over replicas across the WAN."
 
 
 def _core(est: Estimate) -> tuple[object, ...]:
