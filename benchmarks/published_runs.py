@@ -40,7 +40,10 @@ def figures(row: PublishedRun, res: dict) -> tuple[float, float]:
     if row.metric == "step_time_s":
         return res["step_time_s"], cost_step
     devices = res["simulated"]["devices_represented"]
-    sim = res["tflops_per_device"] if row.metric == "tflops_per_device" else res["tokens_per_s"] / devices
+    if row.metric == "mfu":
+        sim = res["mfu"]
+    else:
+        sim = res["tflops_per_device"] if row.metric == "tflops_per_device" else res["tokens_per_s"] / devices
     cost = sim * res["step_time_s"] / cost_step
     return sim, cost
 

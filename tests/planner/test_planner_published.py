@@ -39,6 +39,10 @@ BOUND = {
     "smith2022-mtnlg": 0.10,  # at the micro-batch its three times imply (below)
     "bigscience2022-bloom": 0.10,  # on its own cluster (jean-zay-a100); 13.4% on selene-a100's fabric
     "dubey2024-llama3": 0.10,
+    # MoE rows (docs/moe.md): the issue's target is 15%; the 8x22B row runs Megatron-Core's reference
+    # mapping, not the paper's folded layout, and lands at its edge.
+    "megatron-core-moe": 0.15,
+    "liu2025-folding": 0.15,
 }
 SOURCES = sorted({r.source for r in published_runs()})
 
@@ -48,6 +52,7 @@ def test_every_source_has_rows_and_a_bound() -> None:
 
 
 @pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.slow
 def test_published_rows_through_the_cli(source: str) -> None:
     # predict() fails unless the CLI admits the layout: each row was run, so it must fit in memory.
     for row in (r for r in published_runs() if r.source == source):
@@ -118,6 +123,7 @@ def test_distributed_optimizer_state_per_rank() -> None:
     assert (w, g, o) == (2e9, 2e9, 12e9 / 8)
 
 
+@pytest.mark.slow
 def test_the_1t_layout_korthikanti_ran_is_admitted_with_its_memory_printed() -> None:
     cmd = [
         "simulate", "--model.flavor", "gpt3-1t", "--topology", "selene-a100", "--gpus",
@@ -133,6 +139,7 @@ def test_the_1t_layout_korthikanti_ran_is_admitted_with_its_memory_printed() -> 
     assert 40 < total <= 72, line
 
 
+@pytest.mark.slow
 def test_nodes_grows_a_preset_and_refuses_in_one_line() -> None:
     base = ["plan", "--model.flavor", "gpt3-145.6b", "--topology", "selene-a100"]
     args = ["--train.batch_size", "6144", "--train.seq_len", "2048", "--micro-batch", "1", "--top", "1", "--json"]

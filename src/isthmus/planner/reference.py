@@ -103,7 +103,7 @@ class PublishedRun:
     runtime: str
     row: str
     metric: str
-    """'step_time_s', 'tflops_per_device' or 'tokens_per_s_per_device'."""
+    """'step_time_s', 'tflops_per_device', 'tokens_per_s_per_device' or 'mfu' (a fraction)."""
     published: float
     assumed: str
     args: str
