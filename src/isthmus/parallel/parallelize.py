@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,6 +27,7 @@ from isthmus.config import ParallelConfig
 from isthmus.layout import rules
 from isthmus.layout.dims import Meshes, ParallelDims
 from isthmus.models.llama import Transformer, init_weights
+from isthmus.models.moe import MoE, moe_layers
 from isthmus.parallel.ac import apply_ac
 from isthmus.parallel.compile import compile_blocks
 from isthmus.parallel.context import apply_cp, cp_positions
@@ -53,6 +54,8 @@ class ParallelModel:
     autocast: bool = False
     """Run forward and backward under ``torch.autocast`` (bf16): the weights are fp32 and nothing
     casts them (DDP, one process); False under FSDP's mixed precision or in fp32."""
+    moe: list[MoE] = field(default_factory=list)
+    """This rank's Mixture-of-Experts layers (their aux losses and expert loads)."""
 
     @property
     def model(self) -> nn.Module:
@@ -173,10 +176,16 @@ def apply_layout(
             prepare_stage=materialise,
             seed=seed,
         )
-        return ParallelModel(list(stages), dims, dp_kind, schedule, has_first, has_last, loss_parallel, autocast)
+        moe = moe_layers(list(stages))
+        for layer in moe:
+            # The loss is computed on the last stage: each layer feeds its aux loss's gradient itself.
+            layer.feeds_aux_grad = True
+        return ParallelModel(list(stages), dims, dp_kind, schedule, has_first, has_last, loss_parallel, autocast, moe)
 
     module: nn.Module = materialise(model)
     if dp_kind in ("ddp", "zero1"):
         assert mesh is not None
         module = apply_ddp(module, mesh["dp_cp"])
-    return ParallelModel([module], dims, dp_kind, loss_parallel=loss_parallel, autocast=autocast)
+    return ParallelModel(
+        [module], dims, dp_kind, loss_parallel=loss_parallel, autocast=autocast, moe=moe_layers([module])
+    )

@@ -85,6 +85,17 @@ class ThroughputModel:
         return min(1.0, achieved / self.peak_flops)
 
 
+def expert_line(record: dict[str, Any]) -> str:
+    """A MoE step's one console line: the least and most loaded expert (1.00 = an even share), then the
+    aux loss and dropped tokens where they apply."""
+    parts = [f"experts: load {record['expert_load_min']:.2f}-{record['expert_load_max']:.2f} x even"]
+    if "moe_aux_loss" in record:
+        parts.append(f"aux loss {record['moe_aux_loss']:.3f}")
+    if "tokens_dropped" in record:
+        parts.append(f"dropped {100 * record['tokens_dropped']:.1f}%")
+    return "  ".join(parts)
+
+
 class MetricsLogger:
     """Writes every step's record; shows a progress bar on a terminal and a line every log_every steps."""
 
@@ -173,6 +184,8 @@ class MetricsLogger:
                 100 * mfu,
                 record["peak_mem_gb"],
             )
+            if "expert_load_max" in record:
+                get_logger().info("  %s", expert_line(record))
         return record
 
     def log_val(self, step: int, val_loss: float) -> dict[str, Any]:

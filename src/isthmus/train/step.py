@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
+from isthmus.models.moe import aux_loss_term
 from isthmus.parallel.context import cp_shard
 from isthmus.parallel.parallelize import ParallelModel
 from isthmus.parallel.pipeline import pipeline_step
@@ -69,7 +70,8 @@ def forward_backward(
     """Forward and backward of one local batch; gradients accumulate in ``.grad``.
 
     Returns the detached, unscaled loss (its mean over micro-batches under pp), or None on a
-    pipeline rank without the last stage. ``loss_scale`` multiplies the loss before backward
+    pipeline rank without the last stage. A MoE model's auxiliary load-balancing loss joins the loss
+    that is backpropagated (under pp each MoE layer feeds its own), not the one returned. ``loss_scale`` multiplies the loss before backward
     (1/accum for gradient accumulation). Under pp the schedule computes the loss with the
     ``loss_fn`` it was built with and averages over its own micro-batches; it cannot scale one
     call's contribution alone, so ``loss_scale`` must be 1 and the caller scales the accumulated
@@ -80,5 +82,7 @@ def forward_backward(
             assert loss_scale == 1.0, "under pp, scale the accumulated gradients after the last call"
             return pipeline_step(pm.schedule, inputs, targets, pm.has_first_stage, pm.has_last_stage)
         loss = loss_fn(pm.model(inputs), targets)
-        (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+        aux = aux_loss_term(pm.moe)
+        total = loss if aux is None else loss + aux
+        (total * loss_scale if loss_scale != 1.0 else total).backward()
         return loss.detach()

@@ -37,6 +37,7 @@ from isthmus.parallel.parallelize import ParallelModel, apply_layout
 from isthmus.parallel.rendezvous import group_store_args
 from isthmus.profile.device import correct_peak, describe_peak, devices_worth, peak_flops, resolve_device
 from isthmus.serve.prefill import build_bubble_run
+from isthmus.train.experts import ExpertBalance
 from isthmus.train.grad import clip_grad_norm
 from isthmus.train.hooks import StepHookList
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
@@ -169,6 +170,12 @@ class Trainer:
         # What only some runs do in a step: geo.sync (through the geo run, which owns it), then the
         # timeline and bubble filling (bubbles.prefill, metrics.timeline).
         self.hooks = StepHookList([self.geo_run] if bubbles is None else [self.geo_run, bubbles])
+        if a.is_moe:
+            # Expert loads in the metrics and the bias method's update after each optimizer step.
+            # The ranks of this process group that see different tokens (one datacenter's share of the
+            # layout under geo.fault_tolerant, whose datacenters update their biases apart).
+            data_ranks = self.dims.dp * self.dims.cp * self.world // self.dims.world_size
+            self.hooks.hooks.append(ExpertBalance(self.pm.moe, a, data_ranks, self.world, self.device))
         zero1_group = self._mesh_group("dp_cp") if self.pm.dp_kind == "zero1" else None
         self.optimizer = build_optimizer(self.pm.modules, t, zero1_group)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
