@@ -106,6 +106,7 @@ def straight(tmp: Path) -> TrainResult:
     return _train(tmp, "straight", "--train.steps", "20", "--checkpoint.every", "10", "--checkpoint.async_save", "true")
 
 
+@pytest.mark.slow
 def test_exact_resume_after_a_stop(tmp: Path, straight: TrainResult, monkeypatch: pytest.MonkeyPatch) -> None:
     run = ["--train.steps", "20", "--checkpoint.every", "10"]
     original = Trainer.train_step
@@ -129,6 +130,7 @@ def test_exact_resume_after_a_stop(tmp: Path, straight: TrainResult, monkeypatch
     assert _steps(tmp, "stopped")[-10:] == list(range(11, 21))
 
 
+@pytest.mark.slow
 def test_async_checkpoint_resumes_exactly(tmp: Path, straight: TrainResult) -> None:
     ckpts = tmp / "straight" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-000010", "step-000020"]

@@ -130,6 +130,7 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_geo_run_resumes_exactly(root: Path, case: str) -> None:
     (losses, norms), (r_losses, r_norms) = _pair(root, case)
     assert len(losses) == STEPS and len(r_losses) == STEPS - AT
@@ -145,6 +146,7 @@ def test_geo_run_resumes_exactly(root: Path, case: str) -> None:
     assert not differ, differ[:5]
 
 
+@pytest.mark.slow
 def test_diloco_checkpoint_holds_each_datacenters_model(root: Path) -> None:
     """Saved between outer steps, the two datacenters' models differ; both are in the checkpoint."""
     _pair(root, "diloco_2x2")
@@ -154,6 +156,7 @@ def test_diloco_checkpoint_holds_each_datacenters_model(root: Path) -> None:
     assert any(not torch.equal(saved[f"model.{n}"], saved[f"dc1.model.{n}"]) for n in names)
 
 
+@pytest.mark.slow
 def test_other_layout_is_refused_in_one_line_and_a_run_without_geo_loads_it(
     root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -170,6 +170,7 @@ def _rel(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.parametrize("name,saved,world,overrides", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_resume_under_another_layout(workdir: Path, name: str, saved: Layout, world: int, overrides: list[str]) -> None:
     ref_losses, ref_norms, _, _ = _reference(workdir)
     before = _saved(workdir, *saved)[0]
@@ -189,6 +190,7 @@ def test_resume_under_another_layout(workdir: Path, name: str, saved: Layout, wo
     )
 
 
+@pytest.mark.slow
 def test_data_position_survives_a_change_of_dp_size(workdir: Path) -> None:
     """dp_replicate 2 -> 4 at step 3: every window of the epoch is trained on exactly once, in order."""
     before = _saved(workdir, *DP2)
@@ -209,6 +211,7 @@ def test_data_position_survives_a_change_of_dp_size(workdir: Path) -> None:
     assert [window_at[p] for p in range(STEPS * BATCH)] == sampler.sample_ids(STEPS * BATCH).tolist()
 
 
+@pytest.mark.slow
 def test_resume_under_the_same_layout_is_exact(workdir: Path) -> None:
     """FSDP2 on 2 ranks, saved asynchronously: bit-identical losses and final parameters."""
     before = _saved(workdir, *ZERO3_ASYNC)[0]

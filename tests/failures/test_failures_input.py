@@ -51,6 +51,7 @@ def test_activations_that_cannot_fit_are_refused(args: list[str], key: str, caps
     )
 
 
+@pytest.mark.slow
 def test_compile_without_a_cpp_compiler_is_one_line(tmp_path: Path) -> None:
     # inductor reads CXX when it is first imported (and caches its search), so in a fresh process:
     # a CXX that does not exist is a machine without its compiler.

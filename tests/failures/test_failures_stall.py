@@ -96,6 +96,7 @@ def _late_peer(timeout_s: float, late_s: float) -> float | None:
     return time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_group_timeouts_apply_to_groups_made_before() -> None:
     waited = run_ranks(_late_peer, 2, 2.0, 8.0, timeout=120, fresh=True)[0]  # its timed-out group stays broken
     assert waited is not None and 1.5 < waited < 6.0, waited

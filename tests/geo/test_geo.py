@@ -139,6 +139,7 @@ def _diloco_vs_flat(groups: Any, rank: int, steps: int = 3) -> dict[str, list[fl
     return diffs
 
 
+@pytest.mark.slow
 def test_hierarchical_equals_flat_and_the_single_process_mean(gradient_run: Any) -> None:
     _, results = gradient_run
     for r in results:
@@ -156,6 +157,7 @@ def shard_blocks(v: torch.Tensor, k: int, bs: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(("dtype", "l2_bound"), [("int8", 1.5e-2), ("int4", 2.5e-1)])
+@pytest.mark.slow
 def test_compressed_stays_within_its_bound(gradient_run: Any, dtype: str, l2_bound: float) -> None:
     """Per element: |compressed - mean| <= mean over datacenters of absmax_dc(block) / (2 qmax).
 

@@ -47,6 +47,7 @@ def _net(rtt_ms: float, wan_mbit: float = 100.0, **kw: object) -> EmulatedNetwor
 
 
 @pytest.mark.parametrize("rtt_ms", [20.0, 80.0])
+@pytest.mark.slow
 def test_ping_rtt_within_10_percent_of_the_setting(rtt_ms: float) -> None:
     with emulated_network(_net(rtt_ms)) as em:
         there = ping_ms(em, 0, 1, count=7, interval_s=0.15)
@@ -56,6 +57,7 @@ def test_ping_rtt_within_10_percent_of_the_setting(rtt_ms: float) -> None:
         assert abs(statistics.median(rtts) - rtt_ms) <= 0.1 * rtt_ms, rtts
 
 
+@pytest.mark.slow
 def test_one_flow_is_window_bound_and_several_flows_recover_the_link() -> None:
     # The emulator's window limit (emulate --wan-window-kib), sockets left to the kernel: what gloo sees.
     with emulated_network(_net(80.0, wan_mbit=100.0, wan_window_kib=64)) as em:
@@ -173,6 +175,7 @@ latency_us = 20000
 """
 
 
+@pytest.mark.slow
 def test_the_topologys_one_way_latency_is_half_of_each_links_rtt(tmp_path: Path) -> None:
     path = tmp_path / "three.toml"
     path.write_text(_THREE_DC)

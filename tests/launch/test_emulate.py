@@ -194,6 +194,7 @@ def test_network_validation_names_the_key() -> None:
         _net(wan_mbit_per_pair={(0, 5): 10.0})
 
 
+@pytest.mark.slow
 def test_shaped_wan_rate_within_20_percent_and_loopback_much_faster() -> None:
     with emulated_network(_net(wan_mbit=20.0)) as em:
         wan = tcp_flows_bps(em, 0, 1, n_bytes=5_000_000, warm_s=0.0, measure_s=10.0)
@@ -203,6 +204,7 @@ def test_shaped_wan_rate_within_20_percent_and_loopback_much_faster() -> None:
     assert local > 20 * wan, (local, wan)
 
 
+@pytest.mark.slow
 def test_per_pair_rates_use_htb_classes() -> None:
     with emulated_network(_net(3, wan_mbit=40.0, wan_mbit_per_pair={(0, 2): 10.0})) as em:
         qdisc = subprocess.run(
@@ -225,6 +227,7 @@ _ALL_REDUCE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_gloo_all_reduce_across_namespaces() -> None:
     with emulated_network(_net()) as em:
         dc0 = em.dcs[0].address
@@ -258,6 +261,7 @@ _RANK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_launch_emulated_torchrun_ranks_follow_datacenters(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     script = tmp_path / "ranks.py"
     script.write_text(_RANK_SCRIPT)
@@ -290,6 +294,7 @@ _FAIL_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_launch_emulated_failure_stops_the_other_datacenters(tmp_path: Path) -> None:
     script = tmp_path / "fail.py"
     script.write_text(_FAIL_SCRIPT)
@@ -316,6 +321,7 @@ _LAUNCHER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_ctrl_c_on_launch_emulated_stops_every_rank_and_removes_the_network(tmp_path: Path) -> None:
     script = tmp_path / "sleep.py"
     script.write_text(_SLEEP_SCRIPT)

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from multirank import free_port
 from procs import isthmus_argv, run_isthmus
 
@@ -49,6 +51,7 @@ def _losses(path: Path) -> list[float]:
     return [r["loss"] for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
 
 
+@pytest.mark.slow
 def test_nproc_launch_and_torchrun_train_identically(tmp_path: Path) -> None:
     own = run_isthmus("train", *_two_ranks(tmp_path, "own"), env=_env(tmp_path))
     assert own.returncode == 0, own.stderr[-3000:]
@@ -92,6 +95,7 @@ def test_nproc_launch_and_torchrun_train_identically(tmp_path: Path) -> None:
     assert len(own_losses) == 6 and own_losses[-1] < own_losses[0]
 
 
+@pytest.mark.slow
 def test_torchrun_world_size_must_match_nproc(tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.run(
@@ -125,6 +129,7 @@ def test_torchrun_world_size_must_match_nproc(tmp_path: Path) -> None:
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_user_error_inside_ranks_is_one_line(tmp_path: Path) -> None:
     bad = tmp_path / "ck" / "step-000002"
     bad.mkdir(parents=True)
@@ -185,6 +190,7 @@ def _listening(pids: set[int]) -> list[tuple[int, str, bool]]:
     return found
 
 
+@pytest.mark.slow
 def test_local_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
     """The agent's rendezvous store, rank 0's store and gloo: every listening socket of the run is on loopback."""
     run = tmp_path / "r"
@@ -215,6 +221,7 @@ def test_local_ranks_listen_on_loopback_only(tmp_path: Path) -> None:
     assert all(loopback for _, _, loopback in sockets), [s for s in sockets if not s[2]]
 
 
+@pytest.mark.slow
 def test_local_ranks_train_when_the_hostname_resolves_nowhere(tmp_path: Path) -> None:
     """A host whose name does not resolve: the run still trains (it used to wait 5 minutes on the name).
 

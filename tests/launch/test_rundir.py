@@ -55,6 +55,7 @@ def _error(capsys: pytest.CaptureFixture[str]) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_every_run_gets_a_fresh_directory_and_latest_names_the_newest(
     here: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -71,6 +72,7 @@ def test_every_run_gets_a_fresh_directory_and_latest_names_the_newest(
     assert capsys.readouterr().out.startswith("def ")
 
 
+@pytest.mark.slow
 def test_a_named_directory_holding_an_earlier_run_is_refused_and_left_as_it_was(
     here: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -87,6 +89,7 @@ def test_a_named_directory_holding_an_earlier_run_is_refused_and_left_as_it_was(
     assert "seed = 3" in (here / "runs" / "mine" / "config.toml").read_text()
 
 
+@pytest.mark.slow
 def test_a_second_live_run_on_the_same_directory_gets_one_line(here: Path, capsys: pytest.CaptureFixture[str]) -> None:
     first = subprocess.Popen(
         isthmus_argv(
@@ -120,6 +123,7 @@ def test_a_second_live_run_on_the_same_directory_gets_one_line(here: Path, capsy
     assert _train("--train.run_dir", "runs/shared", "--train.overwrite", "true") == 0
 
 
+@pytest.mark.slow
 def test_resume_auto_continues_only_the_same_run(here: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ckpt = ["--checkpoint.every", "2"]
     assert _train(*ckpt) == 0
@@ -137,6 +141,7 @@ def test_resume_auto_continues_only_the_same_run(here: Path, capsys: pytest.Capt
     assert len(steps) == 4  # steps 1-2 of the first run, then 3-4 appended
 
 
+@pytest.mark.slow
 def test_other_runs_checkpoints_and_metrics_are_never_adopted(here: Path, capsys: pytest.CaptureFixture[str]) -> None:
     shared = ["--checkpoint.dir", "ckpts", "--checkpoint.every", "2"]
     assert _train(*shared, "--train.run_dir", "runs/a", "--metrics.jsonl", "a.jsonl") == 0

@@ -41,6 +41,7 @@ def plan_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_two_datacenter_plan_trains_locally(plan_file: Path, tmp_path: Path) -> None:
     best = json.loads(plan_file.read_text())["layouts"][0]
     assert best["geo"]["datacenters"] == 2 and best["geo"]["dc_axis"] == "dp" and best["geo"]["sync"] != "none"

@@ -263,6 +263,7 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
 
 
 @pytest.mark.parametrize(("name", "world", "layout"), LAYOUTS, ids=[c[0] for c in LAYOUTS])
+@pytest.mark.slow
 def test_finetune_layouts_match_one_process(
     gqa: tuple[Path, Any], finetuned: tuple[Path, list, list], name: str, world: int, layout: list[str]
 ) -> None:

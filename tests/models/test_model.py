@@ -181,6 +181,7 @@ def _init_sharded(seed: int) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in model.named_parameters()}
 
 
+@pytest.mark.slow
 def test_dtensor_init_matches_single_process_on_two_ranks() -> None:
     from multirank import run_ranks
 

@@ -240,10 +240,12 @@ CASES: list[tuple[str, int, list[str]]] = [
 
 
 @pytest.mark.parametrize("name,world,overrides", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.slow
 def test_layout_matches_single_process(workdir: Path, name: str, world: int, overrides: list[str]) -> None:
     _check(workdir, name, world, overrides)
 
 
+@pytest.mark.slow
 def test_tied_head_at_tp2_matches_its_single_process(workdir: Path) -> None:
     """A tied head under tensor parallelism is the vocab-sharded embedding's own rows (one Parameter)."""
     _check(workdir, "tp2_tied", 2, ["--parallel.tp", "2"], model=("--model.tie_embeddings", "true"))
@@ -282,6 +284,7 @@ def _vocab_sharded(vocab: int) -> list[float]:
     return errors
 
 
+@pytest.mark.slow
 def test_vocab_sharded_embedding_and_head_with_a_vocabulary_the_group_does_not_divide() -> None:
     for errors in run_ranks(_vocab_sharded, 3, 10):  # shards of 4, 4 and 2 rows
         assert errors[0] == 0.0, errors  # the looked-up rows: one non-zero term per sum, exact

@@ -110,6 +110,7 @@ def merged(per_rank: list[list[Trace]], case: int, field: int) -> dict[str, torc
     return out
 
 
+@pytest.mark.slow
 def test_schedules_match_single_process() -> None:
     """Loss, grads and eval against the full-batch mean; final weights against micro-batch accumulation.
 

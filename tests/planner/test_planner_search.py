@@ -82,6 +82,7 @@ def test_nothing_fits_is_a_one_line_error() -> None:
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_175b_on_12288_gpus() -> None:
     # How long this takes is measured by benchmarks/plan_speed.py (docs/benchmarks.md), not here.
     res = search(GPT3_175B, load_topology("geo-3dc-h100"), SearchSpace(batch_size=1536, seq_len=2048), ISTH, top=10)
@@ -126,6 +127,7 @@ def _geo_picks(runtime: Runtime) -> list[tuple[float, str, str, float]]:
     return picks
 
 
+@pytest.mark.slow
 def test_geo_keeps_per_layer_traffic_local_and_adapts_to_wan_bandwidth() -> None:
     """Streaming DiLoCo's measured quality (1.0): its overlapped int4 fragments win from a fast WAN
     down to 3 GB/s; at 0.3 GB/s a fragment's transfer outlasts many steps and one datacenter wins."""
@@ -134,6 +136,7 @@ def test_geo_keeps_per_layer_traffic_local_and_adapts_to_wan_bandwidth() -> None
     assert crossings[-1] == ("none", "none")
 
 
+@pytest.mark.slow
 def test_geo_with_a_lossy_streaming_diloco_sends_activations_over_a_fast_wan() -> None:
     """Were Streaming DiLoCo 10% worse per token (the factor assumed before it was measured), a fast
     WAN carries pipeline activations instead, then streaming wins, then one datacenter."""

@@ -113,6 +113,7 @@ def test_unwritable_cache_still_gives_a_peak(tmp_path: Path, counted_probe: list
     assert cpu_peak_flops("fp32", blocked) == 100e9  # nothing cached: probed again
 
 
+@pytest.mark.slow
 def test_probe_best_of_is_stable(one_thread: object) -> None:
     first, second = probe_cpu_flops(torch.float32), probe_cpu_flops(torch.float32)
     assert first > 1e9 and second > 1e9  # no CPU of this century does less than a GFLOP/s
@@ -156,6 +157,7 @@ def test_mfu_stays_at_most_one_with_an_absurdly_low_peak(
     assert ThroughputModel(1000, 1_000_000, peak_flops=1e6).mfu(tokens_per_s=1e6) == 1.0
 
 
+@pytest.mark.slow
 def test_training_with_an_absurdly_low_cached_peak_reports_at_most_100_percent(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -21,6 +21,7 @@ from isthmus.planner.topology import parse_topology
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_calibrate.py"
 
 
+@pytest.mark.slow
 def test_quick_run_on_cpu_writes_a_kind_the_planner_reads(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(tmp_path)],
@@ -61,6 +62,7 @@ def test_quick_run_on_cpu_writes_a_kind_the_planner_reads(tmp_path: Path) -> Non
     assert topo.datacenters[0].kind.gemm_max_fraction == pytest.approx(kind["gemm_max_fraction"])
 
 
+@pytest.mark.slow
 def test_asking_for_cuda_without_a_gpu_is_one_line() -> None:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # no GPU, also on a machine that has one
     done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300, env=env)

@@ -30,6 +30,7 @@ def profile(argv: list[str]) -> int:
     return profile_cli.run(parser.parse_args(["profile", *argv]))
 
 
+@pytest.mark.slow
 def test_profile_writes_a_loadable_topology(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -124,6 +125,7 @@ def test_plan_auto_chooses_a_valid_local_layout(nproc: int) -> None:
     check_layout(cfg, 4, 2, 4)
 
 
+@pytest.mark.slow
 def test_train_plan_auto_runs_the_choice(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """`isthmus train --parallel.plan auto` prints the planner's choice and trains with it on real ranks."""
     import tomllib

@@ -19,6 +19,7 @@ LAYOUTS = [row for row in bench.LAYOUTS if row[0] in ("tp 2 + sp", "pp 2 1f1b")]
 
 
 @pytest.mark.parametrize("name, values, ac", LAYOUTS, ids=[row[0] for row in LAYOUTS])
+@pytest.mark.slow
 def test_planned_peak_is_what_ranks_allocate(name: str, values: dict[str, object], ac: str, tmp_path: Path) -> None:
     row = bench.measure(name, values, ac, "small", tmp_path)
     assert len(row.measured) == len(row.planned) == row.layout.pp

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,6 +21,7 @@ def run_bench(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
 
 
+@pytest.mark.slow
 def test_two_modes_print_ratios_and_equal_first_losses(tmp_path: Path) -> None:
     out = tmp_path / "peers.json"
     res = run_bench(

@@ -98,7 +98,10 @@ def test_filling_changes_no_training_value_and_serves_every_request(tmp_path: Pa
     [
         (("--bubbles.prefill", "synthetic:0:4"), "bubbles.prefill = 'synthetic:0:4': synthetic:N:LEN needs two"),
         (("--bubbles.prefill", "nowhere.jsonl"), "bubbles.prefill = 'nowhere.jsonl': no such file"),
-        (("--parallel.pp", "1", "--parallel.microbatches", "1", "--bubbles.prefill", "synthetic:2:4"), "needs parallel.pp > 1"),
+        (
+            ("--parallel.pp", "1", "--parallel.microbatches", "1", "--bubbles.prefill", "synthetic:2:4"),
+            "needs parallel.pp > 1",
+        ),
         (("--bubbles.prefill", "synthetic:2:4", "--bubbles.model", "huge"), "bubbles.model = 'huge': must be empty or"),
         (("--bubbles.prefill", "{bad}"), '.jsonl:2: "tokens" must be a non-empty list of token ids in [0, 256)'),
         (("--bubbles.prefill", "synthetic:2:100"), "LEN = 100 is more than train.seq_len = 64"),

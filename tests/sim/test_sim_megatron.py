@@ -21,6 +21,7 @@ TOLERANCE = 0.10
 
 
 @pytest.mark.parametrize("row", MEGATRON_2021_TABLE1, ids=[f"{r.params_b}B" for r in MEGATRON_2021_TABLE1])
+@pytest.mark.slow
 def test_simulated_tflops_within_ten_percent(row: MegatronRow) -> None:
     lay = megatron_layout(row)
     work = Workload(gpt3(row.heads, row.hidden, row.layers), row.global_batch, SEQ_LEN, "fp16")

@@ -50,6 +50,7 @@ def test_example_under_torchrun_with_tp() -> None:
     _assert_falls(_run_example(*torchrun, flags=("--tp", "2")))
 
 
+@pytest.mark.slow
 def test_example_in_one_process() -> None:
     _assert_falls(_run_example())
 

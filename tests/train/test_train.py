@@ -48,6 +48,7 @@ def _losses(records: list[dict]) -> list[float]:
     return [r["loss"] for r in records if "loss" in r]
 
 
+@pytest.mark.slow
 def test_same_seed_same_losses_different_seed_different(tmp_path: Path) -> None:
     a = _losses(_train(tmp_path, "a", "--train.seed", "1"))
     b = _losses(_train(tmp_path, "b", "--train.seed", "1"))
@@ -102,6 +103,7 @@ def test_tensorboard_events(tmp_path: Path) -> None:
     assert list((tmp_path / "tb" / "tb").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_pretokenised_bin_and_bpe_data(tmp_path: Path) -> None:
     ids = np.random.default_rng(0).integers(0, 1000, size=60_000, dtype=np.uint16)
     ids.tofile(tmp_path / "toks.bin")
