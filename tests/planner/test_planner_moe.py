@@ -93,3 +93,41 @@ def test_plan_on_a_moe_flavor_chooses_ep_and_says_why() -> None:
     text = res["explanation"]
     assert f"Expert parallelism of {best['layout']['ep']}" in text and "The best with ep" in text
     assert "inside a datacenter" in text
+
+
+@pytest.mark.parametrize(
+    ("flavor", "ep", "rule"),
+    [("mixtral-8x7b", "3", "must divide model.n_experts = 8"), ("llama3-8b", "2", "needs a MoE model")],
+)
+def test_an_ep_the_model_rules_out_is_a_one_line_error(
+    flavor: str, ep: str, rule: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = isthmus_main(
+        [
+            "simulate", "--model.flavor", flavor, "--topology", "eos-h100", "--gpus", "16",
+            "--train.batch_size", "16", "--train.seq_len", "4096", "--parallel.ep", ep,
+        ]
+    )  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"--parallel.ep = {ep}: {rule}" in err
+
+
+def test_expert_imbalance_flag_prices_the_busiest_expert() -> None:
+    out = {}
+    for x in ("1.0", "1.5"):
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            rc = isthmus_main(
+                [
+                    "simulate", "--model.flavor", "mixtral-8x7b", "--topology", "eos-h100", "--gpus", "16",
+                    "--train.batch_size", "16", "--train.seq_len", "4096", "--micro-batch", "1",
+                    "--parallel.ep", "8", "--parallel.dp_shard", "16", "--parallel.pp", "1",
+                    "--runtime", "megatron-core", "--expert-imbalance", x, "--json",
+                ]
+            )  # fmt: skip
+        assert rc == 0
+        out[x] = json.loads(buf.getvalue())
+    assert out["1.5"]["step_time_s"] > out["1.0"]["step_time_s"]
+    # The busiest rank receives 1.5 times the bytes (its links' latency does not grow).
+    assert 1.3 < out["1.5"]["breakdown_s"]["ep comm"] / out["1.0"]["breakdown_s"]["ep comm"] < 1.5

@@ -17,7 +17,7 @@ import textwrap
 import types
 import typing
 from collections.abc import Iterator
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any, Literal, get_args, get_origin
 
 from isthmus.cli.config_keys import attribute_docs
@@ -168,7 +168,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--runtime",
         choices=tuple(RUNTIMES),
         default="isthmus",
-        help="software assumptions (docs/runtimes.md): isthmus (default), megatron-2021, megatron-2022, llama3",
+        help="software assumptions (docs/runtimes.md): isthmus (default), megatron-2021, megatron-2022, "
+        "megatron-core, llama3",
+    )
+    p.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=None,
+        metavar="X",
+        help="MoE models: tokens the most loaded expert receives over the mean, >= 1 (default: the runtime's, "
+        "1.2; docs/moe-planning.md)",
     )
     p.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default: 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -176,8 +185,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def planned_runtime(ns: argparse.Namespace) -> Runtime:
-    """``--runtime``, with its blocks compiled when ``--train.compile true``."""
-    return RUNTIMES[ns.runtime].with_compile(ns.compile)
+    """``--runtime``, with its blocks compiled when ``--train.compile true`` and ``--expert-imbalance``."""
+    runtime = RUNTIMES[ns.runtime].with_compile(ns.compile)
+    if ns.expert_imbalance is not None:
+        runtime = replace(runtime, expert_imbalance=ns.expert_imbalance)
+    return runtime
 
 
 def _int_flags() -> Iterator[tuple[str, str]]:
@@ -196,6 +208,8 @@ def check_arguments(ns: argparse.Namespace) -> None:
         value = getattr(ns, dest, None)
         if value is not None and value < 1:
             raise ConfigError(flag, value, "must be at least 1")
+    if ns.expert_imbalance is not None and not ns.expert_imbalance >= 1.0:
+        raise ConfigError("--expert-imbalance", ns.expert_imbalance, "must be at least 1 (1 = balanced experts)")
     if ns.zero_stage not in (None, 1, 2, 3):
         raise ConfigError(flag_of("zero_stage"), ns.zero_stage, "must be 1, 2 or 3")
     if ns.wan_bandwidth is not None and not ns.wan_bandwidth > 0:

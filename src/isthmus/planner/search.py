@@ -182,6 +182,12 @@ def search(
         raise ConfigError(
             flag_of("activation_checkpoint"), "selective", f"runtime {runtime.name} has no selective recomputation"
         )
+    if space.pin("ep") is not None:
+        # What the model alone rules out (a dense model, experts that ep does not divide); that ep
+        # divides dp_shard x cp is each layout's rule.
+        ruled_out = expert_parallel(space.pin("ep"), space.pin("ep"), 1, args.n_experts)
+        if ruled_out is not None:
+            raise ConfigError(flag_of("ep"), space.pin("ep"), str(ruled_out))
     datacenters, dc_axis = space.pin("datacenters"), space.pin("dc_axis")
     if datacenters is not None and not 1 <= datacenters <= len(topo.datacenters):
         raise ConfigError(
@@ -311,7 +317,10 @@ def _sequence_parallel(space: SearchSpace, runtime: Runtime, tp: int, cp: int, s
 def _has_valid_layout(args: ModelArgs, topo: Topology, space: SearchSpace, runtime: Runtime, dtype: str) -> bool:
     """Whether any layout passes the runtime's rules and the space's fixed values (memory aside)."""
     for _, core, _ in _core_layouts(args, topo, space, runtime, dtype):
-        if any(_zero_choices(core, shard, space) for shard in _shard_choices(core, space)):
+        if any(
+            _zero_choices(core, shard, space) and _expert_choices(args, shard, core.cp, space)
+            for shard in _shard_choices(core, space)
+        ):
             return True
     return False
 
@@ -445,7 +454,7 @@ def _prepare(
     result: SearchResult,
 ) -> _Core | None:
     """Memory floor and a compute-only bound of a core layout; None when no variant of it can fit."""
-    shards = _shard_choices(core, space)
+    shards = [s for s in _shard_choices(core, space) if _expert_choices(work.args, s, core.cp, space)]
     if not shards:
         # The fixed dp_shard does not divide this core's data parallelism: no variant, and not a
         # matter of memory (counted as one, it showed an unsharded "closest" below the limit).

@@ -117,11 +117,11 @@ class Runtime:
     """MoE layers: tokens the most loaded expert receives over the mean (1.0: perfect balance), as a
     router trained with a load-balancing loss or bias leaves it. A rank of an ep group holding k
     experts carries 1 + (imbalance - 1) / sqrt(k) times its share (independent loads), and the
-    all-to-all waits for it; one rank holding every expert (ep 1) is balanced. 1.2 is an assumption, not a fit: Megatron's
-    MoE model zoo reports dropless Qwen3-235B-A22B runs on 256 H100 at 0.80 to 0.92 of the throughput
-    of the same runs forced to balance (best_practice/Qwen3), a loss a 1.2 to 1.5 load on the busiest
-    rank of the expert half of a step would explain (docs/moe-planning.md). A capacity factor caps it
-    (model.capacity_factor)."""
+    all-to-all waits for it; one rank holding every expert (ep 1) is balanced. 1.2 is an assumption, not a fit:
+    the published MoE runs do not pin it down (docs/moe-planning.md: dropless Mixtral rows sit either
+    side of it; Megatron's MoE model zoo lost 8 to 20% of Qwen3-235B's throughput dropless, more than
+    1.2 over 16 experts a rank gives). A capacity factor caps it (model.capacity_factor);
+    ``--expert-imbalance`` sets it for one plan."""
     compress_ratio: float = 0.25
     """Bytes sent over the WAN by the 'compressed' strategy, relative to the gradient's own bytes."""
     # Flat's steps over the strategy's steps to flat's validation loss, from benchmarks/geo_sync.py's
