@@ -39,6 +39,9 @@ class ParallelDims:
     datacenters: int = 1
     """Datacenters the replicas span (``geo.datacenters`` with ``geo.dc_axis = dp``; the mesh's
     ``dc`` dimension); each holds world_size / datacenters ranks."""
+    ep: int = 1
+    """Expert-parallel degree of the MoE layers, folded over dp_shard x cp (not a dimension of its own:
+    see `build_mesh`)."""
 
     def degrees(self) -> tuple[int, ...]:
         """The mesh's sizes, in :data:`MESH_DIMS` order."""
@@ -62,7 +65,7 @@ class ParallelDims:
     @classmethod
     def from_config(cls, p: ParallelSection, world_size: int | None = None, datacenters: int = 1) -> ParallelDims:
         world = p.nproc if world_size is None else world_size
-        return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world, datacenters)
+        return cls(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world, datacenters, p.ep)
 
     @property
     def replicate(self) -> int:
@@ -104,6 +107,10 @@ class ParallelDims:
         return self.pp > 1
 
     @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
     def grad_sync_degree(self) -> int:
         """Ranks that hold replicas of the same parameters and must average gradients (dp x cp)."""
         return self.dp * self.cp
@@ -116,6 +123,13 @@ class ParallelDims:
         - ``dp_shard_cp``: (dp_shard, cp), what FSDP shards over (context-parallel ranks hold the
           same parameters, so they share the shards and the gradient reduction);
         - ``dp_cp``: (dc, dp_replicate, dp_shard, cp), the ranks a loss is averaged over.
+
+        With ep > 1, ``experts``: dp_cp unflattened into (``e_replicate``, ``efsdp``, ``ep``), sizes
+        (dc x dp_replicate, dp_shard x cp / ep, ep). Expert parallelism folds over dp_shard x cp as
+        torchtitan's does: ``ep`` is a block of ep consecutive ranks of dp_shard_cp, which hold
+        different experts (and different data); ``efsdp`` are the ranks of dp_shard_cp holding the same
+        experts, over which FSDP shards them, and ``e_replicate`` replicates them as dp_replicate
+        does the dense part. Unflattened from the root mesh, so FSDP accepts DTensors on it.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -126,7 +140,11 @@ class ParallelDims:
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
             "dp_cp": mesh["dc", "dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
         }
-        return Meshes(mesh, flat)
+        experts = None
+        if self.ep_enabled:
+            sizes = (self.replicate, self.dp_shard * self.cp // self.ep, self.ep)
+            experts = flat["dp_cp"]._unflatten(0, sizes, ("e_replicate", "efsdp", "ep"))
+        return Meshes(mesh, flat, experts)
 
 
 class Meshes:
@@ -136,8 +154,10 @@ class Meshes:
     A 2-D view over (dp_replicate, dp_shard_cp) for HSDP is sliced from the root mesh.
     """
 
-    def __init__(self, root: DeviceMesh, flat: dict[str, DeviceMesh]) -> None:
+    def __init__(self, root: DeviceMesh, flat: dict[str, DeviceMesh], experts: DeviceMesh | None = None) -> None:
         self.root, self.flat = root, flat
+        self.experts = experts
+        """(e_replicate, efsdp, ep) when expert parallelism is on (see `ParallelDims.build_mesh`)."""
 
     def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
         if isinstance(names, str) and names in self.flat:
@@ -155,8 +175,13 @@ def fill_data_parallel(p: ParallelSection, world_size: int, datacenters: int = 1
     As torchtitan's ``-1``: ``--parallel.nproc 4 --parallel.tp 2`` alone runs dp 2 x tp 2, and
     ``--parallel.dp_shard 2`` on two ranks does not inherit a replicate degree it has no room for.
     ``dp_shard = -1`` fills first (FSDP over every rank left); otherwise ``dp_replicate = -1`` does
-    (the default); a -1 with nothing left to fill is 1. ``datacenters`` multiply the named degrees.
+    (the default), except that with ``ep > 1`` and dp_shard left at 1 dp_shard fills (expert
+    parallelism folds over dp_shard x cp); a -1 with nothing left to fill is 1. ``datacenters``
+    multiply the named degrees.
     """
+    if p.ep > 1 and p.dp_shard == 1 and p.dp_replicate == FILL and p.cp % p.ep:
+        for name, value in (("dp_shard", FILL), ("dp_replicate", 1)):
+            setattr(p, name, value)
     for name in ("dp_replicate", "dp_shard"):
         value = getattr(p, name)
         if value < 1 and value != FILL:
@@ -183,7 +208,12 @@ def fill_data_parallel(p: ParallelSection, world_size: int, datacenters: int = 1
 
 
 def check_layout(
-    cfg: LayoutConfig, n_heads: int, n_kv_heads: int, n_layers: int, world_size: int | None = None
+    cfg: LayoutConfig,
+    n_heads: int,
+    n_kv_heads: int,
+    n_layers: int,
+    world_size: int | None = None,
+    n_experts: int = 0,
 ) -> ParallelDims:
     """Every layout rule that needs no process, with the numbers in the message.
 
@@ -225,6 +255,17 @@ def check_layout(
             + f" = {micro}",
         )
     rules.raise_for(rules.zero_stage(p.zero_stage, dims.dp_shard, dims.tp, dims.pp, dims.cp, dims.replicate))
+    rules.raise_for(rules.expert_parallel(p.ep, dims.dp_shard, dims.cp, n_experts))
+    if dims.ep_enabled and p.zero_stage == 1:
+        raise ConfigError("parallel.zero_stage", 1, "ZeRO-1 (DDP) cannot hold expert-sharded weights; use 2 or 3")
+    if n_experts:
+        # Not built yet: a MoE layer under tensor parallelism, and its per-sequence aux loss and
+        # capacity on context-parallel chunks of a sequence.
+        for key, degree in (("tp", dims.tp), ("cp", dims.cp)):
+            if degree > 1:
+                raise ConfigError(
+                    f"parallel.{key}", degree, "is not combined with MoE models (model.n_experts > 0) yet"
+                )
     g = cfg.geo
     if g.sync != "none":
         if not dims.dc_enabled:

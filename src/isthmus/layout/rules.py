@@ -75,21 +75,22 @@ DataParallelKind = Literal["none", "ddp", "zero1", "fsdp"]
 
 
 def data_parallel_kind(
-    dp_shard: int, cp: int, tp: int, pp: int, replicas: int, zero_stage: int, geo_sync: bool = False
+    dp_shard: int, cp: int, tp: int, pp: int, replicas: int, zero_stage: int, geo_sync: bool = False, ep: int = 1
 ) -> DataParallelKind:
     """How the runtime keeps data-parallel (and context-parallel) replicas in step.
 
     ``replicas``: every replica, datacenters included. Under a geo sync the strategy averages
     over replicas itself (isthmus.geo) and FSDP2 shards inside each datacenter only. DDP holds
-    neither DTensor parameters (tp) nor pipeline stages run microbatch by microbatch (pp): FSDP2
-    with a shard size of 1 is pure replication and composes with both.
+    neither DTensor parameters (tp, expert parallelism's experts) nor pipeline stages run
+    microbatch by microbatch (pp): FSDP2 with a shard size of 1 is pure replication and composes
+    with all of them.
     """
     if geo_sync:
-        return "fsdp" if dp_shard > 1 else "none"
-    if dp_shard > 1 and zero_stage == 1:
+        return "fsdp" if dp_shard > 1 or ep > 1 else "none"
+    if dp_shard > 1 and zero_stage == 1 and ep == 1:
         return "zero1"
     grad_sync = replicas * dp_shard * cp
-    if dp_shard > 1 or ((tp > 1 or pp > 1) and grad_sync > 1):
+    if dp_shard > 1 or ep > 1 or ((tp > 1 or pp > 1) and grad_sync > 1):
         return "fsdp"
     return "ddp" if grad_sync > 1 else "none"
 

@@ -135,7 +135,7 @@ class LayoutSpec:
     def data_parallel_kind(self) -> DataParallelKind:
         """What keeps the replicas in step (see :func:`isthmus.layout.rules.data_parallel_kind`)."""
         return data_parallel_kind(
-            self.dp_shard, self.cp, self.tp, self.pp, self.replicas, self.zero_stage, self.sync != "none"
+            self.dp_shard, self.cp, self.tp, self.pp, self.replicas, self.zero_stage, self.sync != "none", self.ep
         )
 
     @property

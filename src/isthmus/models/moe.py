@@ -42,6 +42,19 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, scale: float) -> Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad * ctx.scale, None
+
+
 class _AuxLossGrad(torch.autograd.Function):
     """The identity on a layer's output that, in backward, also gives the layer's auxiliary loss the
     gradient ``scale`` (d loss / d aux): the aux loss joins the training loss without being added to
@@ -114,10 +127,14 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, ffn_dim))
         self.w3 = nn.Parameter(torch.empty(n_experts, ffn_dim, dim))
+        self.grad_scale = 1.0
+        """Multiplies the weights' gradients: expert parallelism's 1/ep (see `isthmus.parallel.expert`)."""
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
         """Rows of x [T, dim], sorted by expert (``counts[e]`` rows for local expert e), each through its expert."""
         w1, w2, w3 = _local(self.w1), _local(self.w2), _local(self.w3)
+        if self.grad_scale != 1.0:
+            w1, w2, w3 = (_ScaleGrad.apply(w, self.grad_scale) for w in (w1, w2, w3))
         splits = counts.tolist()
         assert len(splits) == w1.shape[0] and sum(splits) == x.shape[0], (splits, w1.shape, x.shape)
         # unbind, not w1[e]: its backward stacks the E gradients once instead of adding E full-size zeros.

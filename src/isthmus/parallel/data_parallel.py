@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from isthmus.layout import rules
@@ -33,7 +34,9 @@ from isthmus.models.llama import Transformer
 
 def data_parallel_kind(dims: ParallelDims, zero_stage: int, geo_sync: bool = False) -> DataParallelKind:
     """The rule :func:`isthmus.layout.rules.data_parallel_kind` (the planner's ``shard_degree`` too) for ``dims``."""
-    return rules.data_parallel_kind(dims.dp_shard, dims.cp, dims.tp, dims.pp, dims.replicate, zero_stage, geo_sync)
+    return rules.data_parallel_kind(
+        dims.dp_shard, dims.cp, dims.tp, dims.pp, dims.replicate, zero_stage, geo_sync, dims.ep
+    )
 
 
 def fsdp_mesh(mesh: Meshes, dims: ParallelDims, geo_sync: bool = False) -> DeviceMesh:
@@ -52,17 +55,42 @@ def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
+def expert_fsdp_mesh(mesh: Meshes, dims: ParallelDims, geo_sync: bool = False) -> DeviceMesh | None:
+    """Under expert parallelism, what FSDP shards and reduces the experts over: the ranks holding the
+    same experts (efsdp, with e_replicate as HSDP's replicas where the dense part has them); None without."""
+    if mesh.experts is None:
+        return None
+    if dims.dp_replicate_enabled and not geo_sync:
+        return mesh.experts["e_replicate", "efsdp"]
+    return mesh.experts["efsdp"]
+
+
 def apply_fsdp(
-    model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, reshard_root: bool = True, dtype: str = "fp32"
+    model: Transformer,
+    dp_mesh: DeviceMesh,
+    zero_stage: int,
+    reshard_root: bool = True,
+    dtype: str = "fp32",
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Shard each transformer block, then the root (embedding, final norm, head) as one group.
 
     Per-block groups let FSDP2 gather one block's parameters while the previous block computes.
+    With ``expert_mesh`` (expert parallelism) a MoE block's routed experts are a group of their own
+    on that mesh, as torchtitan does; the router and shared experts stay with the block.
     """
 
     reshard = zero_stage == 3
     policy = mixed_precision(dtype)
     for block in model.layers.values():
+        experts = getattr(block.get_submodule("feed_forward"), "experts", None)
+        if expert_mesh is not None and experts is not None:
+            local = experts.w1.to_local().shape[0]
+            # Fewer local experts than shards: shard the experts' hidden dimension rather than pad.
+            placement = (lambda _: Shard(1)) if local < expert_mesh.size(-1) else None
+            fully_shard(
+                experts, mesh=expert_mesh, reshard_after_forward=reshard, mp_policy=policy, shard_placement_fn=placement
+            )
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard and reshard_root, mp_policy=policy)
     return model

@@ -2,7 +2,8 @@
 
 Order, fixed (each step needs the one before it):
 1. pipeline split (pp): this rank keeps only its stages' layers;
-2. tensor + sequence parallel (tp): DTensor plans on each stage;
+2. tensor + sequence parallel (tp): DTensor plans on each stage; then expert parallelism (ep):
+   the MoE layers' experts sharded by expert over the ep mesh, tokens routed by all-to-all;
 3. context parallel (cp): the attention kernel becomes ring or Ulysses attention;
 4. activation checkpointing: wraps blocks, after TP so recomputation replays the sharded ops;
    then, under ``train.compile``, each block is compiled (`isthmus.parallel.compile`);
@@ -31,7 +32,15 @@ from isthmus.models.moe import MoE, moe_layers
 from isthmus.parallel.ac import apply_ac
 from isthmus.parallel.compile import compile_blocks
 from isthmus.parallel.context import apply_cp, cp_positions
-from isthmus.parallel.data_parallel import DataParallelKind, apply_ddp, apply_fsdp, data_parallel_kind, fsdp_mesh
+from isthmus.parallel.data_parallel import (
+    DataParallelKind,
+    apply_ddp,
+    apply_fsdp,
+    data_parallel_kind,
+    expert_fsdp_mesh,
+    fsdp_mesh,
+)
+from isthmus.parallel.expert import apply_ep
 from isthmus.parallel.pipeline import build_pipeline
 from isthmus.parallel.tp import apply_tp
 
@@ -108,6 +117,9 @@ def _shard_stage(
     if dims.tp_enabled:
         assert mesh is not None
         apply_tp(module, mesh["tp"], p.sequence_parallel, p.timeout_s)
+    if dims.ep_enabled:
+        assert mesh is not None and mesh.experts is not None
+        apply_ep(module, mesh.experts["ep"])
     if dims.cp_enabled:
         assert mesh is not None
         apply_cp(module, mesh["cp"].get_group(), p.cp_impl)
@@ -117,7 +129,8 @@ def _shard_stage(
         compile_blocks(module)
     if dp_kind == "fsdp":
         assert mesh is not None
-        apply_fsdp(module, fsdp_mesh(mesh, dims, geo_sync), p.zero_stage, dtype=dtype)
+        expert_mesh = expert_fsdp_mesh(mesh, dims, geo_sync)
+        apply_fsdp(module, fsdp_mesh(mesh, dims, geo_sync), p.zero_stage, dtype=dtype, expert_mesh=expert_mesh)
     return module
 
 

@@ -132,7 +132,12 @@ class Trainer:
         self.data = self._prepare_data()
         self.model_args = a = resolve_model_args(cfg.model, self.data.tokenizer.vocab_size)
         self.dims: ParallelDims = check_layout(
-            cfg, a.n_heads, a.n_kv_heads, a.n_layers, world_size=self.geo_run.layout_world(self.world)
+            cfg,
+            a.n_heads,
+            a.n_kv_heads,
+            a.n_layers,
+            world_size=self.geo_run.layout_world(self.world),
+            n_experts=a.n_experts,
         )
         self.layout = LayoutSpec.from_config(cfg)
         self.mesh = self.dims.build_mesh(self.device.type) if self.world > 1 and self.geo_run.whole_run else None
