@@ -39,8 +39,8 @@ BOUND = {
     "smith2022-mtnlg": 0.10,  # at the micro-batch its three times imply (below)
     "bigscience2022-bloom": 0.10,  # on its own cluster (jean-zay-a100); 13.4% on selene-a100's fabric
     "dubey2024-llama3": 0.10,
-    # MoE rows (docs/moe.md): the issue's target is 15%; the 8x22B row runs Megatron-Core's reference
-    # mapping, not the paper's folded layout, and lands at its edge.
+    # MoE rows (docs/moe-planning.md): issue 33's target is 15%; the 8x22B row runs Megatron-Core's
+    # reference mapping, not the paper's folded layout, and lands near its edge (-14.4%).
     "megatron-core-moe": 0.15,
     "liu2025-folding": 0.15,
 }

@@ -94,6 +94,12 @@ def block_cost(kind: DeviceKind, site: SiteSpans, block: BlockShape, cp_impl: st
     act = b * s / cp * a.dim * e
     # Two all-reduces per block each way (with sp an all-gather + reduce-scatter: the same bytes).
     tp_time = 2 * comm.all_reduce(act, tp_span(site, runtime))
+    if a.is_moe and tp > 1:
+        # Experts split over tp gather every routed copy their tp group received (and reduce-scatter
+        # the results back): the MoE half's collectives carry top_k copies per token at the busiest
+        # rank's load, not one hidden state (Megatron-Core's all-to-all dispatcher with expert tp = tp).
+        copies = a.top_k * rank_imbalance(block, runtime)
+        tp_time += comm.all_reduce(act * copies, tp_span(site, runtime)) - comm.all_reduce(act, tp_span(site, runtime))
     if tp > 1:  # measured runtime work of a tensor-parallel block (0 unless a profile says)
         tp_time += kind.tp_block_s + (kind.sp_block_s if sp else 0.0)
     cp_f = cp_b = 0.0

@@ -113,15 +113,15 @@ class Runtime:
     megatron_stages: bool = False
     """Megatron-LM's pipeline rules: layers split evenly over stages (n_layers divisible by pp x v),
     interleaving only with pp > 2 and microbatches divisible by pp."""
-    expert_imbalance: float = 1.2
-    """MoE layers: tokens the most loaded expert receives over the mean (1.0: perfect balance), as a
-    router trained with a load-balancing loss or bias leaves it. A rank of an ep group holding k
-    experts carries 1 + (imbalance - 1) / sqrt(k) times its share (independent loads), and the
-    all-to-all waits for it; one rank holding every expert (ep 1) is balanced. 1.2 is an assumption, not a fit:
-    the published MoE runs do not pin it down (docs/moe-planning.md: dropless Mixtral rows sit either
-    side of it; Megatron's MoE model zoo lost 8 to 20% of Qwen3-235B's throughput dropless, more than
-    1.2 over 16 experts a rank gives). A capacity factor caps it (model.capacity_factor);
-    ``--expert-imbalance`` sets it for one plan."""
+    expert_imbalance: float = 1.05
+    """MoE layers: tokens the most loaded expert receives over the mean (1.0: perfect balance). A rank
+    of an ep group holding k experts carries 1 + (imbalance - 1) / sqrt(k) times its share (loads
+    taken as independent), and the all-to-all waits for it; one rank holding every expert (ep 1) is
+    balanced. 1.05 from Megatron's MoE model zoo (best_practice/Mixtral): Mixtral 8x22B with a trained
+    router (aux loss) ran at about 455 TFLOP/s per H100 dropless and 470 with every expert padded to a
+    capacity factor of 1, a 3.2% loss this model gives at 1.05 on that layout (docs/moe-planning.md).
+    Fine-grained routers lose more (the same zoo: 8 to 20% for Qwen3-235B-A22B). A capacity factor
+    caps it (model.capacity_factor); ``--expert-imbalance`` sets it for one plan."""
     compress_ratio: float = 0.25
     """Bytes sent over the WAN by the 'compressed' strategy, relative to the gradient's own bytes."""
     # Flat's steps over the strategy's steps to flat's validation loss, from benchmarks/geo_sync.py's
@@ -224,8 +224,9 @@ RUNTIMES: dict[str, Runtime] = {
     # Megatron-Core (MCore 0.8 to 0.12, 2024-25) as NVIDIA's MoE benchmarks run it: bf16 with Transformer
     # Engine's fused attention and no dropout; the distributed optimizer (bf16 weights, fp32 main
     # gradients, fp32 master copy and Adam moments sharded over dp) with --overlap-grad-reduce and
-    # --overlap-param-gather; sequence parallelism; interleaved pipelines whose p2p overlaps compute;
-    # Megatron's even split of blocks over stages; selective recomputation of the attention core.
+    # --overlap-param-gather; sequence parallelism; interleaved pipelines whose p2p overlaps compute,
+    # at any pp (2 included) and with uneven first and last stages (--decoder-first/last-pipeline-num-
+    # layers), so not Megatron-LM 2021's stage rules; selective recomputation of the attention core.
     "megatron-core": Runtime(
         "megatron-core",
         attention="flash",
@@ -237,7 +238,6 @@ RUNTIMES: dict[str, Runtime] = {
         grad_bytes=4,
         optimizer_bytes=12,
         selective="attention_core",
-        megatron_stages=True,
     ),
     # Meta's Llama 3 405B pretraining stack as Dubey et al. 2024 (section 3.3.2) describe it: 4D
     # parallelism with FSDP that shards optimizer state and gradients but keeps the bf16 weights
