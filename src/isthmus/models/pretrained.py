@@ -1,6 +1,6 @@
 """The shape of the weights ``model.init_from`` names, read without torch or a tensor.
 
-Two forms: a Hugging Face Llama folder (``config.json``, see `hf_config`) or a file ``isthmus export``
+Two forms: a Hugging Face folder (``config.json``: Llama, Qwen3, Mixtral, Qwen3-MoE; see `hf_config`) or a file ``isthmus export``
 wrote (its shape is in the safetensors header's metadata). The header is read as the safetensors
 format defines it (an 8-byte little-endian length, then JSON), so this stays torch-free.
 """

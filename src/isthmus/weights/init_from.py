@@ -1,4 +1,5 @@
-"""Start a run from saved weights (``model.init_from``): a Hugging Face Llama folder or an isthmus export.
+"""Start a run from saved weights (``model.init_from``): a Hugging Face folder (Llama, Qwen3, Mixtral,
+Qwen3-MoE; see `hf_config`) or an isthmus export.
 
 `open_weights` checks the source before the model is built: every tensor the model needs is
 present with the right shape and a float dtype (read from the safetensors headers only). Then
@@ -6,7 +7,8 @@ present with the right shape and a float dtype (read from the safetensors header
 of the full tensor (TP, FSDP, HSDP: each dimension split over at most one mesh dimension) reads
 only that block from the file, converted to isthmus's rotary layout and the parameter's dtype;
 for other placements (FSDP over TP splits a dimension twice) it reads the one full tensor and
-slices it as DTensor does, one tensor at a time. Pipeline stages read only their own layers. The
+slices it as DTensor does, one tensor at a time. Stacked experts are read from their per-expert HF
+tensors, only the experts (and rows) of the block. Pipeline stages read only their own layers. The
 optimizer starts fresh. Only safetensors and JSON are read: no pickle, so the data never runs code.
 """
 
