@@ -263,6 +263,8 @@ def _core_layouts(
                     if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS or c == space.pin("cp"))
                 ]
                 for cp in _fix(cps, space.pin("cp")):
+                    if args.is_moe and not runtime.experts_with_tp_cp and (tp > 1 or cp > 1):
+                        continue
                     sp = _sequence_parallel(space, runtime, tp, cp, seq)
                     if sp is None:
                         continue
@@ -577,6 +579,8 @@ def _variants(
     for shard, ep in ((s, e) for s in cand.shards for e in _expert_choices(work.args, s, core.cp, space)):
         pl = None
         for zero in _zero_choices(core, shard, space):
+            if ep > 1 and zero == 1:
+                continue  # ZeRO-1 (DDP) holds no expert-sharded weights: the runtime refuses it
             probe = LayoutSpec(**fields, dp_replicate=per_dc // shard, dp_shard=shard, zero_stage=zero, ep=ep)
             gathered = gathered_weight_bytes(runtime, work.dtype, probe.data_parallel_kind == "fsdp")
             state = moe_state_bytes(
