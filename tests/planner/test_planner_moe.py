@@ -131,3 +131,14 @@ def test_expert_imbalance_flag_prices_the_busiest_expert() -> None:
     assert out["1.5"]["step_time_s"] > out["1.0"]["step_time_s"]
     # The busiest rank receives 1.5 times the bytes (its links' latency does not grow).
     assert 1.3 < out["1.5"]["breakdown_s"]["ep comm"] / out["1.0"]["breakdown_s"]["ep comm"] < 1.5
+
+
+def test_the_simulator_replays_the_all_to_alls_on_their_own_lane() -> None:
+    from isthmus.sim import simulate
+
+    topo = load_topology("eos-h100").subset(64)
+    res = simulate(WORK, topo, _layout(8), RT, record=True)
+    assert res.step_time_s == pytest.approx(res.planner.step_time_s, rel=0.05)
+    assert res.breakdown["ep comm"] == pytest.approx(res.planner.breakdown["ep comm"], rel=0.05)
+    lanes = {e.lane for e in res.trace_events if e.cat == "ep"}
+    assert lanes == {"ep"}
