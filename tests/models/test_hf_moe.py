@@ -118,6 +118,19 @@ def test_logits_match_transformers(folders: dict[str, tuple[Path, Any]], name: s
     assert logit_diff(hf, isthmus_model(folder)) <= ATOL
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+@torch.no_grad()
+def test_cached_decoding_matches_transformers(folders: dict[str, tuple[Path, Any]], name: str) -> None:
+    """`isthmus generate`'s path: a prompt, then one token at a time through the KV cache."""
+    from isthmus.models.llama import KVCache
+
+    folder, hf = folders[name]
+    ours, cache = isthmus_model(folder), KVCache()
+    x = torch.randint(0, VOCAB, (1, 24), generator=torch.Generator().manual_seed(2))
+    steps = [ours(x[:, :16], cache=cache)] + [ours(x[:, i : i + 1], cache=cache) for i in range(16, 24)]
+    assert float((torch.cat(steps, dim=1) - hf(x).logits).abs().max()) <= ATOL
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_hf_isthmus_hf_round_trip_is_bit_exact(tmp_path: Path, folders: dict[str, tuple[Path, Any]], name: str) -> None:
     from safetensors.torch import load_file
