@@ -120,8 +120,8 @@ def expert_sentence(result: SearchResult, span: Span | None) -> str:
         )
     else:
         s = (
-            f"Every rank keeps all {a.n_experts} experts (ep 1): no all-to-all, and the experts' state is sharded "
-            "like the rest."
+            f"Every rank keeps all {a.n_experts} experts (ep 1): no all-to-all, and the experts' weights and "
+            "optimizer state are held like the dense part's."
         )
     rivals = [e for k, e in result.alternatives.items() if k.startswith("ep=") and e.layout.ep != lay.ep]
     rival = max(rivals, key=lambda e: e.effective_tokens_per_s, default=None)
