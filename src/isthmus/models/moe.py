@@ -148,8 +148,8 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """Routed experts plus optional shared experts, in place of a block's FeedForward.
 
-    After each forward it keeps ``tokens_per_expert`` (tokens that chose each expert, summed over
-    forwards until `take_load` reads them), ``tokens_dropped`` (copies over capacity, likewise) and
+    After each training forward it keeps ``tokens_per_expert`` (tokens that chose each expert, summed
+    over forwards until `take_load` reads them), ``tokens_dropped`` (copies over capacity, likewise) and
     ``aux_loss`` (this forward's load-balancing loss, with its graph; None unless
     ``load_balance == "aux_loss"``). Whoever trains adds ``aux_weight * aux_loss`` of every layer to
     the loss (`aux_loss_term`: ``aux_loss_coef`` times the mean over the layers); or, with
@@ -175,6 +175,8 @@ class MoE(nn.Module):
         self.tokens_dropped: Tensor | None = None
         self.aux_loss: Tensor | None = None
         self.aux_weight = args.aux_loss_coef / args.n_moe_layers
+        self.counting = True
+        """Whether training forwards add to the counts (off while a pipeline infers its shapes)."""
         self.feeds_aux_grad = False
         self._aux_sum: Tensor | None = None
         self._forwards = 0
@@ -189,7 +191,9 @@ class MoE(nn.Module):
         keep = self._within_capacity(experts.view(bsz, seqlen, self.top_k))
         if self.load_balance == "aux_loss":
             self.aux_loss = self._aux_loss(scores.view(bsz, seqlen, -1), experts.view(bsz, seqlen, -1))
-        if not _in_backward():  # a recomputed forward (activation checkpointing) is not a new batch
+        # Training forwards only: not evaluation, a pipeline's shape inference (both without grad) or
+        # a forward activation checkpointing recomputes in backward.
+        if self.counting and torch.is_grad_enabled() and not _in_backward():
             self._count(choice_expert, keep)
         # Dropped copies sort after every expert (id n_experts) and are cut off; stable, so within
         # an expert the copies stay in token order.

@@ -41,7 +41,7 @@ from isthmus.parallel.data_parallel import (
     fsdp_mesh,
 )
 from isthmus.parallel.expert import apply_ep
-from isthmus.parallel.pipeline import build_pipeline
+from isthmus.parallel.pipeline import build_pipeline, local_stages
 from isthmus.parallel.tp import apply_tp
 
 
@@ -85,6 +85,26 @@ class ParallelModel:
             for p in m.parameters():
                 seen.setdefault(id(p), p)
         return list(seen.values())
+
+
+def _uncounted_metadata_inference(schedule: Any) -> None:
+    """Keep the forward torch's pipeline stages run once to infer their shapes (the first step's first
+    micro-batch again, or empty tensors on later stages) out of the MoE layers' expert counts, which
+    the bias method and the metrics read. torch 2.13 runs it in ``_forward_metadata_inference``."""
+    for stage in local_stages(schedule):
+        layers = moe_layers([stage.submod])
+        infer = stage._forward_metadata_inference
+
+        def uncounted(*args: Any, _infer: Any = infer, _layers: list[MoE] = layers, **kwargs: Any) -> Any:
+            for layer in _layers:
+                layer.counting = False
+            try:
+                return _infer(*args, **kwargs)
+            finally:
+                for layer in _layers:
+                    layer.counting = True
+
+        stage._forward_metadata_inference = uncounted  # type: ignore[method-assign]
 
 
 def _inject_cp_positions(module: Transformer, cp_rank: int, cp_size: int) -> None:
@@ -193,6 +213,8 @@ def apply_layout(
         for layer in moe:
             # The loss is computed on the last stage: each layer feeds its aux loss's gradient itself.
             layer.feeds_aux_grad = True
+        if moe:
+            _uncounted_metadata_inference(schedule)
         return ParallelModel(list(stages), dims, dp_kind, schedule, has_first, has_last, loss_parallel, autocast, moe)
 
     module: nn.Module = materialise(model)
