@@ -257,7 +257,7 @@ LAYOUTS: list[tuple[str, int, list[str]]] = [
     ("dp2", 2, ["--parallel.dp_shard", "2"]),
     ("tp2", 2, ["--parallel.tp", "2"]),
     ("pp2", 2, ["--parallel.pp", "2", "--parallel.microbatches", "2"]),
-    # FSDP over TP splits wq's rows twice: the path that slices a full tensor instead of reading a block.
+    # FSDP over TP splits wq's rows twice (a _StridedShard): each rank still reads one block of the file.
     ("dp2_tp2", 4, ["--parallel.dp_shard", "2", "--parallel.tp", "2"]),
 ]
 

@@ -292,6 +292,10 @@ def test_finetune_then_export_loads_in_transformers(
 
 LAYOUTS = [
     pytest.param("qwen3_moe", 2, ["--parallel.dp_shard", "2"], id="qwen3_moe_dp2", marks=pytest.mark.slow),
+    # Each rank reads only its own experts' blocks from the per-expert tensors.
+    pytest.param("mixtral", 2, ["--parallel.ep", "2"], id="mixtral_ep2"),
+    # FSDP over the experts EP holds: a _StridedShard, still one block per rank.
+    pytest.param("mixtral", 4, ["--parallel.ep", "2", "--parallel.dp_shard", "4"], id="mixtral_ep2_dp4"),
     # Each rank's heads see the shared q/k norm scales: their gradients are summed over the group.
     pytest.param("qwen3", 2, ["--parallel.tp", "2"], id="qwen3_tp2"),
 ]
@@ -313,3 +317,31 @@ def _train_ranks(overrides: list[str], run_dir: str, cache_dir: str) -> list[flo
     import torch.distributed as dist
 
     return _train([*overrides, "--parallel.nproc", str(dist.get_world_size())], run_dir, cache_dir)
+
+
+def _boxes_match_dtensor_slices() -> list[bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from isthmus.weights.init_from import _local_box
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "ep"))
+    full = torch.arange(8 * 6 * 3, dtype=torch.float32).view(8, 6, 3)
+    results = []
+    # FSDP over EP (or TP) on the same dimension, FSDP on another one, and an uneven strided split.
+    for placements, rows in (((_StridedShard(0, split_factor=2), Shard(0)), 8), ((Shard(1), Shard(0)), 8)):
+        local = distribute_tensor(full[:rows], mesh, placements, src_data_rank=None)
+        box = _local_box(local)
+        assert box is not None
+        index = tuple(slice(o, o + n) for o, n in zip(*box, strict=True))
+        results.append(torch.equal(full[:rows][index], local.to_local()))
+    uneven = distribute_tensor(full[:6], mesh, (_StridedShard(0, split_factor=2), Shard(0)), src_data_rank=None)
+    results.append(_local_box(uneven) is None)
+    return results
+
+
+def test_a_rank_reads_its_block_when_fsdp_shards_a_sharded_dimension() -> None:
+    from multirank import run_ranks
+
+    assert all(all(rank) for rank in run_ranks(_boxes_match_dtensor_slices, 4))

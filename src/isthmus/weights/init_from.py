@@ -4,10 +4,10 @@ Qwen3-MoE; see `hf_config`) or an isthmus export.
 `open_weights` checks the source before the model is built: every tensor the model needs is
 present with the right shape and a float dtype (read from the safetensors headers only). Then
 `load_weights` fills this rank's parameters, whatever the layout. A rank whose shard is one block
-of the full tensor (TP, FSDP, HSDP: each dimension split over at most one mesh dimension) reads
-only that block from the file, converted to isthmus's rotary layout and the parameter's dtype;
-for other placements (FSDP over TP splits a dimension twice) it reads the one full tensor and
-slices it as DTensor does, one tensor at a time. Stacked experts are read from their per-expert HF
+of the full tensor (TP, FSDP, HSDP, EP, and FSDP over TP or EP where it splits evenly) reads only
+that block from the file, converted to isthmus's rotary layout and the parameter's dtype; for other
+placements (an uneven split of a dimension split twice) it reads the one full tensor and slices it
+as DTensor does, one tensor at a time. Stacked experts are read from their per-expert HF
 tensors, only the experts (and rows) of the block. Pipeline stages read only their own layers. The
 optimizer starts fresh. Only safetensors and JSON are read: no pickle, so the data never runs code.
 """
@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from isthmus.errors import CheckpointError
 from isthmus.log import get_logger
@@ -103,19 +104,35 @@ class PretrainedWeights:
 
 
 def _local_box(p: DTensor) -> Box | None:
-    """This rank's block of a DTensor when it is one chunk of the full tensor per dimension (each tensor
-    dimension sharded over at most one mesh dimension); None for other placements."""
+    """This rank's block of a DTensor when it is one chunk of the full tensor per dimension; None for
+    other placements.
+
+    Two cases: each tensor dimension sharded over at most one mesh dimension (TP, FSDP, HSDP, EP), or
+    FSDP over another sharding of the same dimension (FSDP over TP, or over EP's experts), whose
+    ``_StridedShard`` means: the later mesh dimension splits first, then FSDP splits each of its
+    pieces, so an even split leaves each rank one contiguous chunk."""
     offset, shape = [0] * p.dim(), list(p.shape)
     coordinate = p.device_mesh.get_coordinate()
     assert coordinate is not None, "a rank outside the parameter's mesh"
+    placements = list(p.placements)
     seen: set[int] = set()
-    for mesh_dim, placement in enumerate(p.placements):
-        if isinstance(placement, Replicate):
+    for mesh_dim, placement in enumerate(placements):
+        if isinstance(placement, Replicate) or mesh_dim in seen:
             continue
-        if type(placement) is not Shard or placement.dim in seen:
-            return None
-        seen.add(placement.dim)
-        d, parts = placement.dim, p.device_mesh.size(mesh_dim)
+        d, parts = getattr(placement, "dim", -1), p.device_mesh.size(mesh_dim)
+        if isinstance(placement, _StridedShard):
+            inner = [m for m, q in enumerate(placements) if m > mesh_dim and type(q) is Shard and q.dim == d]
+            if len(inner) != 1 or p.device_mesh.size(inner[0]) != placement.split_factor:
+                return None
+            outer_parts, index = int(placement.split_factor), coordinate[inner[0]]
+            if shape[d] % (parts * outer_parts):
+                return None  # an uneven strided split is not one chunk per rank: DTensor slices it
+            chunk = shape[d] // (parts * outer_parts)
+            offset[d], shape[d] = (index * parts + coordinate[mesh_dim]) * chunk, chunk
+            seen.add(inner[0])
+            continue
+        if type(placement) is not Shard or offset[d] or shape[d] != p.shape[d]:
+            return None  # another kind, or a dimension already split
         # DTensor's chunking (torch.chunk): equal chunks of ceil(n / parts), the last ones shorter or empty.
         chunk = -(-shape[d] // parts)
         start = min(chunk * coordinate[mesh_dim], shape[d])
