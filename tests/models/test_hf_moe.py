@@ -113,6 +113,16 @@ def test_config_json_becomes_model_args(folders: dict[str, tuple[Path, Any]]) ->
 
 
 @pytest.mark.parametrize("name", list(MODELS))
+def test_parameter_counts_are_exact(folders: dict[str, tuple[Path, Any]], name: str) -> None:
+    from isthmus.models.flops import count_params
+
+    args = init_source_args(str(folders[name][0]))
+    expert_biases = args.n_moe_layers * args.n_experts  # isthmus's, which HF lacks
+    assert count_params(args) == sum(p.numel() for p in build_model(args).parameters())
+    assert count_params(args) == folders[name][1].num_parameters() + expert_biases
+
+
+@pytest.mark.parametrize("name", list(MODELS))
 def test_logits_match_transformers(folders: dict[str, tuple[Path, Any]], name: str) -> None:
     folder, hf = folders[name]
     assert logit_diff(hf, isthmus_model(folder)) <= ATOL

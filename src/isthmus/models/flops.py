@@ -45,7 +45,7 @@ def layer_matmul_params(args: ModelArgs, layer: int | None = None, active: bool 
 
 
 def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
-    """Exact number of parameters of ``build_model(args)`` (a MoE router's expert_bias included).
+    """Exact number of parameters of ``build_model(args)`` (a MoE router's expert_bias and q/k norms included).
 
     ``include_embedding=False`` leaves out the token-embedding table (and with it a
     tied head, which is the same matrix); an untied head is a matmul and stays.
@@ -53,6 +53,7 @@ def count_params(args: ModelArgs, include_embedding: bool = True) -> int:
     blocks = sum(layer_matmul_params(args, i) for i in range(args.n_layers))
     blocks += args.n_layers * 2 * args.dim  # two RMSNorm scales per block
     blocks += args.n_moe_layers * args.n_experts  # the routers' expert_bias
+    blocks += args.n_layers * 2 * args.head_dim if args.qk_norm else 0  # Qwen3's q/k norm scales
     total = blocks + args.dim  # final norm
     table = args.vocab_size * args.dim
     if include_embedding:
