@@ -9,6 +9,8 @@ weights; ``from_hf_rows`` is its inverse. Both are pure index moves, so a round 
 Experts: isthmus keeps each MoE layer's experts stacked, ``experts.w1`` [n_experts, ffn, dim]; HF
 checkpoints hold one tensor per expert (``experts.{e}.w1.weight`` in Mixtral's, ``experts.{e}.gate_proj.weight``
 in Qwen3-MoE's: what transformers 4 writes, and transformers 5 too, which stacks them only in memory).
+A file of transformers 5's in-memory names (``mlp.experts.gate_up_proj`` [n_experts, 2 ffn, dim], gate
+rows then up rows, and ``mlp.experts.down_proj``), which it also loads, is read as well (``fused``).
 The router's ``expert_bias`` (the bias load-balancing method's) has no HF counterpart: it is zeros.
 """
 
@@ -53,6 +55,15 @@ _QWEN3_MOE_NAMES = {
     "feed_forward.experts.w3": "mlp.experts.{e}.up_proj.weight",
     "feed_forward.experts.w2": "mlp.experts.{e}.down_proj.weight",
 }
+# transformers 5's in-memory layout, both architectures: (name, half of a gate_up tensor, see HfTensor.half).
+_FUSED_MOE_NAMES = {
+    "feed_forward.router.gate.weight": ("mlp.gate.weight", -1),
+    "feed_forward.experts.w1": ("mlp.experts.gate_up_proj", 0),
+    "feed_forward.experts.w3": ("mlp.experts.gate_up_proj", 1),
+    "feed_forward.experts.w2": ("mlp.experts.down_proj", -1),
+}
+FUSED_MARK = "mlp.experts.gate_up_proj"
+"""A checkpoint whose first MoE layer holds this tensor keeps its experts fused."""
 EXPERT_BIAS = "feed_forward.router.expert_bias"
 
 
@@ -67,13 +78,18 @@ class HfTensor:
     """> 0: the isthmus tensor stacks this many HF tensors along a new first dimension, expert e's
     named ``name.format(e=e)``."""
 
+    half: int = -1
+    """0 or 1: the isthmus tensor is that half of dimension 1 of a fused [n_experts, 2 ffn, dim] tensor
+    (gate rows, then up rows); -1: all of it."""
+
     def names(self) -> list[str]:
         """The HF tensors it is made of, in order."""
         return [self.name.format(e=e) for e in range(self.experts)] if self.experts else [self.name]
 
 
-def hf_name_map(args: ModelArgs) -> dict[str, HfTensor]:
-    """Every tensor of the isthmus model that HF stores, by canonical name, with its HF counterpart.
+def hf_name_map(args: ModelArgs, fused: bool = False) -> dict[str, HfTensor]:
+    """Every tensor of the isthmus model that HF stores, by canonical name, with its HF counterpart
+    (``fused``: the experts under transformers 5's in-memory names, see the module's docstring).
 
     A tied head is the embedding: ``output.weight`` is absent (HF stores no ``lm_head.weight`` then).
     So are the routers' expert biases (`hf_zero_names`).
@@ -93,6 +109,10 @@ def hf_name_map(args: ModelArgs) -> dict[str, HfTensor]:
         block.update(moe_names if args.moe_layer(i) else _MLP_NAMES)
         for ours, theirs in block.items():
             experts = args.n_experts if ours.startswith("feed_forward.experts.") else 0
+            if fused and ours in _FUSED_MOE_NAMES:
+                name, half = _FUSED_MOE_NAMES[ours]
+                names[f"layers.{i}.{ours}"] = HfTensor(f"model.layers.{i}.{name}", half=half)
+                continue
             names[f"layers.{i}.{ours}"] = HfTensor(f"model.layers.{i}.{theirs}", rope_heads.get(ours, 0), experts)
     return names
 

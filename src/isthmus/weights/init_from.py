@@ -29,7 +29,7 @@ from isthmus.models.args import ModelArgs
 from isthmus.models.llama import build_model, canonical_name
 from isthmus.models.pretrained import hf_weight_files, is_hf_folder, safetensors_header
 from isthmus.weights.export import load_exported
-from isthmus.weights.hf_names import HfTensor, from_hf_rows, hf_name_map, hf_zero_names
+from isthmus.weights.hf_names import FUSED_MARK, HfTensor, from_hf_rows, hf_name_map, hf_zero_names
 
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -76,6 +76,9 @@ class PretrainedWeights:
         if name in self._zeros:
             return torch.zeros(shape)
         loc = self._located[name]
+        if loc.where.half >= 0:  # gate or up rows of a fused [n_experts, 2 ffn, dim] tensor
+            rows = loc.where.half * self._shapes[name][1]
+            return self._read(loc.files[0], loc.where.name, 0, (offset[0], offset[1] + rows, *offset[2:]), shape)
         if not loc.where.experts:
             return self._read(loc.files[0], loc.where.name, loc.where.rope_heads, offset, shape)
         # Stacked experts: one HF tensor per expert, each cut to the block's other dimensions.
@@ -150,9 +153,12 @@ def _open_hf(folder: Path, args: ModelArgs) -> PretrainedWeights:
     expected = _shapes(args)
     headers: dict[Path, dict] = {}
     located = {}
-    for ours, where in hf_name_map(args).items():
-        # Each stacked expert is one slice of the isthmus tensor.
+    fused = args.is_moe and f"model.layers.{args.n_dense_layers}.{FUSED_MARK}" in files
+    for ours, where in hf_name_map(args, fused).items():
+        # Each stacked expert is one slice of the isthmus tensor; gate and up share a fused tensor.
         want = expected[ours][1:] if where.experts else expected[ours]
+        if where.half >= 0:
+            want = (want[0], 2 * want[1], *want[2:])
         found = []
         for name in where.names():
             file = files.get(name)
