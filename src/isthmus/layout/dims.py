@@ -258,14 +258,12 @@ def check_layout(
     rules.raise_for(rules.expert_parallel(p.ep, dims.dp_shard, dims.cp, n_experts))
     if dims.ep_enabled and p.zero_stage == 1:
         raise ConfigError("parallel.zero_stage", 1, "ZeRO-1 (DDP) cannot hold expert-sharded weights; use 2 or 3")
-    if n_experts:
-        # Not built yet: a MoE layer under tensor parallelism, and its per-sequence aux loss and
-        # capacity on context-parallel chunks of a sequence.
-        for key, degree in (("tp", dims.tp), ("cp", dims.cp)):
-            if degree > 1:
-                raise ConfigError(
-                    f"parallel.{key}", degree, "is not combined with MoE models (model.n_experts > 0) yet"
-                )
+    if n_experts and dims.cp > 1:
+        # Not built yet: the per-sequence aux loss and capacity on context-parallel chunks of a sequence.
+        raise ConfigError("parallel.cp", dims.cp, "is not combined with MoE models (model.n_experts > 0) yet")
+    if dims.ep_enabled and dims.tp_enabled:
+        # Not built yet: experts sharded by expert over ep and by hidden unit over tp (a 2-D mesh).
+        raise ConfigError("parallel.ep", dims.ep, "is not combined with parallel.tp > 1 yet")
     g = cfg.geo
     if g.sync != "none":
         if not dims.dc_enabled:

@@ -21,6 +21,7 @@ exactly what one process computes on the whole batch:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,11 +101,14 @@ class Router(nn.Module):
         self.top_k = top_k
         self.score = score
         self.norm_topk = norm_topk
+        self.weight_grad_sum: Callable[[Tensor], Tensor] | None = None
+        """Applied to the gate's weight in forward: tensor parallelism's sum of its gradient over the group."""
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """From x [..., dim]: (top-k weights [..., k] fp32, expert ids [..., k] int64, scores [..., E] fp32)."""
+        weight = self.gate.weight if self.weight_grad_sum is None else self.weight_grad_sum(self.gate.weight)
         # fp32 on purpose: in bf16 close scores tie, and the chosen experts flip with rounding.
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = F.linear(x.float(), weight.float())
         scores = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         selection = scores + self.expert_bias.float()
         experts = selection.topk(self.top_k, dim=-1).indices

@@ -36,6 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 
 from isthmus.models.llama import RMSNorm, Transformer, rms_norm
+from isthmus.models.moe import MoE
 from isthmus.parallel.shm_collectives import BackendCollectives, build_collectives
 
 SEQ_DIM = 1
@@ -145,13 +146,16 @@ class ShardedLinear(nn.Module):
         placement: Placement,
         comm: BackendCollectives,
         sequence_parallel: bool = False,
+        reduce: bool = True,
     ) -> None:
         super().__init__()
         assert linear.bias is None, "the model's Linears have no bias"
         self.weight: nn.Parameter = nn.Parameter(
             distribute_tensor(linear.weight, mesh, [placement], src_data_rank=None)
         )
-        self.row: bool = placement == Shard(1)
+        # A row-parallel output is summed over the group here, unless ``reduce`` is False: a MoE's
+        # shared expert, whose partial output joins the routed experts' before one sum for both.
+        self.row: bool = placement == Shard(1) and reduce
         self.comm: BackendCollectives = comm
         self.sequence_parallel: bool = sequence_parallel
 
@@ -310,7 +314,12 @@ def shard_block_locally(
     through :class:`_ScatterToSP`, and the block's norms run on the sequence shard. ``comm`` is
     ``tp_mesh``'s group's collectives (`isthmus.parallel.shm_collectives`).
     """
+    ffn = block.get_submodule("feed_forward")
+    if isinstance(ffn, MoE):
+        shard_moe_locally(ffn, tp_mesh, comm, sequence_parallel)
     for module_name, column, row in (("attention", ("wq", "wk", "wv"), "wo"), ("feed_forward", ("w1", "w3"), "w2")):
+        if module_name == "feed_forward" and isinstance(ffn, MoE):
+            continue
         module = block.get_submodule(module_name)
         for name in column:
             linear = getattr(module, name, None)
@@ -330,3 +339,44 @@ def shard_block_locally(
         qk_norm = getattr(attention, name, None)
         if isinstance(qk_norm, RMSNorm):
             setattr(attention, name, SequenceShardedNorm(qk_norm, comm))
+
+
+def _exit_tp_hook(comm: BackendCollectives, sequence_parallel: bool) -> Callable[[nn.Module, tuple, Tensor], Tensor]:
+    leave = _exit(sequence_parallel)
+
+    def hook(_: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        return leave.apply(out, comm)
+
+    return hook
+
+
+def shard_moe_locally(moe: MoE, tp_mesh: DeviceMesh, comm: BackendCollectives, sequence_parallel: bool = False) -> None:
+    """Tensor-parallel MoE layer: every expert split along its hidden dimension, as the dense MLP is.
+
+    The layer's input enters the group once (all-gathered under sequence parallelism), so every
+    rank routes every token alike with the whole router (a replicated weight). Each rank runs every
+    routed and shared expert on its slice of their hidden units (w1, w3 Shard(1), w2 Shard(2) of
+    the stacked [E, ...] weights; the shared expert column/row-parallel), weights its partial
+    outputs by the scores and sums them per token; one sum over the group (a reduce-scatter under
+    sequence parallelism) then completes routed and shared outputs together.
+
+    Backward: every contribution is a per-rank part whose sum over the group is the whole, as in
+    any tensor-parallel region: the router's weight gradient (from partial outputs) is summed over
+    the group like a sequence-parallel norm's, and the auxiliary loss, whole on every rank, enters
+    each rank's loss with 1 / tp of its weight so that the summed gradients count it once.
+    """
+    experts = moe.experts
+    for name, dim in (("w1", 1), ("w3", 1), ("w2", 2)):
+        param = getattr(experts, name)
+        sharded = distribute_tensor(param, tp_mesh, [Shard(dim)], src_data_rank=None)
+        experts.register_parameter(name, nn.Parameter(sharded))
+    if moe.shared is not None:
+        shared = moe.shared
+        shared.w1 = ShardedLinear(shared.w1, tp_mesh, Shard(0), comm)  # type: ignore[assignment]
+        if shared.w3 is not None:
+            shared.w3 = ShardedLinear(shared.w3, tp_mesh, Shard(0), comm)  # type: ignore[assignment]
+        shared.w2 = ShardedLinear(shared.w2, tp_mesh, Shard(1), comm, reduce=False)  # type: ignore[assignment]
+    moe.router.weight_grad_sum = lambda w: _CopyToTP.apply(w, comm)
+    moe.aux_weight /= tp_mesh.size()
+    moe.register_forward_pre_hook(_enter_tp_hook(comm, sequence_parallel))
+    moe.register_forward_hook(_exit_tp_hook(comm, sequence_parallel))
