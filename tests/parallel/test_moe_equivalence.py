@@ -52,6 +52,13 @@ CASES: list[tuple[str, int, list[str], tuple[str, ...]]] = [
     ("tp2", 2, ["--parallel.tp", "2"], MOE),
     ("tp2_sp_shared", 2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"], SHARED),
     ("dp_shard2_tp2_capacity", 4, ["--parallel.dp_shard", "2", "--parallel.tp", "2"], CAPACITY),
+    # Both: experts split by expert over ep and by hidden unit over tp.
+    (
+        "ep2_tp2_sp",
+        4,
+        [*EP2, "--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"],
+        MOE,
+    ),
     ("pp2", 2, ["--parallel.pp", "2", "--parallel.microbatches", "2"], BIAS),
 ]
 

@@ -125,7 +125,7 @@ class ParallelDims:
         - ``dp_cp``: (dc, dp_replicate, dp_shard, cp), the ranks a loss is averaged over.
 
         With ep > 1, ``experts``: dp_cp unflattened into (``e_replicate``, ``efsdp``, ``ep``), sizes
-        (dc x dp_replicate, dp_shard x cp / ep, ep). Expert parallelism folds over dp_shard x cp as
+        (dc x dp_replicate, dp_shard x cp / ep, ep), and with tp > 1 a fourth, ``etp`` (tp's ranks). Expert parallelism folds over dp_shard x cp as
         torchtitan's does: ``ep`` is a block of ep consecutive ranks of dp_shard_cp, which hold
         different experts (and different data); ``efsdp`` are the ranks of dp_shard_cp holding the same
         experts, over which FSDP shards them, and ``e_replicate`` replicates them as dp_replicate
@@ -143,7 +143,14 @@ class ParallelDims:
         experts = None
         if self.ep_enabled:
             sizes = (self.replicate, self.dp_shard * self.cp // self.ep, self.ep)
-            experts = flat["dp_cp"]._unflatten(0, sizes, ("e_replicate", "efsdp", "ep"))
+            if self.tp_enabled:
+                # Experts sharded by expert over ep and by hidden unit over tp: a 2-D (ep, etp) mesh,
+                # etp being tp's ranks, on the same root as the dense part's tp.
+                dp_cp_tp = mesh["dc", "dp_replicate", "dp_shard", "cp", "tp"]._flatten("dp_cp_tp")
+                names = ("e_replicate", "efsdp", "ep", "etp")
+                experts = dp_cp_tp._unflatten(0, (*sizes, self.tp), names)
+            else:
+                experts = flat["dp_cp"]._unflatten(0, sizes, ("e_replicate", "efsdp", "ep"))
         return Meshes(mesh, flat, experts)
 
 
@@ -261,9 +268,6 @@ def check_layout(
     if n_experts and dims.cp > 1:
         # Not built yet: the per-sequence aux loss and capacity on context-parallel chunks of a sequence.
         raise ConfigError("parallel.cp", dims.cp, "is not combined with MoE models (model.n_experts > 0) yet")
-    if dims.ep_enabled and dims.tp_enabled:
-        # Not built yet: experts sharded by expert over ep and by hidden unit over tp (a 2-D mesh).
-        raise ConfigError("parallel.ep", dims.ep, "is not combined with parallel.tp > 1 yet")
     g = cfg.geo
     if g.sync != "none":
         if not dims.dc_enabled:

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from isthmus.models.llama import Transformer
@@ -60,21 +60,30 @@ class ExpertParallel(ParallelStyle):
     for its output function (and a recomputed forward under activation checkpointing redoes both).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, ep_mesh: DeviceMesh) -> None:
         super().__init__()
+        self.ep_mesh = ep_mesh
+        """The ranks tokens are exchanged with (the weights' mesh may add tensor parallelism's)."""
         self.input_splits: list[int] = []
         self.output_splits: list[int] = []
         self.regroup: Tensor | None = None
 
     def _partition_fn(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for param_name, param in list(module.named_parameters(recurse=False)):
-            sharded = nn.Parameter(distribute_tensor(param, mesh, [Shard(0)]), requires_grad=param.requires_grad)
-            module.register_parameter(param_name, sharded)
+            placements: list[Placement] = [Shard(0)]
+            full: Tensor = param
+            if isinstance(param, DTensor):
+                # Already split by hidden unit over tp (on meta): shard by expert over ep too, on (ep, etp).
+                assert mesh.ndim == 2 and param.device.type == "meta", (mesh, param.device)
+                placements.append(param.placements[0])
+                full = torch.empty(param.shape, dtype=param.dtype, device="meta")
+            sharded = distribute_tensor(full, mesh, placements, src_data_rank=None)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
     def _dispatch(self, module: nn.Module, inputs: tuple[Tensor, Tensor], mesh: DeviceMesh) -> tuple[Tensor, Tensor]:
         x, counts = inputs
-        group = mesh.get_group()
-        ep = mesh.size()
+        group = self.ep_mesh.get_group()
+        ep = self.ep_mesh.size()
         with torch.no_grad():
             # received[i * L + e]: copies rank i sends to this rank's local expert e.
             received = all_to_all_single(counts, None, None, group)
@@ -91,7 +100,7 @@ class ExpertParallel(ParallelStyle):
         assert self.regroup is not None
         # Back to [source rank][local expert] order: the inverse permutation of the regrouping.
         by_source = out[torch.argsort(self.regroup)]
-        return all_to_all_single_autograd(by_source, self.input_splits, self.output_splits, mesh.get_group())
+        return all_to_all_single_autograd(by_source, self.input_splits, self.output_splits, self.ep_mesh.get_group())
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(
@@ -103,12 +112,15 @@ class ExpertParallel(ParallelStyle):
         )
 
 
-def apply_ep(model: Transformer, ep_mesh: DeviceMesh) -> None:
-    """Expert-parallelise every MoE layer of ``model`` (on the meta device, before FSDP) over ``ep_mesh``."""
+def apply_ep(model: Transformer, experts_mesh: DeviceMesh) -> None:
+    """Expert-parallelise every MoE layer of ``model`` (on the meta device, after tensor parallelism,
+    before FSDP). ``experts_mesh``: the ``ep`` mesh, or (ep, etp) when tensor parallelism already
+    split the experts by hidden unit (`isthmus.parallel.tp.shard_moe_locally`)."""
+    ep_mesh = experts_mesh["ep"] if experts_mesh.ndim == 2 else experts_mesh
     for block in model.layers.values():
         ffn: Any = block.get_submodule("feed_forward")
         if isinstance(ffn, MoE):
             assert isinstance(ffn.experts, GroupedExperts)
             assert ffn.n_experts % ep_mesh.size() == 0, (ffn.n_experts, ep_mesh.size())
-            ExpertParallel()._apply(ffn.experts, ep_mesh)
+            ExpertParallel(ep_mesh)._apply(ffn.experts, experts_mesh)
             ffn.experts.grad_scale = 1.0 / ep_mesh.size()

@@ -139,7 +139,7 @@ def _shard_stage(
         apply_tp(module, mesh["tp"], p.sequence_parallel, p.timeout_s)
     if dims.ep_enabled:
         assert mesh is not None and mesh.experts is not None
-        apply_ep(module, mesh.experts["ep"])
+        apply_ep(module, mesh.experts["ep", "etp"] if dims.tp_enabled else mesh.experts["ep"])
     if dims.cp_enabled:
         assert mesh is not None
         apply_cp(module, mesh["cp"].get_group(), p.cp_impl)
