@@ -107,7 +107,14 @@ def parallelize(
         set_value(cfg, key, value, from_cli=False)
     cfg.train.batch_size = spec.dp * spec.microbatches
     cfg.train.grad_accum = 1
-    dims = check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers, n_experts=args.n_experts)
+    dims = check_layout(
+        cfg,
+        args.n_heads,
+        args.n_kv_heads,
+        args.n_layers,
+        n_experts=args.n_experts,
+        capacity_factor=args.capacity_factor,
+    )
     if any(t.device.type != "meta" for t in model.parameters()):
         model = build_model(args, device="meta")
     resolved = _resolve_device(device)

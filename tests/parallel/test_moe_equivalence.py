@@ -52,6 +52,10 @@ CASES: list[tuple[str, int, list[str], tuple[str, ...]]] = [
     ("tp2", 2, ["--parallel.tp", "2"], MOE),
     ("tp2_sp_shared", 2, ["--parallel.tp", "2", "--parallel.sequence_parallel", "true"], SHARED),
     ("dp_shard2_tp2_capacity", 4, ["--parallel.dp_shard", "2", "--parallel.tp", "2"], CAPACITY),
+    # Context parallelism: the aux loss counts each whole sequence from its chunks; ep folds over cp too.
+    ("cp2_ulysses", 2, ["--parallel.cp", "2", "--parallel.cp_impl", "ulysses"], MOE),
+    ("ep2_over_cp2", 2, [*EP2, "--parallel.cp", "2"], MOE),
+    ("ep4_dp_shard2_cp2", 4, ["--parallel.ep", "4", "--parallel.dp_shard", "2", "--parallel.cp", "2"], BIAS),
     # Both: experts split by expert over ep and by hidden unit over tp.
     (
         "ep2_tp2_sp",

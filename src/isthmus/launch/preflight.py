@@ -62,7 +62,15 @@ def preflight(cfg: JobConfig) -> ModelArgs:
         check_config(cfg.geo)
         # Each datacenter is its own job: the layout spans every datacenter's ranks.
         world = layout_world(cfg.geo, world or cfg.parallel.nproc)
-    dims = check_layout(cfg, args.n_heads, args.n_kv_heads, args.n_layers, world_size=world, n_experts=args.n_experts)
+    dims = check_layout(
+        cfg,
+        args.n_heads,
+        args.n_kv_heads,
+        args.n_layers,
+        world_size=world,
+        n_experts=args.n_experts,
+        capacity_factor=args.capacity_factor,
+    )
     if cfg.geo.wan_schedule == "time_shared" and (cfg.geo.dc_axis != "pp" or cfg.geo.datacenters == 1):
         # Only pipeline stages in different datacenters have WAN transfers to take turns with.
         raise ConfigError(

@@ -221,6 +221,7 @@ def check_layout(
     n_layers: int,
     world_size: int | None = None,
     n_experts: int = 0,
+    capacity_factor: float = 0.0,
 ) -> ParallelDims:
     """Every layout rule that needs no process, with the numbers in the message.
 
@@ -265,9 +266,9 @@ def check_layout(
     rules.raise_for(rules.expert_parallel(p.ep, dims.dp_shard, dims.cp, n_experts))
     if dims.ep_enabled and p.zero_stage == 1:
         raise ConfigError("parallel.zero_stage", 1, "ZeRO-1 (DDP) cannot hold expert-sharded weights; use 2 or 3")
-    if n_experts and dims.cp > 1:
-        # Not built yet: the per-sequence aux loss and capacity on context-parallel chunks of a sequence.
-        raise ConfigError("parallel.cp", dims.cp, "is not combined with MoE models (model.n_experts > 0) yet")
+    if n_experts and capacity_factor > 0 and dims.cp > 1:
+        # Not built yet: which tokens a sequence's capacity keeps depends on its chunks on other ranks.
+        raise ConfigError("parallel.cp", dims.cp, "is not combined with model.capacity_factor > 0 yet")
     g = cfg.geo
     if g.sync != "none":
         if not dims.dc_enabled:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -181,6 +182,8 @@ class MoE(nn.Module):
         self.aux_weight = args.aux_loss_coef / args.n_moe_layers
         self.counting = True
         """Whether training forwards add to the counts (off while a pipeline infers its shapes)."""
+        self.cp_group: dist.ProcessGroup | None = None
+        """Context parallelism's group: this rank holds 1/cp of each sequence's tokens."""
         self.feeds_aux_grad = False
         self._aux_sum: Tensor | None = None
         self._forwards = 0
@@ -266,11 +269,18 @@ class MoE(nn.Module):
         """
         bsz, seqlen, n_experts = scores.shape
         probs = scores / scores.sum(dim=-1, keepdim=True) if self.router.score == "sigmoid" else scores
+        cp = 1 if self.cp_group is None else dist.get_world_size(self.cp_group)
         with torch.no_grad():
             chosen = torch.zeros(bsz, n_experts, device=scores.device)
             chosen.scatter_add_(1, experts.reshape(bsz, -1), torch.ones(bsz, seqlen * self.top_k, device=scores.device))
-            fraction = chosen / (seqlen * self.top_k)
-        return n_experts * (fraction * probs.mean(dim=1)).sum(dim=-1).mean()
+            if self.cp_group is not None:
+                # The whole sequence's counts, from its chunks on the context-parallel ranks.
+                dist.all_reduce(chosen, group=self.cp_group)
+            fraction = chosen / (cp * seqlen * self.top_k)
+        # Under cp this rank's part of each sequence's P_e (its tokens' sum over the whole length),
+        # times cp: the loss is averaged over the cp ranks, so the parts add up to the whole.
+        partial = probs.sum(dim=1) / (cp * seqlen)
+        return cp * n_experts * (fraction * partial).sum(dim=-1).mean()
 
 
 def moe_layers(modules: list[nn.Module]) -> list[MoE]:

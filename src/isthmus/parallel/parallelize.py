@@ -143,6 +143,8 @@ def _shard_stage(
     if dims.cp_enabled:
         assert mesh is not None
         apply_cp(module, mesh["cp"].get_group(), p.cp_impl)
+        for layer in moe_layers([module]):
+            layer.cp_group = mesh["cp"].get_group()  # its aux loss counts whole sequences
         _inject_cp_positions(module, mesh["cp"].get_local_rank(), dims.cp)
     apply_ac(module, p.activation_checkpoint)
     if compile:

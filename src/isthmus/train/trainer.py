@@ -138,6 +138,7 @@ class Trainer:
             a.n_layers,
             world_size=self.geo_run.layout_world(self.world),
             n_experts=a.n_experts,
+            capacity_factor=a.capacity_factor,
         )
         self.layout = LayoutSpec.from_config(cfg)
         self.mesh = self.dims.build_mesh(self.device.type) if self.world > 1 and self.geo_run.whole_run else None
