@@ -159,6 +159,17 @@ def test_hf_isthmus_hf_round_trip_is_bit_exact(tmp_path: Path, folders: dict[str
     assert init_source_args(str(tmp_path / "out")) == args
 
 
+def test_sharded_bf16_folder_loads(tmp_path: Path, folders: dict[str, tuple[Path, Any]]) -> None:
+    """Experts spread over several files of a safetensors index, in bf16."""
+    import copy
+
+    copy.deepcopy(folders["qwen3_moe"][1]).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len({f for n, f in index.items() if ".experts." in n}) > 1
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert logit_diff(hf, isthmus_model(tmp_path)) <= ATOL
+
+
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 def test_fused_experts_load(tmp_path: Path, folders: dict[str, tuple[Path, Any]], name: str) -> None:
     """A file under transformers 5's in-memory names: experts.gate_up_proj [E, 2F, D] and down_proj."""
