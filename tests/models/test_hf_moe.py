@@ -239,6 +239,38 @@ def test_unsupported_variants_refused_in_one_line(
 
 
 @pytest.mark.parametrize(
+    ("change", "architecture"),
+    [
+        ({}, "MixtralForCausalLM"),
+        ({"qk_norm": True, "n_dense_layers": 1, "router_norm_topk": False, "attn_head_dim": 32}, "Qwen3MoeForCausalLM"),
+    ],
+    ids=["mixtral", "qwen3_moe"],
+)
+def test_a_model_isthmus_trained_exports_to_transformers(
+    tmp_path: Path, change: dict[str, Any], architecture: str
+) -> None:
+    """From isthmus's own init (the moe-tiny flavor, its norm scales moved off 1) to transformers' logits."""
+    from dataclasses import replace
+
+    from isthmus.models.flavors import get_flavor
+    from isthmus.models.llama import init_weights
+
+    args = replace(get_flavor("moe-tiny"), **change)
+    model = build_model(args, device="cpu")
+    init_weights(model, 5, args)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(len(n)))
+    write_hf_folder(ModelSource(model.state_dict(), args, {}, "final", None), tmp_path / "hf")
+    hf = getattr(transformers, architecture).from_pretrained(tmp_path / "hf").eval()
+    assert logit_diff(hf, model.eval()) <= ATOL
+    if architecture == "MixtralForCausalLM":  # one width, intermediate_size: the experts'
+        args = replace(args, ffn_dim=args.expert_ffn_dim, moe_ffn_dim=0)
+    assert init_source_args(str(tmp_path / "hf")) == args
+
+
+@pytest.mark.parametrize(
     ("change", "rule"),
     [
         ({"n_shared_experts": 1}, "model.n_shared_experts = 1: Mixtral and Qwen3-MoE have no shared experts"),
