@@ -380,6 +380,9 @@ LAYOUTS = [
     pytest.param("mixtral", 4, ["--parallel.ep", "2", "--parallel.dp_shard", "4"], id="mixtral_ep2_dp4"),
     # Each rank's heads see the shared q/k norm scales: their gradients are summed over the group.
     pytest.param("qwen3", 2, ["--parallel.tp", "2"], id="qwen3_tp2"),
+    # Experts split by hidden unit under tensor parallel, and both at once.
+    pytest.param("qwen3_moe", 2, ["--parallel.tp", "2"], id="qwen3_moe_tp2"),
+    pytest.param("qwen3_moe", 4, ["--parallel.ep", "2", "--parallel.tp", "2"], id="qwen3_moe_ep2_tp2"),
 ]
 
 
