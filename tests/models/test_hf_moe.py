@@ -383,6 +383,10 @@ LAYOUTS = [
     # Experts split by hidden unit under tensor parallel, and both at once.
     pytest.param("qwen3_moe", 2, ["--parallel.tp", "2"], id="qwen3_moe_tp2"),
     pytest.param("qwen3_moe", 4, ["--parallel.ep", "2", "--parallel.tp", "2"], id="qwen3_moe_ep2_tp2"),
+    # A stage reads only its own blocks: the dense first one, or the MoE one.
+    pytest.param(
+        "qwen3_moe_dense0", 2, ["--parallel.pp", "2", "--parallel.microbatches", "2"], id="qwen3_moe_dense0_pp2"
+    ),
 ]
 
 
