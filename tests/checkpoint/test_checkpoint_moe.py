@@ -1,4 +1,4 @@
-"""A MoE checkpoint saved under expert parallelism resumes without it, as if uninterrupted.
+"""A MoE checkpoint saved under expert parallelism resumes without it (and at tp 2), as if uninterrupted.
 
 The harness and tolerances of `test_checkpoint_reshard`: 6 steps, checkpoints at step 3; steps 1-3 of
 the saved run and 4-6 of the resumed one against the uninterrupted single-process run. The experts
@@ -31,8 +31,11 @@ def _uninterrupted(root: Path) -> tuple[Run, Run]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,world,overrides", [("ep1", 1, []), ("ep1_dp_shard2", 2, ["--parallel.dp_shard", "2"])])
-def test_ep2_checkpoint_resumes_at_ep1(workdir: Path, name: str, world: int, overrides: list[str]) -> None:
+@pytest.mark.parametrize(
+    "name,world,overrides",
+    [("ep1", 1, []), ("ep1_dp_shard2", 2, ["--parallel.dp_shard", "2"]), ("tp2", 2, ["--parallel.tp", "2"])],
+)
+def test_ep2_checkpoint_resumes_elsewhere(workdir: Path, name: str, world: int, overrides: list[str]) -> None:
     ref, saved = _uninterrupted(workdir)
     checkpoint = workdir / "ep2" / "checkpoints" / f"step-{AT:06d}"
     resume = [*MOE, *overrides, "--checkpoint.resume", str(checkpoint), "--checkpoint.every", "0"]

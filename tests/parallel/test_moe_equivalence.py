@@ -56,6 +56,14 @@ CASES: list[tuple[str, int, list[str], tuple[str, ...]]] = [
     ("cp2_ulysses", 2, ["--parallel.cp", "2", "--parallel.cp_impl", "ulysses"], MOE),
     ("ep2_over_cp2", 2, [*EP2, "--parallel.cp", "2"], MOE),
     ("ep4_dp_shard2_cp2", 4, ["--parallel.ep", "4", "--parallel.dp_shard", "2", "--parallel.cp", "2"], BIAS),
+    # Two datacenters under a geo strategy: the all-to-alls stay inside each, the experts' gradients
+    # cross the WAN with the dense part's.
+    (
+        "dc2_ep2_geo_hierarchical",
+        4,
+        ["--geo.datacenters", "2", "--parallel.dp_shard", "2", *EP2, "--geo.sync", "hierarchical"],
+        MOE,
+    ),
     # Both: experts split by expert over ep and by hidden unit over tp.
     (
         "ep2_tp2_sp",
