@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from isthmus.models.args import ModelArgs, check_args
+from isthmus.models.ffn import FeedForward
 from isthmus.models.moe import MoE
 
 AttentionFn = Callable[[Tensor, Tensor, Tensor], Tensor]
@@ -188,21 +189,6 @@ class Attention(nn.Module):
         # context-parallel kernels send the grouped heads and share them locally.
         out = self.sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
-
-
-class FeedForward(nn.Module):
-    """SwiGLU MLP (``w2(silu(w1 x) * w3 x)``) or GELU MLP (``w2(gelu(w1 x))``)."""
-
-    def __init__(self, dim: int, ffn_dim: int, mlp: str) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(dim, ffn_dim, bias=False)
-        self.w2 = nn.Linear(ffn_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, ffn_dim, bias=False) if mlp == "swiglu" else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.w3 is None:
-            return self.w2(F.gelu(self.w1(x)))
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):

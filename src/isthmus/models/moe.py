@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from isthmus.models.args import ModelArgs
+from isthmus.models.ffn import FeedForward
 
 
 def _local(t: Tensor) -> Tensor:
@@ -164,8 +165,6 @@ class MoE(nn.Module):
 
     def __init__(self, args: ModelArgs, layer_id: int = 0) -> None:
         super().__init__()
-        from isthmus.models.llama import FeedForward  # llama imports this module
-
         self.layer_id = layer_id
         """The block this layer belongs to."""
         self.n_experts = args.n_experts
