@@ -38,6 +38,20 @@ BAD_LAYOUTS = [
         "divisible by dp (2) x grad_accum (1) = 2",
     ),
     (["--parallel.nproc", "2", "--parallel.pp", "2", "--parallel.microbatches", "3"], "microbatches (3) = 3"),
+    # Expert parallelism (issue 33).
+    (["--parallel.nproc", "2", "--parallel.ep", "2"], "parallel.ep = 2: needs a MoE model"),
+    (
+        ["--model.flavor", "moe-tiny", "--parallel.nproc", "2", "--parallel.dp_replicate", "2", "--parallel.ep", "2"],
+        "parallel.ep = 2: must divide parallel.dp_shard x parallel.cp = 1",
+    ),
+    (
+        ["--model.flavor", "moe-tiny", "--parallel.nproc", "2", "--parallel.ep", "2", "--parallel.zero_stage", "1"],
+        "ZeRO-1 (DDP) cannot hold expert-sharded weights",
+    ),
+    (
+        ["--model.flavor", "moe-tiny", "--parallel.nproc", "2", "--parallel.cp", "2", "--model.capacity_factor", "1"],
+        "parallel.cp = 2: is not combined with model.capacity_factor > 0 yet",
+    ),
     (
         [
             "--parallel.nproc",
@@ -221,6 +235,8 @@ FILLED = [
         {"dp_replicate": 2, "dp_shard": 2},
     ),
     (["--parallel.nproc", "4", "--geo.datacenters", "2"], {"dp_replicate": 2}),
+    # ep folds over dp_shard x cp: with nothing else named, dp_shard fills.
+    (["--model.flavor", "moe-tiny", "--parallel.ep", "2"], {"dp_replicate": 1, "dp_shard": 2, "ep": 2}),
 ]
 
 
