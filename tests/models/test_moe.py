@@ -198,3 +198,14 @@ def test_feeds_aux_grad_as_if_added_to_the_loss() -> None:
         (out if inject else out + layer.aux_weight * layer.aux_loss).backward()
         grads.append(layer.router.gate.weight.grad.clone())  # type: ignore[union-attr]
     torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_capacity_matches_naive_loop_with_random_routing() -> None:
+    layer, args = _layer(capacity_factor=0.6, top_k=2)
+    seqlen = 11
+    cap = layer.capacity(seqlen)
+    assert cap == 4  # ceil(0.6 * 11 * 2 / 4)
+    x = torch.randn(3, seqlen, args.dim, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(layer(x), _naive(layer, x, cap=cap), rtol=1e-5, atol=1e-6)
+    load = layer.take_load()
+    assert load is not None and 0 < load.dropped.item() < 3 * seqlen * 2

@@ -231,10 +231,16 @@ class MoE(nn.Module):
         if cap == 0:
             return None
         bsz = experts.shape[0]
-        one_hot = F.one_hot(experts.reshape(bsz, -1), self.n_experts)  # [B, S*k, E]
-        # Position of each copy among its sequence's copies for the same expert, counted from 0.
-        position = (one_hot.cumsum(dim=1) * one_hot).sum(-1) - 1
-        return (position < cap).reshape(-1)
+        # Group the copies by (sequence, expert), token order kept within a group (a stable sort of
+        # flat indices that grow with the token); a copy's position is its rank in its group.
+        sequence = torch.arange(bsz, device=experts.device).repeat_interleave(experts[0].numel())
+        group = sequence * self.n_experts + experts.reshape(-1)
+        order = group.argsort(stable=True)
+        sizes = torch.bincount(group, minlength=bsz * self.n_experts)
+        starts = sizes.cumsum(0) - sizes
+        position = torch.empty_like(group)
+        position[order] = torch.arange(group.numel(), device=group.device) - starts[group[order]]
+        return position < cap
 
     @torch.no_grad()
     def _count(self, choice_expert: Tensor, keep: Tensor | None) -> None:
