@@ -75,9 +75,13 @@ class ModelConfig:
     bias_update_rate: float | None = None
     """Step of the bias method's per-expert update after each optimizer step (0.001 unless the flavor says
     otherwise)."""
+    attn_head_dim: int | None = None
+    """Override the width of each attention head (0 = dim // n_heads; Qwen3's heads are wider)."""
+    qk_norm: bool | None = None
+    """Override whether each head's queries and keys are RMS-normalised before RoPE (Qwen3)."""
     init_from: str = ""
-    """Start from these weights: a Hugging Face Llama folder or a file `isthmus export` wrote; its shape
-    replaces the flavor's. Empty = a fresh seeded init."""
+    """Start from these weights: a Hugging Face Llama, Qwen3, Mixtral or Qwen3-MoE folder, or a file
+    `isthmus export` wrote; its shape replaces the flavor's. Empty = a fresh seeded init."""
 
 
 @dataclass

@@ -30,6 +30,8 @@ _SHAPE_KEYS = (
     "load_balance",
     "aux_loss_coef",
     "bias_update_rate",
+    "attn_head_dim",
+    "qk_norm",
 )
 _ROUTING_KEYS = ("capacity_factor", "load_balance", "aux_loss_coef", "bias_update_rate")
 """Shape keys that are training choices, not part of the weights: model.init_from takes them too."""
