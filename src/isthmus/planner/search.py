@@ -263,8 +263,8 @@ def _core_layouts(
                     if seq % (2 * c) == 0 and (c == 1 or seq // c >= MIN_CP_TOKENS or c == space.pin("cp"))
                 ]
                 for cp in _fix(cps, space.pin("cp")):
-                    if args.is_moe and not runtime.experts_with_tp_cp and (tp > 1 or cp > 1):
-                        continue
+                    if args.is_moe and args.capacity_factor > 0 and cp > 1:
+                        continue  # a sequence's capacity would count tokens on other cp ranks: refused
                     sp = _sequence_parallel(space, runtime, tp, cp, seq)
                     if sp is None:
                         continue

@@ -122,9 +122,6 @@ class Runtime:
     capacity factor of 1, a 3.2% loss this model gives at 1.05 on that layout (docs/moe-planning.md).
     Fine-grained routers lose more (the same zoo: 8 to 20% for Qwen3-235B-A22B). A capacity factor
     caps it (model.capacity_factor); ``--expert-imbalance`` sets it for one plan."""
-    experts_with_tp_cp: bool = True
-    """MoE layers compose with tensor and context parallelism (Megatron-Core, torchtitan); isthmus's own
-    expert parallelism does not yet (``layout.dims.check_layout`` refuses them), so its plans leave them out."""
     compress_ratio: float = 0.25
     """Bytes sent over the WAN by the 'compressed' strategy, relative to the gradient's own bytes."""
     # Flat's steps over the strategy's steps to flat's validation loss, from benchmarks/geo_sync.py's
@@ -160,7 +157,6 @@ _ISTHMUS = Runtime(
     optimizer_bytes=8,
     autocast=True,
     pp_recv_buffers=True,
-    experts_with_tp_cp=False,
 )
 
 RUNTIMES: dict[str, Runtime] = {
@@ -169,7 +165,7 @@ RUNTIMES: dict[str, Runtime] = {
     # in bf16 throughout, fp32 sharded master weights and reductions), SDPA flash attention, torch
     # pipelining, every-other-block selective recomputation; its published memory (Llama 3.1 8B on
     # H100 96GB at 82.4 GiB; Llama 2 13B without recomputation on A100 80GB) bounds the leaner storage.
-    "torchtitan": replace(_ISTHMUS, name="torchtitan", autocast=False, experts_with_tp_cp=True),
+    "torchtitan": replace(_ISTHMUS, name="torchtitan", autocast=False),
     # Megatron-LM as in Narayanan et al. 2021: fp16 with fused softmax over a materialised score
     # matrix, dropout 0.1, gradient all-reduce after the last backward, blocking p2p with the
     # scatter/gather optimisation, ZeRO-paper state accounting (2 + 2 + 12 bytes per parameter).
