@@ -12,8 +12,9 @@ that torch's compiled kernels are as warm as a returning user's: see `_reader_ho
   with every extra the README installs along the way, then each document's commands run in turn.
 
 The readers start as soon as pytest knows the session's tests (``tests/conftest.py``), so their
-commands run beside the rest of the suite, whose ranks leave the cores idle much of the time; the
-tests here only wait for what they found. The two readers run side by side (a command mostly waits on its ranks' start-up or on an emulated
+commands run beside the rest of the suite, whose ranks leave the cores idle much of the time, at the
+lowest CPU priority (``nice -n 19``) so that they take only that idle time; the tests here only wait
+for what they found. The two readers run side by side (a command mostly waits on its ranks' start-up or on an emulated
 WAN, so they share the two cores well; separate copies, homes, caches and virtual environments keep
 them from touching the other's files, and the emulator names its namespaces per run). The reader of
 docs/ reads the benchmarks page beside the other pages, in the same copy: its scripts write only to
@@ -328,9 +329,11 @@ def _run(command: Command, user: dict[str, object]) -> str | None:
     running: set[subprocess.Popen[str]] = user["running"]  # type: ignore[assignment]
     if user["stopped"].is_set():  # type: ignore[attr-defined]
         return f"{command.doc}:{command.line}: not run: the session ended first"
-    # A session of its own, so that the session's end (`_stop`) can stop the command and its ranks.
+    # A session of its own, so that the session's end (`_stop`) can stop the command and its ranks;
+    # the lowest CPU priority, so that the suite's own tests, some of which time what they measure,
+    # run as if alone and the readers take the time their ranks leave idle.
     with subprocess.Popen(
-        ["bash", "-c", command.text],
+        ["nice", "-n", "19", "bash", "-c", command.text],
         cwd=user["copy"],
         env=user["env"],  # type: ignore[arg-type]
         stdout=subprocess.PIPE,
