@@ -15,12 +15,3 @@ def _rank_pools_per_module() -> Iterator[None]:
     import multirank
 
     multirank.POOLS.close()
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the readers of the README and the manual (tests/project/test_docs_commands.py) now, when
-    the session selected them: their commands then run beside the rest of the suite, not after it."""
-    for item in session.items:
-        if isinstance(item, pytest.Function) and item.originalname == "test_every_command_runs_as_written":
-            item.module.start_readers(session)
-            return

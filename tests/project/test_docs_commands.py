@@ -11,10 +11,7 @@ that torch's compiled kernels are as warm as a returning user's: see `_reader_ho
 - the reader of docs/ has followed the README: that copy's virtual environment gets the project
   with every extra the README installs along the way, then each document's commands run in turn.
 
-The readers start as soon as pytest knows the session's tests (``tests/conftest.py``), so their
-commands run beside the rest of the suite, whose ranks leave the cores idle much of the time, at the
-lowest CPU priority (``nice -n 19``) so that they take only that idle time; the tests here only wait
-for what they found. The two readers run side by side (a command mostly waits on its ranks' start-up or on an emulated
+The two readers run side by side (a command mostly waits on its ranks' start-up or on an emulated
 WAN, so they share the two cores well; separate copies, homes, caches and virtual environments keep
 them from touching the other's files, and the emulator names its namespaces per run). The reader of
 docs/ reads the benchmarks page beside the other pages, in the same copy: its scripts write only to
@@ -28,17 +25,16 @@ them is no longer in the docs (the list cannot rot) or when .ci/run stops runnin
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,7 +170,7 @@ def _user(tmp: Path) -> dict[str, object]:
         XDG_CONFIG_HOME=env.get("XDG_CONFIG_HOME", str(real_home / ".config")),
         PIP_CACHE_DIR=env.get("PIP_CACHE_DIR", str(real_home / ".cache" / "pip")),
     )
-    return {"copy": copy, "env": env, "running": set(), "stopped": threading.Event()}
+    return {"copy": copy, "env": env}
 
 
 def readme_install() -> Command:
@@ -244,122 +240,75 @@ def _commands_of(doc: str, user: dict[str, object]) -> Outcome:
     return failures, ran
 
 
-def _reader_home(name: str) -> tuple[Path, IO[str] | None]:
+def _reader_home(name: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, IO[str] | None]:
     """Where a reader's copy, HOME and cache live: the same path every session, emptied first.
 
     A returning user's compiled kernels are warm; a fresh path would not be, since torch keys each
     C++ kernel it compiles by its compiler command, which names the include folders of the virtual
     environment's torch, so every compiled run would compile again. Another session holding the
-    path (a lock on it) gets a new folder of its own instead. Returns the folder and the lock's
+    path (a lock on it) gets a numbered folder of its own instead. Returns the folder and the lock's
     open file."""
     base = Path(tempfile.gettempdir()) / f"isthmus-docs-{name}"
-    lock = open(f"{base}.lock", "w")  # noqa: SIM115 - held for the session, closed at its end
+    lock = open(f"{base}.lock", "w")  # noqa: SIM115 - held for the session, closed by the fixture
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        return Path(tempfile.mkdtemp(prefix=f"isthmus-docs-{name}-")), None
+        return tmp_path_factory.mktemp(name), None
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir()
     return base, lock
 
 
-READERS = pytest.StashKey[dict[str, Future[Outcome]]]()
-"""Where the session keeps the readers' futures, one per document."""
-
-
-def start_readers(session: pytest.Session) -> None:
-    """Start the two readers for the documents this session selected (called by tests/conftest.py as
-    soon as the session's tests are known, so that their commands run beside the rest of the suite)."""
+@pytest.fixture(scope="module")
+def outcomes(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Future[Outcome]]]:
+    """The two readers, started side by side for the documents this session selected."""
     selected = [
         item.callspec.params["doc"]
-        for item in session.items
-        if isinstance(item, pytest.Function)
-        and item.originalname == "test_every_command_runs_as_written"
-        and hasattr(item, "callspec")
+        for item in request.session.items
+        if item.originalname == "test_every_command_runs_as_written" and hasattr(item, "callspec")
     ]
     others = [doc for doc in selected if doc != "README.md"]
     futures: dict[str, Future[Outcome]] = {}
-    locks: list[IO[str]] = []
-    users: list[dict[str, object]] = []
+    locks: list[IO[str] | None] = []
     if "README.md" in selected:
-        where, lock = _reader_home("readme_reader")
-        locks += filter(None, [lock])
-        users.append(_user(where))
-        futures |= _follow(["README.md"], users[-1], setup=None)
+        where, lock = _reader_home("readme_reader", tmp_path_factory)
+        locks.append(lock)
+        futures |= _follow(["README.md"], _user(where), setup=None)
     if others:
-        where, lock = _reader_home("docs_reader")
-        locks += filter(None, [lock])
-        users.append(_user(where))
-        futures |= _follow(others, users[-1], setup=readme_install())
-    session.config.stash[READERS] = futures
-    for lock in locks:
-        session.config.add_cleanup(lock.close)
-    for user in users:
-        session.config.add_cleanup(lambda user=user: _stop(user))
-
-
-def _stop(user: dict[str, object]) -> None:
-    """At the session's end: start no more commands, and stop any still running (a session that ended
-    early, on ``-x`` or Ctrl-C) with their process groups, so none outlives pytest."""
-    user["stopped"].set()  # type: ignore[attr-defined]
-    for proc in list(user["running"]):  # type: ignore[call-overload]
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for proc in list(user["running"]):  # type: ignore[call-overload]
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="module")
-def outcomes(request: pytest.FixtureRequest) -> dict[str, Future[Outcome]]:
-    """The readers' futures (started with the session; here when this module's tests run on their own)."""
-    if READERS not in request.config.stash:
-        start_readers(request.session)
-    return request.config.stash[READERS]
+        where, lock = _reader_home("docs_reader", tmp_path_factory)
+        locks.append(lock)
+        futures |= _follow(others, _user(where), setup=readme_install())
+    yield futures
+    for lock in filter(None, locks):
+        lock.close()
 
 
 def _run(command: Command, user: dict[str, object]) -> str | None:
     """Run one command; None if it did what the docs say, else what went wrong."""
     began = time.monotonic()
-    running: set[subprocess.Popen[str]] = user["running"]  # type: ignore[assignment]
-    if user["stopped"].is_set():  # type: ignore[attr-defined]
-        return f"{command.doc}:{command.line}: not run: the session ended first"
-    # A session of its own, so that the session's end (`_stop`) can stop the command and its ranks;
-    # the lowest CPU priority, so that the suite's own tests, some of which time what they measure,
-    # run as if alone and the readers take the time their ranks leave idle.
-    with subprocess.Popen(
-        ["nice", "-n", "19", "bash", "-c", command.text],
+    proc = subprocess.run(
+        ["bash", "-c", command.text],
         cwd=user["copy"],
         env=user["env"],  # type: ignore[arg-type]
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        start_new_session=True,
-    ) as proc:
-        running.add(proc)
-        try:
-            output, _ = proc.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        finally:
-            running.discard(proc)
+        timeout=TIMEOUT_S,
+    )
     print(f"{time.monotonic() - began:6.1f} s  {command.doc}:{command.line}: {command.text}")  # shown with -s
     where = f"{command.doc}:{command.line}: {command.text}"
-    tail = "\n".join(output.strip().splitlines()[-15:])
+    tail = "\n".join(proc.stdout.strip().splitlines()[-15:])
     if command.expected is None:
         if proc.returncode != 0:
             return f"{where}\n  exit code {proc.returncode}\n{tail}"
-        if "Traceback (most recent call last)" in output:
+        if "Traceback (most recent call last)" in proc.stdout:
             return f"{where}\n  printed a traceback, yet exited 0\n{tail}"
         return None
     expected = [line for line in command.expected if line.strip()]
-    printed = output.strip().splitlines()[-len(expected) :] if expected else []
+    printed = proc.stdout.strip().splitlines()[-len(expected) :] if expected else []
     if printed != expected:
         return f"{where}\n  printed:  {printed}\n  docs say: {expected}"
     if expected and expected[-1].startswith("isthmus: error:") and proc.returncode != 2:
