@@ -103,9 +103,10 @@ def become_rank() -> None:
 def run_quietly_as_rank(target: Callable[..., None], *args: object) -> None:
     """``target(*args)`` in a helper process forked from the server that the process which started it
     stops (a measurement of ``isthmus profile``): Ctrl-C at the terminal is that process's to answer,
-    and reaches this one as its kill rather than as a traceback of its own."""
-    become_rank()
+    and reaches this one as its kill rather than as a traceback of its own. SIGINT is ignored first
+    thing: a Ctrl-C during `become_rank` would otherwise print multiprocessing's "Process ...:" line."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    become_rank()
     target(*args)
 
 
