@@ -14,10 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
-from test_parallel_equivalence import PARAM_RTOL, RTOL, _reference, _train
-
-from multirank import run_ranks
+from test_parallel_equivalence import _check
 
 MOE = ("--model.flavor", "moe-tiny")
 BIAS = (*MOE, "--model.load_balance", "bias", "--model.bias_update_rate", "0.01")
@@ -85,21 +82,7 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_moe_layout_matches_single_process(
     workdir: Path, name: str, world: int, overrides: list[str], model: tuple[str, ...]
 ) -> None:
-    (ref_losses, ref_norms), ref_params = _reference(str(workdir), model)
-    run = workdir / name
-    per_rank = run_ranks(_train, world, [*model, *overrides], str(run), str(workdir / "cache"))
-    losses, norms = per_rank[0]
-    assert all(r == per_rank[0] for r in per_rank), "ranks disagree on the logged loss or gradient norm"
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=0)
-    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=RTOL, atol=0)
-    params = torch.load(run / "final" / "model.pt", weights_only=True)
-    assert params.keys() == ref_params.keys()
-    for key, ref in ref_params.items():
-        if ref.norm() == 0:  # expert_bias without the bias method
-            assert params[key].norm() == 0, key
-            continue
-        rel = float((params[key] - ref).norm() / ref.norm())
-        assert rel < PARAM_RTOL, f"{name}: {key} differs by {rel:.2e} (relative norm)"
+    losses, params = _check(workdir, name, world, overrides, model)
     assert losses[-1] < losses[0]
     if model == BIAS:
         assert any(v.norm() > 0 for k, v in params.items() if k.endswith("expert_bias"))
