@@ -23,14 +23,14 @@ from typing import Any, Literal, get_args, get_origin
 from isthmus.cli.config_keys import attribute_docs
 from isthmus.config import WAN_STREAMS_MAX, JobConfig, ModelConfig
 from isthmus.errors import ConfigError
-from isthmus.layout.choices import GEO_SYNCS, WAN_SCHEDULES
-from isthmus.layout.spec import LayoutSpec
+from isthmus.layout.choices import DILOCO_SYNCS, GEO_SYNCS, WAN_SCHEDULES
+from isthmus.layout.spec import LABEL_LEGEND, LayoutSpec, legend_for
+from isthmus.layout.syncs import MIN_SYNCS, sparse_syncs
 from isthmus.models.resolve import resolve_model_args
 from isthmus.planner.explain import explain, format_table, result_json
-from isthmus.planner.placement import runnable
 from isthmus.planner.search import CHOICE_LISTS, DEFAULT_BATCH_TOKENS, SETTINGS, SearchSpace, flag_of, search
 from isthmus.planner.topology import Topology, load_topology
-from isthmus.planner.workload import PLANNED_DTYPES, RUNTIMES, Runtime
+from isthmus.planner.workload import DEFAULT_GPU_RUNTIME, FEATURES, PLANNED_DTYPES, RUNTIMES, Runtime
 
 MODEL_KEYS = ("flavor", "n_layers", "dim", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "mlp", "tie_embeddings")
 """The ``[model]`` keys a plan reads: the flavor and its shape (the others change no plan)."""
@@ -39,7 +39,7 @@ SEARCHED_TRAIN_KEYS = ("batch_size", "seq_len")
 LAYOUT_FLAGS = tuple(f.name for f in fields(LayoutSpec) if LayoutSpec.config_key(f.name) is not None)
 """Every layout field with a config key: a flag named as the key, which fixes the field."""
 OWN_INT_FLAGS = {"micro_batch": "--micro-batch", "max_batch_tokens": "--max-batch-tokens"}
-OTHER_INT_FLAGS = {"top": "--top", "gpus": "--gpus", "nodes": "--nodes"}
+OTHER_INT_FLAGS = {"top": "--top", "gpus": "--gpus", "nodes": "--nodes", "steps": "--train.steps"}
 
 
 def _bool(text: str) -> bool:
@@ -120,6 +120,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     train_hints, train_docs = typing.get_type_hints(type(JobConfig().train)), attribute_docs(type(JobConfig().train))
     for key in SEARCHED_TRAIN_KEYS:
         _config_flag(p, f"train.{key}", train_hints[key], f"{train_docs[key]} (default: searched)", key)
+    _config_flag(
+        p,
+        "train.steps",
+        int,
+        f"{train_docs['steps']} The run's length: geo.inner_steps, where not fixed, syncs at least "
+        f"{MIN_SYNCS} times in it (default: a long run)",
+        "steps",
+    )
     p.add_argument(
         "--max-batch-tokens",
         type=int,
@@ -167,26 +175,99 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--runtime",
         choices=tuple(RUNTIMES),
-        default="isthmus",
-        help="software assumptions (docs/runtimes.md): isthmus (default), megatron-2021, megatron-2022, "
-        "megatron-core, llama3",
+        default=None,
+        help=f"the software's features as a preset (docs/runtimes.md): {DEFAULT_GPU_RUNTIME} (today's stacks; "
+        "the default on GPU topologies), isthmus (what isthmus runs; the default on CPU topologies), or a "
+        "published era: torchtitan, megatron-2021, megatron-2022, megatron-deepspeed, megatron-core, llama3",
     )
+    for feature, doc in FEATURES.items():
+        hint = typing.get_type_hints(Runtime)[feature]
+        p.add_argument(
+            f"--runtime.{feature}",
+            dest=f"runtime_{feature}",
+            default=None,
+            **_typed(hint),
+            help=f"{doc} (default: the preset's)",
+        )
     p.add_argument(
         "--expert-imbalance",
         type=float,
         default=None,
         metavar="X",
         help="MoE models: tokens the most loaded expert receives over the mean, >= 1 (default: the runtime's, "
-        "1.2; docs/moe-planning.md)",
+        f"{RUNTIMES['current'].expert_imbalance}; docs/moe-planning.md)",
     )
     p.add_argument("--top", type=int, default=10, metavar="K", help="layouts to print (default: 10)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument(
+        "--legend", action=_Legend, help="print what every part of a layout label means, and exit (nothing else needed)"
+    )
     return p
 
 
-def planned_runtime(ns: argparse.Namespace) -> Runtime:
-    """``--runtime``, with its blocks compiled when ``--train.compile true`` and ``--expert-imbalance``."""
-    runtime = RUNTIMES[ns.runtime].with_compile(ns.compile)
+class _Legend(argparse.Action):
+    """``--legend``: prints :func:`legend_text` and exits, like ``--help``, before required flags are checked."""
+
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any, option: Any = None
+    ) -> None:
+        sys.stdout.write(legend_text() + "\n")
+        parser.exit(0)
+
+
+def sync_note(layout: LayoutSpec, steps: int | None) -> str | None:
+    """For a layout that syncs by DiLoCo, how often in a run of ``steps`` (``--train.steps``): a
+    warning when it syncs fewer than MIN_SYNCS times (geo.inner_steps fixed above the cap), the run
+    length the interval needs when no length is given; None otherwise."""
+    if layout.dc_axis != "dp" or layout.sync not in DILOCO_SYNCS:
+        return None
+    if steps is None:
+        return (
+            f"sync: geo.inner_steps = {layout.inner_steps} syncs {MIN_SYNCS} times in a run of at least "
+            f"{MIN_SYNCS * layout.inner_steps} steps; give --train.steps N to plan a shorter run"
+        )
+    why = sparse_syncs(layout.inner_steps, steps)
+    return None if why is None else f"warning: {why}"
+
+
+def legend_text() -> str:
+    """Every part of a layout label, what it means and the config keys it shows (LABEL_LEGEND)."""
+    width = max(len(part.token) for part in LABEL_LEGEND)
+    lines = ["Layout labels, part by part, left to right (N: a number):"]
+    for part in LABEL_LEGEND:
+        text = part.means + (f" [{part.keys}]" if part.keys else "")
+        lines.append(
+            textwrap.fill(text, 100, initial_indent=f"  {part.token:<{width}}  ", subsequent_indent=" " * (width + 4))
+        )
+    return "\n".join(lines)
+
+
+def legend_line(labels: list[str]) -> str:
+    """The legend entries ``labels`` use, in a few words each: the line under the table."""
+    words = "; ".join(f"{part.token} {part.short}" for part in legend_for(labels))
+    return textwrap.fill(f"labels: {words} (isthmus plan --legend says more)", 100, break_on_hyphens=False)
+
+
+def default_runtime(topo: Topology) -> str:
+    """The preset a topology's plans assume unless ``--runtime`` names one: today's stacks on GPUs,
+    isthmus itself on CPU topologies (kinds whose default dtype is fp32), the only software there."""
+    cpu = all(dc.kind.default_dtype == "fp32" for dc in topo.datacenters)
+    return "isthmus" if cpu else DEFAULT_GPU_RUNTIME
+
+
+def assumed_features(runtime: Runtime, dtype: str) -> str:
+    """One line: the runtime preset and what it does, as plan and simulate print it."""
+    return f"{runtime.name} ({', '.join(runtime.feature_words(dtype))}); set with --runtime.<feature>"
+
+
+def planned_runtime(ns: argparse.Namespace, topo: Topology) -> Runtime:
+    """``--runtime`` (or the topology's default) with its ``--runtime.<feature>`` flags, its blocks
+    compiled when ``--train.compile true``, and ``--expert-imbalance``."""
+    chosen = {f: getattr(ns, f"runtime_{f}") for f in FEATURES if getattr(ns, f"runtime_{f}", None) is not None}
+    runtime = RUNTIMES[ns.runtime or default_runtime(topo)].with_features(**chosen).with_compile(ns.compile)
     if ns.expert_imbalance is not None:
         runtime = replace(runtime, expert_imbalance=ns.expert_imbalance)
     return runtime
@@ -255,6 +336,7 @@ def search_space(ns: argparse.Namespace) -> SearchSpace:
         max_batch_tokens=ns.max_batch_tokens or DEFAULT_BATCH_TOKENS,
         sync=_comma_choices(ns.sync, GEO_SYNCS, flag_of("sync"), allow_empty=True),
         wan_schedule=_comma_choices(ns.wan_schedule, WAN_SCHEDULES, flag_of("wan_schedule"), allow_empty=False),
+        steps=ns.steps,
     )
     inner, fragments, overlap = (space.setting(k) for k in ("inner_steps", "fragments", "overlap_steps"))
     if fragments > inner:
@@ -276,19 +358,20 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     topo = cli_topology(ns)
     space = search_space(ns)
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
-    result = search(args, topo, space, planned_runtime(ns), top=ns.top, dtype=dtype)
+    runtime = planned_runtime(ns, topo)
+    result = search(args, topo, space, runtime, top=ns.top, dtype=dtype)
+    note = sync_note(result.best.layout, ns.steps)
     if ns.json:
-        sys.stdout.write(json.dumps(result_json(result, topo, ns.top), indent=2) + "\n")
+        sys.stdout.write(json.dumps({**result_json(result, topo, ns.top), "sync_note": note}, indent=2) + "\n")
         return 0
     best = result.best.work
     sys.stdout.write(
         f"isthmus plan: {ns.model_flavor} on {topo.name} ({topo.n_devices:,} devices), global batch {best.batch_size} x "
-        f"{best.seq_len} tokens; {result.considered:,} layouts considered, {result.pruned_memory:,} over memory\n\n"
+        f"{best.seq_len} tokens; {result.considered:,} layouts considered, {result.pruned_memory:,} over memory\n"
+        f"assumed software: {assumed_features(runtime, dtype)}\n\n"
     )
-    sys.stdout.write(format_table(result, ns.top) + "\n")
-    what_ifs = [str(i) for i, est in enumerate(result.ranked[: ns.top], 1) if runnable(topo, est.layout) is not None]
-    if what_ifs:
-        sys.stdout.write(f"planner-only what-ifs (the runtime cannot run them as placed): #{', #'.join(what_ifs)}\n")
-    sys.stdout.write("\n")
+    sys.stdout.write(format_table(result, ns.top, topo) + "\n")
+    shown = [est.layout.label() for est in result.ranked[: ns.top] + result.what_ifs[: ns.top]]
+    sys.stdout.write(legend_line(shown) + "\n" + (f"{note}\n" if note else "") + "\n")
     sys.stdout.write(textwrap.fill(explain(result, topo), width=100, break_on_hyphens=False) + "\n")
     return 0

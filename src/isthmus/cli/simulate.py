@@ -63,7 +63,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     args = resolve_model_args(plan_cli.model_config(ns))
     topo = plan_cli.cli_topology(ns)
     space = plan_cli.search_space(ns)
-    runtime = plan_cli.planned_runtime(ns)
+    runtime = plan_cli.planned_runtime(ns, topo)
     dtype = ns.dtype or topo.datacenters[0].kind.default_dtype
     chosen = search(args, topo, space, runtime, top=ns.top, dtype=dtype).best
     record = bool(ns.trace or ns.png)

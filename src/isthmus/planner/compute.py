@@ -27,6 +27,48 @@ CAUSAL_SKIP = 0.5
 """Fraction of the S x S square a causal fused kernel computes (masked tiles are skipped)."""
 OPTIMIZER_BYTES_PER_PARAM = 32
 """Adam step, gradient-norm and zeroing traffic per local parameter (fp32 master, m, v, grad)."""
+OVERLAP_GEMM_SLOWDOWN = 0.05
+"""Share a GEMM slows by while a tensor-parallel collective streams beside it (the SMs and memory
+bandwidth the transfers take: Megatron's userbuffers reserve a few SMs, async TP's copy engines
+share HBM) (assumed)."""
+
+
+@dataclass(frozen=True)
+class Fp8Cost:
+    """What one FP8 recipe costs: its GEMM rate and the quantisation traffic around each GEMM."""
+
+    gemm_efficiency: float
+    """Fraction of the bf16 GEMM curve's share of peak an FP8 GEMM reaches of the FP8 peak."""
+    cast_bytes: float
+    """Bytes moved per element of an activation or gradient quantised (read bf16, write fp8, scales)."""
+    transpose_bytes: float
+    """Bytes per element of the transposed copy the weight-gradient GEMM reads (Hopper's FP8 GEMMs
+    take one layout only): a cast-transpose of the fp8 tensor, or a requantisation from bf16 along
+    the other axis when the scales follow rows or tiles."""
+    gathers_fp8: bool
+    """Sequence parallelism's all-gathers carry the quantised tensor (one scale per tensor survives a
+    gather; per-row or per-tile scales along the gathered axis do not, so those gather bf16)."""
+
+
+FP8_RECIPES: dict[str, Fp8Cost] = {
+    "tensorwise": Fp8Cost(gemm_efficiency=0.80, cast_bytes=3.0, transpose_bytes=2.0, gathers_fp8=True),
+    "rowwise": Fp8Cost(gemm_efficiency=0.70, cast_bytes=3.5, transpose_bytes=3.5, gathers_fp8=False),
+    "blockwise": Fp8Cost(gemm_efficiency=0.70, cast_bytes=3.5, transpose_bytes=3.5, gathers_fp8=False),
+    "mxfp8": Fp8Cost(gemm_efficiency=0.80, cast_bytes=3.2, transpose_bytes=3.2, gathers_fp8=False),
+}
+"""FP8 recipes' costs (``Runtime.fp8_recipe``). The GEMM efficiencies are fitted (docs/planner-checks.md
+names the rows); the cast traffic is each kernel's reads and writes."""
+
+
+def act_dtype(dtype: str) -> str:
+    """The dtype of activations, elementwise kernels, attention and communication under ``dtype``:
+    FP8 training quantises only the GEMMs' operands, everything else stays bf16."""
+    return "bf16" if dtype == "fp8" else dtype
+
+
+def act_bytes(dtype: str) -> int:
+    """Bytes per element of activations under ``dtype`` (:func:`act_dtype`)."""
+    return ELEM_BYTES[act_dtype(dtype)]
 
 
 @dataclass(frozen=True)
@@ -94,11 +136,19 @@ def gemm_fraction(kind: DeviceKind, m: float, n: float, k: float) -> float:
     return kind.gemm_max_fraction * (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
 
 
-def gemm_time(kind: DeviceKind, dtype: str, m: float, n: float, k: float, batch: float = 1) -> float:
-    """Seconds for ``batch`` GEMMs of (m, n, k): compute at the curve, bounded below by memory traffic."""
+def gemm_time(
+    kind: DeviceKind, dtype: str, m: float, n: float, k: float, batch: float = 1, recipe: str = "tensorwise"
+) -> float:
+    """Seconds for ``batch`` GEMMs of (m, n, k): compute at the curve, bounded below by memory traffic.
+    FP8 GEMMs run at their recipe's share of the curve (:data:`FP8_RECIPES`) and write bf16."""
     e = ELEM_BYTES[dtype]
-    compute = 2 * m * n * k * batch / (kind.peak(dtype) * gemm_fraction(kind, m, n, k))
-    memory = e * (m * k + k * n + m * n) * batch / (kind.memory_bandwidth * kind.memory_bw_fraction)
+    fraction = gemm_fraction(kind, m, n, k)
+    if dtype == "fp8":
+        fraction *= FP8_RECIPES[recipe].gemm_efficiency
+    compute = 2 * m * n * k * batch / (kind.peak(dtype) * fraction)
+    memory = (
+        (e * (m * k + k * n) + act_bytes(dtype) * m * n) * batch / (kind.memory_bandwidth * kind.memory_bw_fraction)
+    )
     return kind.kernel_launch_s + max(compute, memory)
 
 
@@ -107,14 +157,41 @@ def memory_time(kind: DeviceKind, nbytes: float, kernels: int = 1) -> float:
     return kernels * kind.kernel_launch_s + nbytes / (kind.memory_bandwidth * kind.memory_bw_fraction)
 
 
-def _gemm_ops(kind: DeviceKind, dtype: str, name: str, m: float, n: float, k: float, batch: float = 1) -> list[Op]:
-    """Forward GEMM and its two backward GEMMs: dX = dY W^T (m, k, n) and dW = X^T dY (k, n, m)."""
+def _gemm_ops(
+    kind: DeviceKind, dtype: str, name: str, m: float, n: float, k: float, batch: float = 1, recipe: str = "tensorwise"
+) -> list[Op]:
+    """Forward GEMM and its two backward GEMMs: dX = dY W^T (m, k, n) and dW = X^T dY (k, n, m).
+    Under FP8 each also quantises what it reads: the forward its input (and the transposed copy the
+    weight gradient reads), the backward the output's gradient. Weights are quantised once per step,
+    not per microbatch (Transformer Engine caches them; FSDP2's float8 gathers them quantised), so
+    that cast is left out."""
     e, f = ELEM_BYTES[dtype], 2 * m * n * k * batch
-    return [
-        Op(name, "fwd", f, e * (m * k + k * n + m * n) * batch, gemm_time(kind, dtype, m, n, k, batch)),
-        Op(name + ".dgrad", "bwd", f, e * (m * n + n * k + m * k) * batch, gemm_time(kind, dtype, m, k, n, batch)),
-        Op(name + ".wgrad", "wgrad", f, e * (m * k + m * n + k * n) * batch, gemm_time(kind, dtype, k, n, m, batch)),
+    ops = [
+        Op(name, "fwd", f, e * (m * k + k * n + m * n) * batch, gemm_time(kind, dtype, m, n, k, batch, recipe)),
+        Op(
+            name + ".dgrad",
+            "bwd",
+            f,
+            e * (m * n + n * k + m * k) * batch,
+            gemm_time(kind, dtype, m, k, n, batch, recipe),
+        ),
+        Op(
+            name + ".wgrad",
+            "wgrad",
+            f,
+            e * (m * k + m * n + k * n) * batch,
+            gemm_time(kind, dtype, k, n, m, batch, recipe),
+        ),
     ]
+    if dtype == "fp8":
+        fp8 = FP8_RECIPES[recipe]
+        fwd_cast = (fp8.cast_bytes + fp8.transpose_bytes) * m * k * batch
+        bwd_cast = (fp8.cast_bytes + fp8.transpose_bytes) * m * n * batch
+        ops += [
+            Op(name + ".cast", "fwd", 0.0, fwd_cast, memory_time(kind, fwd_cast)),
+            Op(name + ".cast.bwd", "bwd", 0.0, bwd_cast, memory_time(kind, bwd_cast)),
+        ]
+    return ops
 
 
 def _mem_ops(kind: DeviceKind, name: str, fwd_bytes: float, kernels: int = 1) -> list[Op]:
@@ -129,7 +206,7 @@ def layer_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]
     """Every operator of one transformer block for one microbatch on one device."""
     dtype, args, micro_batch, seq_len = block.dtype, block.args, block.micro_batch, block.seq_len
     tp, cp, sp = block.tp, block.cp, block.sp
-    e = ELEM_BYTES[dtype]
+    e, recipe, adt = act_bytes(dtype), runtime.fp8_recipe, act_dtype(dtype)
     h, hd, f = args.dim, args.head_dim, args.ffn_dim
     q, kv = args.n_heads * hd, args.n_kv_heads * hd
     s_local = seq_len / cp
@@ -139,33 +216,33 @@ def layer_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]
     mask = 1 if runtime.dropout else 0
     ops: list[Op] = []
     ops += _mem_ops(kind, "norm1", 2 * e * rep * h)
-    ops += _gemm_ops(kind, dtype, "qkv", tokens, (q + 2 * kv) / tp, h)
+    ops += _gemm_ops(kind, dtype, "qkv", tokens, (q + 2 * kv) / tp, h, recipe=recipe)
     if runtime.attention == "materialized":
         scores = micro_batch * heads * s_local * seq_len
-        ops += _gemm_ops(kind, dtype, "attn.scores", s_local, seq_len, hd, micro_batch * heads)
+        ops += _gemm_ops(kind, adt, "attn.scores", s_local, seq_len, hd, micro_batch * heads)
         ops += _mem_ops(kind, "attn.softmax", 2 * e * scores)
         if runtime.dropout:
             ops += _mem_ops(kind, "attn.dropout", (2 * e + 1) * scores)
-        ops += _gemm_ops(kind, dtype, "attn.values", s_local, hd, seq_len, micro_batch * heads)
+        ops += _gemm_ops(kind, adt, "attn.values", s_local, hd, seq_len, micro_batch * heads)
     else:
         flops = 4 * micro_batch * heads * s_local * seq_len * hd
         fwd = kind.kernel_launch_s + CAUSAL_SKIP * flops / (
-            kind.peak(dtype) * gemm_fraction(kind, s_local, seq_len, hd) * FLASH_EFFICIENCY
+            kind.peak(adt) * gemm_fraction(kind, s_local, seq_len, hd) * FLASH_EFFICIENCY
         )
         ops += [
             Op("attn.flash", "fwd", flops, 0.0, fwd),
             Op("attn.flash.bwd", "bwd", 2 * flops, 0.0, FLASH_BACKWARD_FACTOR * fwd),
         ]
-    ops += _gemm_ops(kind, dtype, "proj", tokens, h, q / tp)
+    ops += _gemm_ops(kind, dtype, "proj", tokens, h, q / tp, recipe=recipe)
     ops += _mem_ops(kind, "residual1", (3 * e + mask) * rep * h)
     ops += _mem_ops(kind, "norm2", 2 * e * rep * h)
     if args.is_moe:
         ops += moe_ops(kind, block, runtime)
     else:
         branches = 2 if args.mlp == "swiglu" else 1
-        ops += _gemm_ops(kind, dtype, "fc1", tokens, branches * f / tp, h)
+        ops += _gemm_ops(kind, dtype, "fc1", tokens, branches * f / tp, h, recipe=recipe)
         ops += _mem_ops(kind, "act", (branches + 1) * e * tokens * f / tp)
-        ops += _gemm_ops(kind, dtype, "fc2", tokens, h, f / tp)
+        ops += _gemm_ops(kind, dtype, "fc2", tokens, h, f / tp, recipe=recipe)
     ops += _mem_ops(kind, "residual2", (3 * e + mask) * rep * h)
     return ops
 
@@ -176,31 +253,32 @@ def moe_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]:
     local expert's rows, split over tp like a dense MLP) and the shared experts. The experts run at the
     busiest rank's load (:func:`rank_imbalance`); their FLOPs are counted at the mean, as model FLOPs.
     A DeepSeek-style model's first dense blocks are priced as MoE blocks."""
-    dtype, args, tp = block.dtype, block.args, block.tp
-    e, h, fe = ELEM_BYTES[dtype], args.dim, args.expert_ffn_dim
+    dtype, args, tp, recipe = block.dtype, block.args, block.tp, runtime.fp8_recipe
+    e, h, fe = act_bytes(dtype), args.dim, args.expert_ffn_dim
     tokens = block.micro_batch * block.seq_len / block.cp
     rep = tokens / tp if block.sp else tokens
     local = block.local_experts
     routed = routed_tokens(block, runtime)
     mean = routed / rank_imbalance(block, runtime)
-    ops = _gemm_ops(kind, dtype, "router", rep, args.n_experts, h)
+    ops = _gemm_ops(kind, act_dtype(dtype), "router", rep, args.n_experts, h)
     # Dispatch gathers each token copy into expert order; combine scatters it back and sums top_k copies.
     ops += _mem_ops(kind, "moe.permute", 4 * e * routed * h, kernels=2)
-    experts = _gemm_ops(kind, dtype, "experts.fc1", routed / local, 2 * fe / tp, h, local)
+    experts = _gemm_ops(kind, dtype, "experts.fc1", routed / local, 2 * fe / tp, h, local, recipe)
     experts += _mem_ops(kind, "experts.act", 3 * e * routed * fe / tp)
-    experts += _gemm_ops(kind, dtype, "experts.fc2", routed / local, h, fe / tp, local)
+    experts += _gemm_ops(kind, dtype, "experts.fc2", routed / local, h, fe / tp, local, recipe)
     ops += [replace(op, flops=op.flops * mean / routed) for op in experts]
     if args.n_shared_experts:
         fs = args.n_shared_experts * fe
-        ops += _gemm_ops(kind, dtype, "shared.fc1", tokens, 2 * fs / tp, h)
+        ops += _gemm_ops(kind, dtype, "shared.fc1", tokens, 2 * fs / tp, h, recipe=recipe)
         ops += _mem_ops(kind, "shared.act", 3 * e * tokens * fs / tp)
-        ops += _gemm_ops(kind, dtype, "shared.fc2", tokens, h, fs / tp)
+        ops += _gemm_ops(kind, dtype, "shared.fc2", tokens, h, fs / tp, recipe=recipe)
     return ops
 
 
-def head_ops(kind: DeviceKind, block: BlockShape) -> list[Op]:
-    """Final norm, output projection (vocabulary split over tp) and cross-entropy of one microbatch."""
-    dtype, args, micro_batch, seq_len = block.dtype, block.args, block.micro_batch, block.seq_len
+def head_ops(kind: DeviceKind, block: BlockShape, fused_cross_entropy: bool = False) -> list[Op]:
+    """Final norm, output projection (vocabulary split over tp) and cross-entropy of one microbatch.
+    The output projection stays in the activations' dtype under FP8 (recipes leave it out)."""
+    dtype, args, micro_batch, seq_len = act_dtype(block.dtype), block.args, block.micro_batch, block.seq_len
     tp, cp, sp = block.tp, block.cp, block.sp
     e = ELEM_BYTES[dtype]
     tokens = micro_batch * seq_len / cp
@@ -208,6 +286,11 @@ def head_ops(kind: DeviceKind, block: BlockShape) -> list[Op]:
     rep = tokens / tp if sp else tokens
     ops = _mem_ops(kind, "final_norm", 2 * e * rep * args.dim)
     ops += _gemm_ops(kind, dtype, "head", tokens, args.vocab_size / tp, args.dim)
+    if fused_cross_entropy:  # one pass over the logits each way, no fp32 copy
+        return ops + [
+            Op("loss", "fwd", 0.0, e * logits, memory_time(kind, e * logits)),
+            Op("loss.bwd", "bwd", 0.0, 2 * e * logits, memory_time(kind, 2 * e * logits)),
+        ]
     # fp32 softmax cross-entropy: read logits, write fp32 probabilities, reduce; backward writes grads.
     ops += [
         Op("loss", "fwd", 0.0, 12 * logits, memory_time(kind, 12 * logits, 3)),
@@ -217,7 +300,7 @@ def head_ops(kind: DeviceKind, block: BlockShape) -> list[Op]:
 
 
 def embedding_ops(kind: DeviceKind, block: BlockShape) -> list[Op]:
-    e = ELEM_BYTES[block.dtype]
+    e = act_bytes(block.dtype)
     nbytes = e * block.micro_batch * block.seq_len / block.cp * block.args.dim
     return [
         Op("embed", "fwd", 0.0, nbytes, memory_time(kind, nbytes)),
@@ -261,9 +344,9 @@ def attention_core_fwd(kind: DeviceKind, block: BlockShape, runtime: Runtime) ->
 
 
 @lru_cache(maxsize=4096)
-def ends_times(kind: DeviceKind, block: BlockShape) -> tuple[PhaseTimes, PhaseTimes]:
+def ends_times(kind: DeviceKind, block: BlockShape, fused_cross_entropy: bool = False) -> tuple[PhaseTimes, PhaseTimes]:
     """(embedding, head + loss) times of one microbatch: the first and last pipeline stage's extras."""
-    return sum_phases(embedding_ops(kind, block)), sum_phases(head_ops(kind, block))
+    return sum_phases(embedding_ops(kind, block)), sum_phases(head_ops(kind, block, fused_cross_entropy))
 
 
 def optimizer_time(kind: DeviceKind, local_params: float) -> float:

@@ -19,11 +19,14 @@ from isthmus.models.args import ModelArgs
 from isthmus.models.flops import flops_per_token
 from isthmus.planner import comm
 from isthmus.planner.compute import (
-    ELEM_BYTES,
+    FP8_RECIPES,
+    OVERLAP_GEMM_SLOWDOWN,
     BlockShape,
     PhaseTimes,
+    act_bytes,
     attention_core_fwd,
     ends_times,
+    layer_ops,
     layer_times,
     optimizer_time,
     rank_imbalance,
@@ -53,13 +56,19 @@ class BlockCost:
 
     compute: PhaseTimes
     tp: float
-    """Tensor-parallel collectives of one forward (the backward has as many)."""
+    """Tensor-parallel collectives of one forward, as far as they are not hidden under GEMMs."""
     cp_fwd: float
     cp_bwd: float
     core_fwd: float = 0.0
     """The attention core's forward alone (what attention-core selective recomputation repeats)."""
     ep: float = 0.0
     """A MoE block's token dispatch and combine all-to-alls of one forward (the backward has as many)."""
+    tp_back: float | None = None
+    """The backward's exposed tensor-parallel collectives; None: as the forward's."""
+
+    @property
+    def tp_bwd(self) -> float:
+        return self.tp if self.tp_back is None else self.tp_back
 
     @property
     def fwd(self) -> float:
@@ -67,7 +76,7 @@ class BlockCost:
 
     @property
     def bwd(self) -> float:
-        return self.compute.backward + self.tp + self.cp_bwd + self.ep
+        return self.compute.backward + self.tp_bwd + self.cp_bwd + self.ep
 
 
 def tp_span(site: SiteSpans, runtime: Runtime) -> comm.Span:
@@ -88,20 +97,14 @@ def tp_on_host(site: SiteSpans, runtime: Runtime) -> bool:
 
 @lru_cache(maxsize=8192)
 def block_cost(kind: DeviceKind, site: SiteSpans, block: BlockShape, cp_impl: str, runtime: Runtime) -> BlockCost:
-    a, b, s, e = block.args, block.micro_batch, block.seq_len, ELEM_BYTES[block.dtype]
+    a, b, s, e = block.args, block.micro_batch, block.seq_len, act_bytes(block.dtype)
     tp, cp, sp = block.tp, block.cp, block.sp
     t = layer_times(kind, block, runtime)
     act = b * s / cp * a.dim * e
-    # Two all-reduces per block each way (with sp an all-gather + reduce-scatter: the same bytes).
-    tp_time = 2 * comm.all_reduce(act, tp_span(site, runtime))
-    if a.is_moe and tp > 1:
-        # Experts split over tp gather every routed copy their tp group received (and reduce-scatter
-        # the results back): the MoE half's collectives carry top_k copies per token at the busiest
-        # rank's load, not one hidden state (Megatron-Core's all-to-all dispatcher with expert tp = tp).
-        copies = a.top_k * rank_imbalance(block, runtime)
-        tp_time += comm.all_reduce(act * copies, tp_span(site, runtime)) - comm.all_reduce(act, tp_span(site, runtime))
+    tp_fwd, tp_bwd = tp_collectives(kind, site, block, runtime, act)
     if tp > 1:  # measured runtime work of a tensor-parallel block (0 unless a profile says)
-        tp_time += kind.tp_block_s + (kind.sp_block_s if sp else 0.0)
+        tp_fwd += kind.tp_block_s + (kind.sp_block_s if sp else 0.0)
+        tp_bwd += kind.tp_block_s + (kind.sp_block_s if sp else 0.0)
     cp_f = cp_b = 0.0
     if cp > 1:
         kv = b * s / cp * 2 * a.n_kv_heads * a.head_dim / tp * e
@@ -114,7 +117,56 @@ def block_cost(kind: DeviceKind, site: SiteSpans, block: BlockShape, cp_impl: st
             q = b * s / cp * a.n_heads * a.head_dim / tp * e
             cp_f = cp_b = comm.all_to_all(q + kv, site.cp) + comm.all_to_all(q, site.cp)
     core = attention_core_fwd(kind, block, runtime)
-    return BlockCost(t, tp_time, cp_f, cp_b, core, expert_all_to_all(site, block, runtime))
+    return BlockCost(t, tp_fwd, cp_f, cp_b, core, expert_all_to_all(site, block, runtime), tp_bwd)
+
+
+def tp_collectives(
+    kind: DeviceKind, site: SiteSpans, block: BlockShape, runtime: Runtime, act: float
+) -> tuple[float, float]:
+    """Seconds of one block's tensor-parallel collectives left exposed in its forward and its backward.
+
+    Each half of a block (attention, MLP) exchanges its hidden states twice each way: an all-gather
+    into its first GEMM and a reduce-scatter out of its last (an all-reduce each without sequence
+    parallelism: the same bytes). Under FP8 the gathers carry the quantised tensor where the recipe's
+    scales survive a gather. ``Runtime.tp_overlap`` says how much hides (only with sequence
+    parallelism, which both Megatron's and torch's overlap need): bulk hides the backward's
+    collectives under the independent weight-gradient GEMM of the same layer; pipelined splits every
+    collective into tp chunks that stream under the GEMM consuming or producing them, one chunk left
+    exposed. An overlapped GEMM is slowed by :data:`OVERLAP_GEMM_SLOWDOWN`.
+    """
+    if block.tp <= 1:
+        return 0.0, 0.0
+    a, span = block.args, tp_span(site, runtime)
+    gathered = act
+    if block.dtype == "fp8" and FP8_RECIPES[runtime.fp8_recipe].gathers_fp8:
+        gathered = act / act_bytes(block.dtype)
+    copies = 1.0
+    if a.is_moe:
+        # Experts split over tp gather every routed copy their tp group received (and reduce-scatter
+        # the results back): the MoE half's collectives carry top_k copies per token at the busiest
+        # rank's load, not one hidden state (Megatron-Core's all-to-all dispatcher with expert tp = tp).
+        copies = a.top_k * rank_imbalance(block, runtime)
+    # (collective seconds, the forward GEMM it meets, the backward GEMMs) per exchange, in block order.
+    ops = {op.name: op.seconds for op in layer_ops(kind, block, runtime)}
+    mlp_in, mlp_out = ("experts.fc1", "experts.fc2") if a.is_moe else ("fc1", "fc2")
+    pairs = [
+        (comm.all_gather(gathered, span), "qkv"),
+        (comm.reduce_scatter(act, span), "proj"),
+        (comm.all_gather(gathered * copies, span), mlp_in),
+        (comm.reduce_scatter(act * copies, span), mlp_out),
+    ]
+    if runtime.tp_overlap == "none" or not block.sp:
+        fwd = sum(c for c, _ in pairs)
+        return fwd, fwd
+    slow = OVERLAP_GEMM_SLOWDOWN
+    if runtime.tp_overlap == "bulk":
+        fwd = sum(c for c, _ in pairs)
+        bwd = sum(max(0.0, c - ops.get(g + ".wgrad", 0.0)) + slow * ops.get(g + ".wgrad", 0.0) for c, g in pairs)
+        return fwd, bwd
+    chunks = block.tp
+    fwd = sum(max(c / chunks, c - ops.get(g, 0.0)) + slow * ops.get(g, 0.0) for c, g in pairs)
+    bwd = sum(max(c / chunks, c - ops.get(g + ".dgrad", 0.0)) + slow * ops.get(g + ".dgrad", 0.0) for c, g in pairs)
+    return fwd, bwd
 
 
 def expert_all_to_all(site: SiteSpans, block: BlockShape, runtime: Runtime) -> float:
@@ -128,7 +180,7 @@ def expert_all_to_all(site: SiteSpans, block: BlockShape, runtime: Runtime) -> f
         return 0.0
     a = block.args
     tokens = block.micro_batch * block.seq_len / block.cp / (block.tp if block.sp else 1)
-    nbytes = tokens * a.top_k * a.dim * ELEM_BYTES[block.dtype] * rank_imbalance(block, runtime)
+    nbytes = tokens * a.top_k * a.dim * act_bytes(block.dtype) * rank_imbalance(block, runtime)
     return 2 * comm.all_to_all(nbytes, site.ep)
 
 
@@ -185,15 +237,17 @@ def recompute_flops_per_token(args: ModelArgs, seq_len: int, recompute: str, run
     return recompute_share(recompute) * (flops_per_token(args, seq_len, True) - model)
 
 
-def _ends(kind: DeviceKind, work: Workload, layout: LayoutSpec, r: int) -> tuple[PhaseTimes, PhaseTimes]:
-    emb, head = ends_times(kind, BlockShape.of(work, layout))
+def _ends(
+    kind: DeviceKind, work: Workload, layout: LayoutSpec, r: int, runtime: Runtime
+) -> tuple[PhaseTimes, PhaseTimes]:
+    emb, head = ends_times(kind, BlockShape.of(work, layout), runtime.fused_cross_entropy)
     zero = PhaseTimes(0.0, 0.0, 0.0, 0.0)
     return (emb if r == 0 else zero), (head if r == layout.pp - 1 else zero)
 
 
 def stage_costs(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement) -> list[StageCost]:
     """Per pipeline rank: layers (Megatron: even split; isthmus: balanced by speed) and microbatch cost."""
-    p, v, e = layout.pp, layout.pp_virtual_stages, ELEM_BYTES[work.dtype]
+    p, v, e = layout.pp, layout.pp_virtual_stages, act_bytes(work.dtype)
     block = BlockShape.of(work, layout)
     per_site = [(site, block_cost(site.dc.kind, site, block, layout.cp_impl, runtime)) for site in pl.sites]
     blocks = [[per_site[i] for i in pl.stage_sites[r]] for r in range(p)]
@@ -213,7 +267,7 @@ def stage_costs(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placem
         extra = [0.0] * p
         for r in (0, p - 1):
             extra[r] = max(
-                sum(x.fwd + x.backward for x in _ends(site.dc.kind, work, layout, r)) for site, _ in blocks[r]
+                sum(x.fwd + x.backward for x in _ends(site.dc.kind, work, layout, r, runtime)) for site, _ in blocks[r]
             )
         layers = partition_layers(work.args.n_layers, per_layer, extra, min_layers=v)
     act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * e
@@ -243,7 +297,7 @@ def _stage_cost(
     v = layout.pp_virtual_stages
     worst: StageCost | None = None
     for site, bc in row:
-        emb, head = _ends(site.dc.kind, work, layout, r)
+        emb, head = _ends(site.dc.kind, work, layout, r, runtime)
         p2p = 0.0
         if layout.pp > 1 and not runtime.p2p_async:  # blocking send/recv to each neighbour, per virtual stage
             gather = comm.all_gather(act, site.tp) if runtime.scatter_gather else 0.0
@@ -265,7 +319,7 @@ def _stage_cost(
         )
         parts = (
             ("compute", compute),
-            ("tp comm", n * (2 * bc.tp + r_tp)),
+            ("tp comm", n * (bc.tp + bc.tp_bwd + r_tp)),
             ("cp comm", n * (bc.cp_fwd + r_cp * _share(bc.cp_fwd, bc.ep) + bc.cp_bwd)),
             ("ep comm", 2 * n * bc.ep + n * r_cp * _share(bc.ep, bc.cp_fwd)),
             ("pp p2p", p2p),
@@ -313,7 +367,7 @@ def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placemen
         window = (st.bwd + r * st.bwd / layout.pp_virtual_stages) if runtime.dp_overlap else 0.0
         outer = sc.wan if layout.sync == "diloco" else 0.0  # DiLoCo's outer sync blocks, every H steps
         grad = max(0.0, sc.grad - outer - window) + outer
-        params_exposed = max(0.0, sc.params - st.fwd) if runtime.dp_overlap else sc.params
+        params_exposed = max(0.0, sc.params - st.fwd) if runtime.gathers_overlap else sc.params
         opt = optimizer_time(site.dc.kind, params / max(1, layout.shard_degree)) + shard_overhead(
             site.dc.kind, layout, st.layers
         )
@@ -370,6 +424,13 @@ def rank_memory(
     )
 
 
+LOOP_TOKENS = {"1f1b": 2, "interleaved_1f1b": 3, "zero_bubble": 2, "zbv": 3}
+"""Microbatch passes in flight around one pipeline boundary in steady state, per schedule as the
+runtime orders its actions (:mod:`isthmus.sim.schedule`): one more than the difference between two
+neighbours' warm-up forwards (1F1B: p - r; interleaved: 2 per rank; zero bubble: 1, ZB-V 2). GPipe
+runs every forward before any backward: no loop."""
+
+
 def pipeline_links(
     work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement, busy: list[float]
 ) -> list[LinkStage]:
@@ -383,7 +444,7 @@ def pipeline_links(
         * work.seq_len
         / layout.cp
         * work.args.dim
-        * ELEM_BYTES[work.dtype]
+        * act_bytes(work.dtype)
         / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
     )
     xfers = [
@@ -393,13 +454,16 @@ def pipeline_links(
     # Time slots start the pipelines one slot apart, and the same offsets serve every boundary:
     # the last pipeline ends the widest boundary's stagger after the first, once per step.
     stagger = max(x.stagger for x in xfers)
+    tokens = LOOP_TOKENS.get(layout.pp_schedule if layout.pp_schedule != "zero_bubble" or v > 2 else "zbv")
     links = []
     for r, xfer in enumerate(xfers):
         one = xfer.seconds
-        # A boundary paces the pipeline by its busy time, or by the round trip its latency adds
-        # to rank r, spread over the microbatches rank r keeps in flight to hide it.
-        rtt = busy[r] + 2 * one / max(1.0, in_flight(layout.pp_schedule, p, v, m, r))
-        links.append(LinkStage(max(v * xfer.occupancy, rtt), 2 * one))
+        # A boundary paces the pipeline by its busy time, or by its loop: rank r + 1's backward of a
+        # virtual stage, its message back, rank r's backward and next forward, the message over, rank
+        # r + 1's forward. Only the microbatches rank r keeps in flight beyond rank r + 1's travel that
+        # loop (LOOP_TOKENS), so they, not all of rank r's, hide the boundary's round trip.
+        loop = (2 * v * one + busy[r] + busy[r + 1]) / tokens if tokens else 0.0
+        links.append(LinkStage(max(v * xfer.occupancy, loop), 2 * one, 2 * v * one))
     if stagger > 0:
         links.append(LinkStage(0.0, stagger))
     return links
@@ -554,10 +618,10 @@ def estimate(
     )
     # A microbatch takes its compute or its ZeRO-3 gathers, whichever is longer, when they overlap.
     busy = [
-        max(st.total, sy.per_microbatch) if runtime.dp_overlap else st.total + sy.per_microbatch
+        max(st.total, sy.per_microbatch) if runtime.gathers_overlap else st.total + sy.per_microbatch
         for st, sy in zip(stages, syncs)
     ]
-    e = ELEM_BYTES[work.dtype]
+    e = act_bytes(work.dtype)
     links = pipeline_links(work, layout, runtime, pl, busy)
     t_pipe, idle = pipeline_time(busy, [st.wgrad for st in stages], m, v, layout.pp_schedule, links)
     slow = max(range(p), key=lambda r: syncs[r].tail)

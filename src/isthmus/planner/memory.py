@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from isthmus.layout import rules
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import layer_matmul_params
-from isthmus.planner.compute import ELEM_BYTES, BlockShape, routed_tokens
+from isthmus.planner.compute import ELEM_BYTES, BlockShape, act_bytes, act_dtype, routed_tokens
 from isthmus.planner.workload import Runtime
 
 USABLE_FRACTION = 0.95
@@ -37,6 +37,11 @@ SHARED_FILE_MAX_SLOT = 256 << 20
 """The file layout of ``isthmus.parallel.shm_collectives`` (which the planner may not import; its
 test holds these equal): one cache line per rank's counter, then two banks of one slot per rank, a
 slot the largest tensor served rounded up to a power of two, 1 MiB to 256 MiB."""
+
+
+FP8_WEIGHT_COPIES = 2
+"""Bytes per parameter of the FP8 copies of the weights an FP8 run keeps (the weight and its
+transpose, one byte each: Hopper's FP8 GEMMs read one layout only)."""
 
 
 def shared_file_bytes(tp: int, largest: float) -> float:
@@ -95,7 +100,7 @@ def layer_activation_bytes(block: BlockShape, runtime: Runtime, scores: bool = T
         block.sp,
         block.dtype,
     )
-    e = ELEM_BYTES[dtype]
+    e = act_bytes(dtype)
     sb = micro_batch * seq_len / cp
     h, hd, f = args.dim, args.head_dim, args.ffn_dim
     q, kv = args.n_heads * hd, args.n_kv_heads * hd
@@ -177,7 +182,7 @@ def autocast_weight_copy_bytes(
 def layer_input_bytes(block: BlockShape) -> float:
     """What a fully recomputed block keeps: its input."""
     b = block
-    return ELEM_BYTES[b.dtype] * b.micro_batch * b.seq_len / b.cp * b.args.dim / (b.tp if b.sp else 1)
+    return act_bytes(b.dtype) * b.micro_batch * b.seq_len / b.cp * b.args.dim / (b.tp if b.sp else 1)
 
 
 def stage_params(args: ModelArgs, layers: int, first: bool, last: bool, pp: int) -> float:
@@ -250,6 +255,8 @@ def model_state_bytes(
     w, g, o = (params * runtime.weight_bytes, params * runtime.grad_bytes, params * runtime.optimizer_bytes)
     if gathered_bytes is not None:
         shard = max(1, shard)
+        if zero_stage == 1:  # FSDP2 replicating next to tp/pp/cp: only the optimizer state is sharded
+            return w + params * gathered_bytes, g, o / shard
         held = zero_stage != 3 or pp > 1
         weights = w / shard + (params * gathered_bytes if held else 0.0)
         return weights, (g if accumulate else g / shard), o / shard
@@ -311,7 +318,7 @@ def device_memory(
     w, g, o = moe_state_bytes(params, experts, block.ep, zero_stage, shard, runtime, accumulate, pp, gathered)
     full = layer_activation_bytes(block, runtime, fsdp=fsdp)
     # The residual stream (a block's input, what travels between stages) stays fp32 under autocast.
-    residual = "fp32" if runtime.autocast and not fsdp_mp else dtype
+    residual = "fp32" if runtime.autocast and not fsdp_mp else act_dtype(dtype)
     kept = layer_input_bytes(replace(block, dtype=residual))
     if activation_checkpoint == "full":
         per_layer = kept
@@ -322,7 +329,10 @@ def device_memory(
     else:
         per_layer = full
     activations = layers * per_layer * in_flight
-    e = ELEM_BYTES[dtype]
+    e = act_bytes(dtype)
+    if dtype == "fp8":
+        # The quantised weights the GEMMs read, and their transposes, kept across the step's microbatches.
+        w += FP8_WEIGHT_COPIES * (params - experts * (1 - 1 / max(1, block.ep)))
     # The block being recomputed: with every other block wrapped, only when backward starts at one.
     recomputes_on_top = activation_checkpoint == "full" or (
         activation_checkpoint == "selective" and (runtime.selective == "attention_core" or wraps_last)
@@ -342,6 +352,6 @@ def device_memory(
         transient += shared_file_bytes(tp, hidden)
     if first:
         activations += hidden * in_flight / (tp if sp else 1)
-    if last:
-        transient += (e + 8) * micro_batch * seq_len / cp * args.vocab_size / tp  # logits, fp32 softmax and grad
+    if last:  # logits, and unless the loss is fused its fp32 softmax and gradient
+        transient += (e + (0 if runtime.fused_cross_entropy else 8)) * micro_batch * seq_len / cp * args.vocab_size / tp
     return MemoryBreakdown(w, g, o, activations, transient)

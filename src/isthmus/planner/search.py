@@ -26,10 +26,11 @@ from isthmus.errors import ConfigError
 from isthmus.layout.choices import GEO_SYNCS, WAN_SCHEDULES
 from isthmus.layout.rules import expert_parallel, zero_stages
 from isthmus.layout.spec import LayoutSpec
+from isthmus.layout.syncs import inner_steps_cap
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import count_params
 from isthmus.planner import comm
-from isthmus.planner.compute import ELEM_BYTES, BlockShape, layer_times
+from isthmus.planner.compute import BlockShape, act_bytes, layer_times
 from isthmus.planner.cost import (
     Estimate,
     StageCost,
@@ -50,7 +51,7 @@ from isthmus.planner.memory import (
     stage_params,
 )
 from isthmus.planner.pipeline import check_pipeline, pipeline_time
-from isthmus.planner.placement import Placement, PlacementCache, choose_dcs
+from isthmus.planner.placement import Placement, PlacementCache, choose_dcs, runnable
 from isthmus.planner.topology import Datacenter, Topology
 from isthmus.planner.workload import Runtime, Workload
 
@@ -63,7 +64,8 @@ MIN_CP_TOKENS = 2048
 
 SETTINGS: dict[str, object] = {"inner_steps": 100, "fragments": 4, "overlap_steps": 1, "wan_streams": 1}
 """Layout fields the search never chooses but sets on every layout, at these values unless fixed
-(inner_steps: the planner's 100, where the config's default is 50)."""
+(inner_steps: the planner's 100, where the config's default is 50; for a run of ``train.steps``,
+at most what syncs ``isthmus.layout.syncs.MIN_SYNCS`` times, see :meth:`SearchSpace.setting`)."""
 CHOICE_LISTS = ("sync", "wan_schedule")
 """Layout fields the search takes a list of choices for (:class:`SearchSpace`'s own fields), not one value."""
 
@@ -86,6 +88,8 @@ class SearchSpace:
     """The cross-datacenter sync kinds to consider (geo.sync)."""
     wan_schedule: tuple[str, ...] = WAN_SCHEDULES
     """How pipelines share a WAN link at a stage boundary (geo.wan_schedule) to consider."""
+    steps: int | None = None
+    """train.steps, the run's length: caps DiLoCo's inner_steps where not fixed (None: a long run)."""
 
     def __post_init__(self) -> None:
         names = {f.name for f in fields(LayoutSpec)} - set(CHOICE_LISTS)
@@ -98,8 +102,15 @@ class SearchSpace:
         return self.fixed.get(name)
 
     def setting(self, name: str) -> Any:
-        """A field of :data:`SETTINGS`: as fixed, else its planning value."""
-        return self.fixed.get(name, SETTINGS[name])
+        """A field of :data:`SETTINGS`: as fixed, else its planning value. For a run of ``steps``,
+        inner_steps syncs at least :data:`~isthmus.layout.syncs.MIN_SYNCS` times (:func:`inner_steps_cap`), and
+        Streaming DiLoCo's fragments and overlap steps fit in it."""
+        if name in self.fixed or self.steps is None or name == "wan_streams":
+            return self.fixed.get(name, SETTINGS[name])
+        planned: dict[str, int] = {k: v for k, v in SETTINGS.items() if isinstance(v, int)}
+        inner = self.fixed.get("inner_steps", min(planned["inner_steps"], inner_steps_cap(self.steps)))
+        fitted = {"inner_steps": inner, "fragments": min(planned["fragments"], inner)}
+        return fitted.get(name, min(planned["overlap_steps"], inner - 1))
 
     def keeps(self, lay: LayoutSpec, names: Iterable[str]) -> bool:
         """Whether ``lay`` has the fixed value of each of ``names`` that is fixed."""
@@ -116,13 +127,17 @@ def flag_of(name: str) -> str:
 @dataclass
 class SearchResult:
     ranked: list[Estimate]
-    """Best first, by effective tokens/s."""
+    """The layouts the runtime runs as placed (:func:`runnable`), best first by effective tokens/s;
+    the planner's what-ifs instead when none of them runs (a subset of the datacenters fixed)."""
     runtime: Runtime
     """The software every estimate assumed."""
     considered: int = 0
     pruned_memory: int = 0
     alternatives: dict[str, Estimate] = field(default_factory=dict)
     """Best layout per family ('dc_axis=pp', 'datacenters=2', 'sync=diloco', 'tp=4', ...) for explanations."""
+    what_ifs: list[Estimate] = field(default_factory=list)
+    """Layouts the runtime cannot run as placed that beat the best of ``ranked``, best first: the
+    planner's what-ifs (a subset of the datacenters, unequal stage counts), kept apart."""
     least_over: MemoryBreakdown | None = None
     """Of the layouts refused as over memory, the fullest device of the one that came closest (its
     first pipeline rank's floor where the refusal came before any timing): why nothing fits."""
@@ -199,7 +214,7 @@ def search(
         if datacenters is not None:
             raise ConfigError(flag_of("datacenters"), datacenters, f"does not go with {flag_of('dc_axis')} {dc_axis}")
         raise ConfigError(flag_of("dc_axis"), dc_axis, f"topology {topo.name!r} has one datacenter; use none")
-    heap: list[tuple[float, int, Estimate]] = []
+    heap = _Ranking(top, len(topo.datacenters))
     result = SearchResult([], runtime)
     counter = 0
     cores: list[_Core] = []
@@ -212,13 +227,13 @@ def search(
     cores.sort(key=lambda c: -c.bound)
     placed = PlacementCache(topo)
     for cand in cores:
-        if _hopeless(cand, heap, top, result, len(topo.datacenters)):
+        if _hopeless(cand, heap, result, len(topo.datacenters)):
             continue
         _tighten(cand, placed, runtime, space)
-        if _hopeless(cand, heap, top, result, len(topo.datacenters)):
+        if _hopeless(cand, heap, result, len(topo.datacenters)):
             continue
-        counter = _variants(cand, topo, placed, runtime, space, heap, top, result, counter)
-    if not heap:
+        counter = _variants(cand, topo, placed, runtime, space, heap, result, counter)
+    if not heap.every:
         n = count_params(args)
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
         why = (
@@ -235,8 +250,48 @@ def search(
         if not result.considered:
             _name_the_fixed_value(args, topo, space, runtime, dtype, f"{size}-parameter model")
         raise ConfigError("--topology", topo.name, f"no layout of this {size}-parameter model {why}")
-    result.ranked = [est for _, _, est in sorted(heap, key=lambda x: (-x[0], x[1]))]
+    result.ranked, result.what_ifs = heap.sections()
     return result
+
+
+class _Ranking:
+    """The top k layouts overall and the top k of those the runtime runs as placed (two heaps of
+    (effective tokens/s, -arrival, estimate)): a what-if never hides the best layout that runs."""
+
+    def __init__(self, top: int, datacenters: int) -> None:
+        self.top, self.datacenters = top, datacenters
+        self.every: list[tuple[float, int, Estimate]] = []
+        self.runs: list[tuple[float, int, Estimate]] = []
+        self.why: dict[int, str | None] = {}
+
+    def offer(self, item: tuple[float, int, Estimate], why: str | None) -> None:
+        """Keep ``item`` where it ranks; ``why``: :func:`runnable`'s reason it is a what-if, or None."""
+        self.why[item[1]] = why
+        for heap, kept in ((self.every, True), (self.runs, why is None)):
+            if not kept:
+                continue
+            if len(heap) < self.top:
+                heapq.heappush(heap, item)
+            elif item[0] > heap[0][0]:
+                heapq.heapreplace(heap, item)
+
+    def may_enter(self, bound: float, datacenters: int) -> bool:
+        """Whether a layout of at most ``bound`` tokens/s over ``datacenters`` can still be kept."""
+        if len(self.every) < self.top or bound >= self.every[0][0]:
+            return True
+        if 1 < datacenters < self.datacenters:  # a subset of the datacenters never runs as placed
+            return False
+        return len(self.runs) < self.top or bound >= self.runs[0][0]
+
+    def sections(self) -> tuple[list[Estimate], list[Estimate]]:
+        """(the layouts that run, best first; the what-ifs that beat the best of them, best first);
+        the what-ifs first when none runs."""
+        order = sorted(self.every, key=lambda x: (-x[0], x[1]))
+        runs = [est for _, _, est in sorted(self.runs, key=lambda x: (-x[0], x[1]))]
+        if not runs:
+            return [est for _, _, est in order], []
+        floor = runs[0].effective_tokens_per_s
+        return runs, [est for tps, n, est in order if self.why[n] is not None and tps > floor]
 
 
 def _core_layouts(
@@ -489,7 +544,7 @@ def _prepare(
     # tensor-parallel all-reduces on the fastest datacenter, and the bubble that even stages leave
     # ((m + (p-1)/v) of a mean stage; zero-bubble schedules may fill it).
     rc = recompute_share(core.activation_checkpoint, runtime)  # 0 for attention-core recomputation: still a bound
-    act = core.micro_batch * work.seq_len / core.cp * work.args.dim * ELEM_BYTES[work.dtype]
+    act = core.micro_batch * work.seq_len / core.cp * work.args.dim * act_bytes(work.dtype)
     block = min(
         t.fwd * (1 + rc) + t.backward + (2 + rc) * 2 * comm.all_reduce(act, comm.local_span(core.tp, d.intra_node))
         for d, t in (
@@ -542,10 +597,10 @@ def _tighten(cand: _Core, placed: PlacementCache, runtime: Runtime, space: Searc
     )
 
 
-def _hopeless(cand: _Core, heap: list[tuple[float, int, Estimate]], top: int, result: SearchResult, n: int) -> bool:
-    """No variant can enter the top k, nor beat the best of its WAN crossing or, over every
-    datacenter, the best that uses them all (both explain the winner)."""
-    if len(heap) < top or cand.bound >= heap[0][0]:
+def _hopeless(cand: _Core, heap: _Ranking, result: SearchResult, n: int) -> bool:
+    """No variant can enter the top k (overall or of the layouts that run), nor beat the best of its
+    WAN crossing or, over every datacenter, the best that uses them all (both explain the winner)."""
+    if heap.may_enter(cand.bound, cand.core.datacenters):
         return False
     keys = [f"dc_axis={cand.core.dc_axis}"]
     if cand.core.datacenters == n and n > 1:
@@ -567,8 +622,7 @@ def _variants(
     placed: PlacementCache,
     runtime: Runtime,
     space: SearchSpace,
-    heap: list[tuple[float, int, Estimate]],
-    top: int,
+    heap: _Ranking,
     result: SearchResult,
     counter: int,
 ) -> int:
@@ -643,11 +697,7 @@ def _variants(
                     continue
                 counter += 1
                 _remember(result, est)
-                item = (est.effective_tokens_per_s, -counter, est)
-                if len(heap) < top:
-                    heapq.heappush(heap, item)
-                elif item[0] > heap[0][0]:
-                    heapq.heapreplace(heap, item)
+                heap.offer((est.effective_tokens_per_s, -counter, est), runnable(topo, lay, pl))
     return counter
 
 

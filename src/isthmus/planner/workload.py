@@ -14,7 +14,21 @@ from typing import Literal
 
 from isthmus.models.args import ModelArgs
 
-__all__ = ["COMPILED", "PLANNED_DTYPES", "RUNTIMES", "TRAINED_DTYPES", "Runtime", "Workload"]
+__all__ = [
+    "COMPILED",
+    "DEFAULT_GPU_RUNTIME",
+    "FEATURES",
+    "PLANNED_DTYPES",
+    "RUNTIMES",
+    "TRAINED_DTYPES",
+    "Fp8Recipe",
+    "Runtime",
+    "TpOverlap",
+    "Workload",
+]
+
+TpOverlap = Literal["none", "bulk", "pipelined"]
+Fp8Recipe = Literal["tensorwise", "rowwise", "blockwise", "mxfp8"]
 
 COMPILED = "+compile"
 """The suffix of a runtime's name whose blocks are compiled (`Runtime.with_compile`)."""
@@ -51,7 +65,8 @@ class Runtime:
     dropout: bool
     """Dropout on attention probabilities and after each residual branch (masks cost memory and time)."""
     dp_overlap: bool
-    """Gradient reduction overlaps the backward of the last microbatch; parameter gathers overlap forward."""
+    """Data-parallel gradient reduction (all-reduce or reduce-scatter) overlaps the backward of the last
+    microbatch, bucket by bucket (DDP, FSDP2, Megatron's --overlap-grad-reduce)."""
     p2p_async: bool
     """Pipeline sends overlap compute (a link is its own pipeline stage) rather than blocking the sender."""
     scatter_gather: bool
@@ -113,6 +128,28 @@ class Runtime:
     megatron_stages: bool = False
     """Megatron-LM's pipeline rules: layers split evenly over stages (n_layers divisible by pp x v),
     interleaving only with pp > 2 and microbatches divisible by pp."""
+    param_overlap: bool | None = None
+    """Sharded parameters' all-gathers overlap the forward, block by block (FSDP2's prefetch, Megatron's
+    --overlap-param-gather); None: as ``dp_overlap``."""
+    tp_overlap: TpOverlap = "none"
+    """How tensor-parallel collectives meet the GEMMs next to them. none: each collective waits for its
+    GEMM and the GEMM for it (exposed whole). bulk: the backward's collectives run beside the
+    independent GEMM of the same layer (Megatron's bulk overlap of dgrad/wgrad): half of a block's
+    collectives hidden up to that GEMM's length. pipelined: each collective is split into tp chunks
+    that stream under the GEMM consuming or producing them (Megatron's userbuffers ring exchange,
+    torchtitan's async TP on SymmetricMemory): only one chunk of each is exposed, or what the GEMM
+    cannot cover. Overlapped GEMMs lose :data:`~isthmus.planner.compute.OVERLAP_GEMM_SLOWDOWN` to
+    the SMs the transfers take."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """How ``--train.dtype fp8`` scales its GEMM operands (the rest of the block stays bf16):
+    tensorwise (one scale per tensor: Transformer Engine's delayed or current scaling, torchao's
+    default), rowwise (one per row: torchao), blockwise (1 x 128 and 128 x 128 tiles, DeepSeek-V3's
+    recipe), mxfp8 (32-element blocks, Blackwell's MX formats; on Hopper emulated). Each has its own
+    GEMM rate and cast traffic (:data:`~isthmus.planner.compute.FP8_RECIPES`)."""
+    fused_cross_entropy: bool = False
+    """The loss is computed in vocabulary chunks without the fp32 logits and softmax (Megatron's
+    cross-entropy fusion, Liger-style kernels): the last stage keeps its logits in the compute dtype
+    only."""
     expert_imbalance: float = 1.05
     """MoE layers: tokens the most loaded expert receives over the mean (1.0: perfect balance). A rank
     of an ep group holding k experts carries 1 + (imbalance - 1) / sqrt(k) times its share (loads
@@ -130,6 +167,34 @@ class Runtime:
     quality: tuple[tuple[str, float], ...] = (("compressed", 0.98), ("diloco", 0.87), ("streaming_diloco", 1.0))
     """Tokens-to-same-loss factor of lossy cross-datacenter strategies (ranking only)."""
 
+    @property
+    def gathers_overlap(self) -> bool:
+        """Whether sharded parameters' all-gathers overlap the forward (``param_overlap``, else ``dp_overlap``)."""
+        return self.dp_overlap if self.param_overlap is None else self.param_overlap
+
+    def with_features(self, **features: object) -> Runtime:
+        """This software with some of its :data:`FEATURES` set otherwise; the name says which."""
+        if not features:
+            return self
+        unknown = set(features) - set(FEATURES)
+        if unknown:
+            raise ValueError(f"not a runtime feature: {', '.join(sorted(unknown))}")
+        changed = ",".join(f"{k}={_word(v)}" for k, v in features.items())
+        return replace(self, name=f"{self.name}[{changed}]", **features)  # type: ignore[arg-type]
+
+    def feature_words(self, dtype: str) -> list[str]:
+        """What this software does, one phrase per feature, as ``isthmus plan`` prints them."""
+        words = [
+            f"tp_overlap {self.tp_overlap}",
+            f"dp_overlap {_word(self.dp_overlap)}",
+            f"param_overlap {_word(self.gathers_overlap)}",
+            f"attention {self.attention}",
+            f"fused_cross_entropy {_word(self.fused_cross_entropy)}",
+        ]
+        if dtype == "fp8":
+            words.append(f"fp8_recipe {self.fp8_recipe}")
+        return words
+
     def quality_of(self, geo: str) -> float:
         return dict(self.quality).get(geo, 1.0)
 
@@ -141,6 +206,22 @@ class Runtime:
         --compile; figures in dev/LOG.md), so eager's storage is kept: a plan that fits eager blocks
         fits compiled ones."""
         return replace(self, name=self.name + COMPILED) if compiled else self
+
+
+FEATURES: dict[str, str] = {
+    "tp_overlap": "tensor-parallel collectives against their GEMMs: none, bulk or pipelined",
+    "dp_overlap": "data-parallel gradient reduction overlaps backward: true or false",
+    "param_overlap": "sharded parameters' all-gathers overlap forward: true or false",
+    "fp8_recipe": "scaling of --train.dtype fp8: tensorwise, rowwise, blockwise or mxfp8",
+    "attention": "flash (fused, no S x S tensor) or materialized",
+    "fused_cross_entropy": "loss without fp32 logits: true or false",
+}
+"""The runtime's features a user sets one by one (``--runtime.<feature>`` of ``isthmus plan`` and
+``simulate``), over the preset ``--runtime`` names."""
+
+
+def _word(value: object) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 # isthmus on torch 2.13: SDPA (flash on GPU), no dropout, FSDP2/DDP overlap gradient
@@ -158,6 +239,9 @@ _ISTHMUS = Runtime(
     autocast=True,
     pp_recv_buffers=True,
 )
+
+DEFAULT_GPU_RUNTIME = "current"
+"""The preset ``isthmus plan`` and ``simulate`` assume on GPU topologies; CPU topologies take ``isthmus``."""
 
 RUNTIMES: dict[str, Runtime] = {
     "isthmus": _ISTHMUS,
@@ -238,6 +322,27 @@ RUNTIMES: dict[str, Runtime] = {
         grad_bytes=4,
         optimizer_bytes=12,
         selective="attention_core",
+    ),
+    # Today's stacks, the default for GPU clusters: Megatron-Core with Transformer Engine (2025) and
+    # torchtitan with torch.compile, Float8 and async TP, as their H100 recipes run: fused attention,
+    # no dropout, the distributed optimizer (bf16 weights, fp32 gradients, fp32 master and Adam
+    # moments sharded over dp when the layout says parallel.zero_stage 1), gradient reduction and
+    # parameter gathers overlapped with compute, tensor-parallel collectives pipelined under their
+    # GEMMs, a fused cross-entropy, asynchronous pipeline p2p, uneven stages allowed, selective
+    # recomputation of the attention core.
+    "current": Runtime(
+        "current",
+        attention="flash",
+        dropout=False,
+        dp_overlap=True,
+        p2p_async=True,
+        scatter_gather=False,
+        weight_bytes=2,
+        grad_bytes=4,
+        optimizer_bytes=12,
+        selective="attention_core",
+        tp_overlap="pipelined",
+        fused_cross_entropy=True,
     ),
     # Meta's Llama 3 405B pretraining stack as Dubey et al. 2024 (section 3.3.2) describe it: 4D
     # parallelism with FSDP that shards optimizer state and gradients but keeps the bf16 weights

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from isthmus.layout.spec import LayoutSpec
 from isthmus.planner import comm
 from isthmus.planner.comm import Span
-from isthmus.planner.compute import ELEM_BYTES, BlockShape, PhaseTimes, ends_times, layer_ops
+from isthmus.planner.compute import BlockShape, PhaseTimes, act_bytes, ends_times, layer_ops
 from isthmus.planner.cost import BlockCost, block_cost
 from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside, streaming_equivalent
 from isthmus.planner.memory import held_layer_params
@@ -99,10 +99,10 @@ def stage_ops(
     """The forward / backward / weight ops of one stage holding ``layers`` blocks."""
     bc: BlockCost = block_cost(kind, site, BlockShape.of(work, layout), layout.cp_impl, runtime)
     split = _split(kind, work, layout, runtime)
-    emb, head = ends_times(kind, BlockShape.of(work, layout))
+    emb, head = ends_times(kind, BlockShape.of(work, layout), runtime.fused_cross_entropy)
     zero = PhaseTimes(0.0, 0.0, 0.0, 0.0)
     emb, head = (emb if first else zero), (head if last else zero)
-    ar = bc.tp / 2
+    ar, ar_bwd = bc.tp / 2, bc.tp_bwd / 2
     # Recomputation as the runtime applies it: every block (full) or every other block of a stage
     # module, counting from its first (selective), or every block's attention core alone
     # (selective where the runtime recomputes the attention core).
@@ -137,8 +137,8 @@ def stage_ops(
     def block_bwd(with_input: bool, with_weight: bool) -> list[tuple[float, str, str]]:
         (ab, bb), (aw, bw) = split["bwd"], split["wgrad"]
         seq: list[tuple[float, str, str]] = []
-        if with_input and ar:
-            seq.append((ar, "tp grad", "tp"))
+        if with_input and ar_bwd:
+            seq.append((ar_bwd, "tp grad", "tp"))
         if with_input and bc.ep:
             seq.append((bc.ep / 2, "ep combine grad", "ep"))
         if with_input:
@@ -147,8 +147,8 @@ def stage_ops(
             seq.append((bc.ep / 2, "ep dispatch grad", "ep"))
         if with_weight:
             seq.append((bw, "mlp wgrad", "wgrad"))
-        if with_input and ar:
-            seq.append((ar, "tp grad", "tp"))
+        if with_input and ar_bwd:
+            seq.append((ar_bwd, "tp grad", "tp"))
         if with_input:
             seq.append((ab, "attn dgrad", "bwd"))
             if bc.cp_bwd:
@@ -324,12 +324,12 @@ def dp_plan(site: SiteSpans, layout: LayoutSpec, runtime: Runtime) -> DpPlan:
     if shard <= 1:
         grad, outer = cross_dc_all_reduce(g, site.sync, layout, runtime)
         return DpPlan(grad, outer, [], [], False, streaming_phases(g, site.sync, layout, runtime))
-    if layout.zero_stage == 1:
-        return DpPlan(all_reduce(g, site.shard), [], all_gather(w, site.shard), [], False)
     rep, outer = cross_dc_all_reduce(g / shard, site.replicate, layout, runtime)
     stream = streaming_phases(g / shard, site.replicate, layout, runtime)
     grad = reduce_scatter(g, site.shard) + rep
     gather = all_gather(w, site.shard)
+    if layout.zero_stage == 1:  # reduce-scatter, then one all-gather per step (as planner.geo.dp_sync)
+        return DpPlan(grad, outer, gather, [], False, stream)
     if layout.zero_stage == 3:
         # Under a pipeline once per step, and again per microbatch unless the runtime keeps them
         # gathered (as planner.geo.dp_sync).
@@ -345,11 +345,11 @@ def scale(phases: list[PhaseSpec], params: float) -> list[PhaseSpec]:
 
 def p2p_message(work: Workload, layout: LayoutSpec, runtime: Runtime) -> float:
     """Bytes one device sends to the next stage per microbatch (activation or its gradient)."""
-    act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * ELEM_BYTES[work.dtype]
+    act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * act_bytes(work.dtype)
     return act / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
 
 
 def tp_gather(work: Workload, layout: LayoutSpec, site: SiteSpans) -> float:
     """Megatron's scatter/gather: the all-gather over tp after each received activation."""
-    act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * ELEM_BYTES[work.dtype]
+    act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * act_bytes(work.dtype)
     return comm.all_gather(act, site.tp)

@@ -149,7 +149,7 @@ class Simulation:
             bc = block_cost(site.dc.kind, site, BlockShape.of(work, lay), lay.cp_impl, self.runtime)
             per_rank.append(bc.fwd + bc.bwd + sum(recomputed(bc, lay.activation_checkpoint, self.runtime)))
         site = self.placement.sites[0]
-        emb, head = ends_times(site.dc.kind, BlockShape.of(work, lay))
+        emb, head = ends_times(site.dc.kind, BlockShape.of(work, lay), self.runtime.fused_cross_entropy)
         extra = [0.0] * self.n_stages
         extra[0] += emb.fwd + emb.backward
         extra[-1] += head.fwd + head.backward
@@ -363,7 +363,7 @@ class Simulation:
 
     def _run_op(self, op: costs.Op, name: str, cat: str, need: list[Token]) -> Iterator[tuple[Any, ...]]:
         """The op, and the weights it needs: gathered behind it (overlap), or before it."""
-        if not self.runtime.dp_overlap:
+        if not self.runtime.gathers_overlap:
             for tok in need:
                 yield ("wait", tok)
         yield ("compute", op.seconds, name, cat, op.detail)
