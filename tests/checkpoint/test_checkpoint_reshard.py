@@ -132,6 +132,11 @@ TP2_PP2: Layout = ("tp2_pp2", 4, ("--parallel.tp", "2", "--parallel.pp", "2", "-
 TP2_SP: Layout = ("tp2_sp", 2, ("--parallel.tp", "2", "--parallel.sequence_parallel", "true"))
 DP2: Layout = ("dp_replicate2", 2, ("--parallel.dp_replicate", "2"))
 ZERO1: Layout = ("dp_shard2_zero1", 2, ("--parallel.dp_shard", "2", "--parallel.zero_stage", "1"))
+ZERO1_TP2: Layout = (
+    "dp_shard2_zero1_tp2",
+    4,
+    ("--parallel.dp_shard", "2", "--parallel.zero_stage", "1", "--parallel.tp", "2"),
+)
 
 CASES: list[tuple[str, Layout, int, list[str]]] = [
     ("pp2_to_tp2", PP2, 2, ["--parallel.tp", "2"]),
@@ -155,6 +160,22 @@ CASES: list[tuple[str, Layout, int, list[str]]] = [
         ],
     ),
     ("single_to_zero1", SINGLE, 2, ["--parallel.dp_shard", "2", "--parallel.zero_stage", "1"]),
+    # ZeRO-1's AdamW state of tp's shards, saved by each shard's owner, resumed by other owners.
+    (
+        "zero1_tp2_to_zero1_pp2",
+        ZERO1_TP2,
+        4,
+        [
+            "--parallel.dp_shard",
+            "2",
+            "--parallel.zero_stage",
+            "1",
+            "--parallel.pp",
+            "2",
+            "--parallel.microbatches",
+            "2",
+        ],
+    ),
 ]
 
 

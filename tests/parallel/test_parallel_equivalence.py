@@ -159,6 +159,23 @@ CASES: list[tuple[str, int, list[str]]] = [
         ["--parallel.dp_shard", "2", "--parallel.tp", "2", "--parallel.activation_checkpoint", "selective"],
     ),
     ("dp2_pp2", 4, ["--parallel.dp_replicate", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
+    # ZeRO-1 next to tp and pp (Megatron's distributed optimizer): FSDP2 replicates, each rank steps
+    # the AdamW state of its own parameters and broadcasts them (tp's shards as local tensors).
+    ("dp_shard2_zero1_tp2", 4, ["--parallel.dp_shard", "2", "--parallel.zero_stage", "1", "--parallel.tp", "2"]),
+    (
+        "dp_shard2_zero1_pp2",
+        4,
+        [
+            "--parallel.dp_shard",
+            "2",
+            "--parallel.zero_stage",
+            "1",
+            "--parallel.pp",
+            "2",
+            "--parallel.microbatches",
+            "2",
+        ],
+    ),
     ("tp2_pp2", 4, ["--parallel.tp", "2", "--parallel.pp", "2", "--parallel.microbatches", "2"]),
     # sequence parallelism across a pipeline (sequence-sharded hidden states between stages) and
     # under FSDP (the norms' scales, summed over tp, then reduce-scattered over dp).

@@ -25,8 +25,9 @@ hand may have written, are refused in one line when they do not read back.
 The optimizer state is keyed by parameter name here rather than through DCP's
 ``get_optimizer_state_dict``: that helper maps one optimizer to one module, while a pipeline rank
 has one optimizer over several stage modules, and it does not know ZeroRedundancyOptimizer. ZeRO-1
-keeps each parameter's state on one rank (its local ``optim``); that rank alone saves it under the
-parameter's name, so a ZeRO-1 checkpoint is an ordinary checkpoint that any layout loads, and a
+(ZeroRedundancyOptimizer, or `ShardedOptimizer` next to tp/pp/cp) keeps each parameter's state on
+one rank of its group (its local ``optim``); that rank alone saves it under the parameter's name
+(a tensor-parallel shard as a DTensor, each shard by its own owner), so a ZeRO-1 checkpoint is an ordinary checkpoint that any layout loads, and a
 ZeRO-1 run loads any checkpoint by asking only for its partition's names.
 
 Commit protocol: all ranks write ``step-N.partial``; DCP returns on rank 0 after every rank's data
@@ -59,7 +60,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from isthmus.checkpoint.manifest import (
     MANIFEST_FILE,
@@ -139,7 +139,10 @@ def _per_group(scheduler: dict[str, Any], groups: int) -> dict[str, Any]:
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer that holds this rank's state: ZeRO-1's local partition, or the optimizer itself."""
 
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    # ``optim``: ZeroRedundancyOptimizer's partition, and isthmus.train.zero1.ShardedOptimizer's (by
+    # attribute: checkpoint imports nothing from train).
+    local = getattr(optimizer, "optim", None)
+    return local if isinstance(local, torch.optim.Optimizer) else optimizer
 
 
 def _local_params(optimizer: torch.optim.Optimizer, modules: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:

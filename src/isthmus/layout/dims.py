@@ -262,7 +262,8 @@ def check_layout(
             + (f" x microbatches ({p.microbatches})" if dims.pp_enabled else "")
             + f" = {micro}",
         )
-    rules.raise_for(rules.zero_stage(p.zero_stage, dims.dp_shard, dims.tp, dims.pp, dims.cp, dims.replicate))
+    geo_sync = cfg.geo.sync != "none"
+    rules.raise_for(rules.zero_stage(p.zero_stage, dims.dp_shard, dims.tp, dims.pp, dims.cp, dims.replicate, geo_sync))
     rules.raise_for(rules.expert_parallel(p.ep, dims.dp_shard, dims.cp, n_experts))
     if dims.ep_enabled and p.zero_stage == 1:
         raise ConfigError("parallel.zero_stage", 1, "ZeRO-1 (DDP) cannot hold expert-sharded weights; use 2 or 3")

@@ -83,11 +83,14 @@ def data_parallel_kind(
     over replicas itself (isthmus.geo) and FSDP2 shards inside each datacenter only. DDP holds
     neither DTensor parameters (tp, expert parallelism's experts) nor pipeline stages run
     microbatch by microbatch (pp): FSDP2 with a shard size of 1 is pure replication and composes
-    with all of them.
+    with all of them. ZeRO-1 is DDP with a sharded optimizer ("zero1") for dp_shard alone, and
+    FSDP2 replicating the weights with a sharded optimizer (:func:`sharded_optimizer`) next to
+    tp, pp, cp or replicas.
     """
     if geo_sync:
         return "fsdp" if dp_shard > 1 or ep > 1 else "none"
-    if dp_shard > 1 and zero_stage == 1 and ep == 1:
+    alone = tp == 1 and pp == 1 and cp == 1 and replicas == 1
+    if dp_shard > 1 and zero_stage == 1 and ep == 1 and alone:
         return "zero1"
     grad_sync = replicas * dp_shard * cp
     if dp_shard > 1 or ep > 1 or ((tp > 1 or pp > 1) and grad_sync > 1):
@@ -115,28 +118,32 @@ def shard_degree(dp_shard: int, cp: int, tp: int, pp: int) -> int:
     return dp_shard * cp if kind == "fsdp" else 1
 
 
-def zero_stage(stage: int, dp_shard: int, tp: int, pp: int, cp: int, replicas: int) -> Reason | None:
-    """ZeRO-1 (DDP with a sharded optimizer) composes with dp_shard alone.
+def sharded_optimizer(kind: DataParallelKind, zero_stage: int, dp_shard: int, cp: int) -> bool:
+    """Whether FSDP2 replicates the weights and gradients over dp_shard x cp while each rank of that
+    group steps the optimizer state of its own parameters only (ZeRO-1, Megatron's distributed
+    optimizer), as ``zero_stage`` 1 runs next to tp, pp, cp or replicas."""
+    return kind == "fsdp" and zero_stage == 1 and dp_shard * cp > 1
+
+
+def zero_stage(
+    stage: int, dp_shard: int, tp: int, pp: int, cp: int, replicas: int, geo_sync: bool = False
+) -> Reason | None:
+    """ZeRO-1 composes with tp, pp, cp and replicas, not with a cross-datacenter strategy.
 
     ``replicas``: every replica, datacenters included (dp_replicate x datacenters on dc_axis dp).
     """
-    if stage == 1 and dp_shard > 1 and (tp > 1 or pp > 1 or cp > 1 or replicas > 1):
-        return Reason(
-            "parallel.zero_stage",
-            1,
-            "ZeRO-1 composes with dp_shard alone; use zero_stage 2 or 3 with tp, pp, cp or dp_replicate",
-        )
+    if stage == 1 and dp_shard > 1 and geo_sync:
+        return Reason("parallel.zero_stage", 1, "ZeRO-1 does not run under geo.sync; use zero_stage 2 or 3")
     return None
 
 
 def zero_stages(dp_shard: int, tp: int, pp: int, cp: int, replicas: int) -> tuple[int, ...]:
-    """The ZeRO stages that make different runs: 1 alone when nothing is sharded; all three for
-    dp_shard alone; else 2 and 3 (:func:`zero_stage` refuses 1, or FSDP2 runs it as stage 2)."""
+    """The ZeRO stages that make different runs: 1 alone when nothing is sharded, else all three
+    (ZeRO-1 is DDP with a sharded optimizer for dp_shard alone, FSDP2 replication with a sharded
+    optimizer next to tp, pp, cp or replicas)."""
     if shard_degree(dp_shard, cp, tp, pp) == 1:
         return (1,)
-    if tp == 1 and pp == 1 and cp == 1 and replicas == 1:
-        return (1, 2, 3)
-    return (2, 3)
+    return (1, 2, 3)
 
 
 def divides_world(key: str, degree: int, world: int) -> Reason | None:

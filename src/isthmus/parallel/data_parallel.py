@@ -3,11 +3,15 @@
 | layout                               | wrapper                                            |
 |--------------------------------------|----------------------------------------------------|
 | dp_replicate and/or cp, no tp/shard  | DDP (all-reduce of gradients)                      |
-| dp_shard, zero_stage 1               | DDP + ZeroRedundancyOptimizer (optimizer state 1/N)|
+| dp_shard alone, zero_stage 1         | DDP + ZeroRedundancyOptimizer (optimizer state 1/N)|
+| dp_shard and/or cp, zero_stage 1, with tp, pp, cp or dp_replicate | FSDP2 replicating (shard size 1) + `ShardedOptimizer` (optimizer state 1/N) |
 | dp_shard, zero_stage 2               | FSDP2, parameters kept gathered from forward to backward |
 | dp_shard, zero_stage 3               | FSDP2, parameters re-sharded after forward          |
 | dp_replicate x dp_shard (HSDP)       | FSDP2 on the 2-D (replicate, shard) mesh            |
 | any dp/cp with tp or pp              | FSDP2 (DDP holds neither DTensors nor pipeline stages) |
+
+ZeRO-1's N is dp_shard x cp (replicas keep their own copy of the optimizer state, as HSDP's do);
+`isthmus.train.zero1.ShardedOptimizer` says why it is not torch's ZeroRedundancyOptimizer there.
 
 Under bf16 (``train.dtype``) FSDP2's own mixed precision computes: the sharded fp32 parameters stay
 the optimizer's master copy, each block is gathered in bf16 and its gradients reduced in fp32
@@ -37,6 +41,22 @@ def data_parallel_kind(dims: ParallelDims, zero_stage: int, geo_sync: bool = Fal
     return rules.data_parallel_kind(
         dims.dp_shard, dims.cp, dims.tp, dims.pp, dims.replicate, zero_stage, geo_sync, dims.ep
     )
+
+
+def sharded_optimizer(dims: ParallelDims, zero_stage: int, geo_sync: bool = False) -> bool:
+    """The rule :func:`isthmus.layout.rules.sharded_optimizer` for ``dims``: ZeRO-1 over FSDP2 replication."""
+    kind = data_parallel_kind(dims, zero_stage, geo_sync)
+    return rules.sharded_optimizer(kind, zero_stage, dims.dp_shard, dims.cp)
+
+
+def zero1_mesh(mesh: Meshes) -> DeviceMesh:
+    """What FSDP2 runs on under ZeRO-1 next to tp/pp/cp/replicas: HSDP whose shard groups are one
+    rank each, over every data-parallel and context-parallel rank. It replicates the weights and
+    all-reduces the gradients, composing with DTensor (tp) parameters and pipeline stages as the
+    other FSDP2 layouts do, while the optimizer state is sharded by `ShardedOptimizer` instead.
+    Unflattened from the root mesh (FSDP accepts tp's DTensors on it); every rank calls it once."""
+    dp_cp = mesh["dp_cp"]
+    return dp_cp._unflatten(0, (dp_cp.size(), 1), ("zero1_replicate", "zero1_shard"))
 
 
 def fsdp_mesh(mesh: Meshes, dims: ParallelDims, geo_sync: bool = False) -> DeviceMesh:

@@ -7,11 +7,11 @@ Order, fixed (each step needs the one before it):
 3. context parallel (cp): the attention kernel becomes ring or Ulysses attention;
 4. activation checkpointing: wraps blocks, after TP so recomputation replays the sharded ops;
    then, under ``train.compile``, each block is compiled (`isthmus.parallel.compile`);
-5. FSDP2 (dp_shard, HSDP, or replication next to tp/pp): wraps blocks, after AC so each
-   block's gather/reshard brackets its recomputation too;
+5. FSDP2 (dp_shard, HSDP, or replication next to tp/pp, ZeRO-1's included): wraps blocks, after
+   AC so each block's gather/reshard brackets its recomputation too;
 6. materialise only the local shards (`to_empty`) and initialise them to exactly the values of
    the single-process model of the same seed;
-7. DDP / ZeRO-1 (dp without tp/pp): wraps the materialised model (DDP broadcasts real tensors).
+7. DDP / ZeRO-1 (dp_shard alone): wraps the materialised model (DDP broadcasts real tensors).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from isthmus.config import ParallelConfig
 from isthmus.layout import rules
@@ -39,6 +40,8 @@ from isthmus.parallel.data_parallel import (
     data_parallel_kind,
     expert_fsdp_mesh,
     fsdp_mesh,
+    sharded_optimizer,
+    zero1_mesh,
 )
 from isthmus.parallel.expert import apply_ep
 from isthmus.parallel.pipeline import build_pipeline, local_stages
@@ -65,6 +68,9 @@ class ParallelModel:
     casts them (DDP, one process); False under FSDP's mixed precision or in fp32."""
     moe: list[MoE] = field(default_factory=list)
     """This rank's Mixture-of-Experts layers (their aux losses and expert loads)."""
+    sharded_optimizer: bool = False
+    """ZeRO-1 over FSDP2's replicated weights: the optimizer state is sharded over dp_shard x cp
+    (`isthmus.train.zero1.ShardedOptimizer`)."""
 
     @property
     def model(self) -> nn.Module:
@@ -132,8 +138,10 @@ def _shard_stage(
     geo_sync: bool = False,
     dtype: str = "fp32",
     compile: bool = False,
+    replicate_mesh: DeviceMesh | None = None,
 ) -> Transformer:
-    """Steps 2-5 on one module (the whole model, or one pipeline stage)."""
+    """Steps 2-5 on one module (the whole model, or one pipeline stage); ``replicate_mesh``: FSDP2's
+    mesh under ZeRO-1 (`zero1_mesh`), which replicates instead of sharding."""
     if dims.tp_enabled:
         assert mesh is not None
         apply_tp(module, mesh["tp"], p.sequence_parallel, p.timeout_s)
@@ -152,7 +160,8 @@ def _shard_stage(
     if dp_kind == "fsdp":
         assert mesh is not None
         expert_mesh = expert_fsdp_mesh(mesh, dims, geo_sync)
-        apply_fsdp(module, fsdp_mesh(mesh, dims, geo_sync), p.zero_stage, dtype=dtype, expert_mesh=expert_mesh)
+        dp_mesh = replicate_mesh or fsdp_mesh(mesh, dims, geo_sync)
+        apply_fsdp(module, dp_mesh, p.zero_stage, dtype=dtype, expert_mesh=expert_mesh)
     return module
 
 
@@ -186,9 +195,11 @@ def apply_layout(
     dp_kind = data_parallel_kind(dims, parallel.zero_stage, geo_sync)
     loss_parallel = dims.tp_enabled
     autocast = rules.compute_precision(dtype, dp_kind) == "autocast"
+    zero1 = sharded_optimizer(dims, parallel.zero_stage, geo_sync)
+    replicate_mesh = zero1_mesh(mesh) if zero1 and mesh is not None else None
 
     def materialise(module: Transformer) -> Transformer:
-        module = _shard_stage(module, mesh, dims, parallel, dp_kind, geo_sync, dtype, compile)
+        module = _shard_stage(module, mesh, dims, parallel, dp_kind, geo_sync, dtype, compile, replicate_mesh)
         module.to_empty(device=device)
         init_weights(module, seed, args)
         return module
@@ -217,12 +228,20 @@ def apply_layout(
             layer.feeds_aux_grad = True
         if moe:
             _uncounted_metadata_inference(schedule)
-        return ParallelModel(list(stages), dims, dp_kind, schedule, has_first, has_last, loss_parallel, autocast, moe)
+        return ParallelModel(
+            list(stages), dims, dp_kind, schedule, has_first, has_last, loss_parallel, autocast, moe, zero1
+        )
 
     module: nn.Module = materialise(model)
     if dp_kind in ("ddp", "zero1"):
         assert mesh is not None
         module = apply_ddp(module, mesh["dp_cp"])
     return ParallelModel(
-        [module], dims, dp_kind, loss_parallel=loss_parallel, autocast=autocast, moe=moe_layers([module])
+        [module],
+        dims,
+        dp_kind,
+        loss_parallel=loss_parallel,
+        autocast=autocast,
+        moe=moe_layers([module]),
+        sharded_optimizer=zero1,
     )

@@ -192,14 +192,16 @@ def dp_sync(params: float, site: SiteSpans, layout: LayoutSpec, runtime: Runtime
         t, wan, wan_bytes = cross_dc_all_reduce(grads, site.sync, layout, runtime)
         frag = streaming_fragment(grads, site.sync, layout, runtime)
         return SyncCost(t, 0.0, 0.0, wan, wan_bytes * ranks / site.sync.size, frag)
-    if layout.zero_stage == 1:
-        # DDP all-reduce, then ZeroRedundancyOptimizer broadcasts the updated shards.
-        return SyncCost(comm.all_reduce(grads, site.shard), comm.all_gather(weights, site.shard), 0.0, 0.0, 0.0)
     rs = comm.reduce_scatter(grads, site.shard)
     t, wan, wan_bytes = cross_dc_all_reduce(grads / shard, site.replicate, layout, runtime)
     wan_bytes *= ranks / site.replicate.size
     frag = streaming_fragment(grads / shard, site.replicate, layout, runtime)
     gather = comm.all_gather(weights, site.shard)
+    if layout.zero_stage == 1:
+        # ZeRO-1 (Megatron's distributed optimizer, with or without tp/pp): each shard's gradients
+        # reduced to the rank that owns its optimizer state, the updated weights gathered back once
+        # per step, the bytes of one all-reduce; the weights stay whole, so no microbatch gathers.
+        return SyncCost(rs + t, gather, 0.0, wan, wan_bytes, frag)
     if layout.zero_stage == 3 and layout.pp == 1:
         return SyncCost(rs + t, 0.0, 2 * gather, wan, wan_bytes, frag)
     if layout.zero_stage == 3:

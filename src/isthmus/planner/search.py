@@ -24,7 +24,7 @@ from typing import Any
 
 from isthmus.errors import ConfigError
 from isthmus.layout.choices import GEO_SYNCS, WAN_SCHEDULES
-from isthmus.layout.rules import expert_parallel, zero_stages
+from isthmus.layout.rules import expert_parallel, zero_stage, zero_stages
 from isthmus.layout.spec import LayoutSpec
 from isthmus.layout.syncs import inner_steps_cap
 from isthmus.models.args import ModelArgs
@@ -634,7 +634,7 @@ def _variants(
         pl = None
         for zero in _zero_choices(core, shard, space):
             if ep > 1 and zero == 1:
-                continue  # ZeRO-1 (DDP) holds no expert-sharded weights: the runtime refuses it
+                continue  # ZeRO-1 shards no expert-parallel weights: the runtime refuses it
             probe = LayoutSpec(**fields, dp_replicate=per_dc // shard, dp_shard=shard, zero_stage=zero, ep=ep)
             gathered = gathered_weight_bytes(runtime, work.dtype, probe.data_parallel_kind == "fsdp")
             state = moe_state_bytes(
@@ -664,6 +664,8 @@ def _variants(
             for geo, wan_schedule in ((g, w) for g in _geos(core, space) for w in schedules):
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
+                if geo != "none" and zero_stage(zero, shard, core.tp, core.pp, core.cp, core.replicas, True):
+                    continue  # ZeRO-1 runs under no cross-datacenter strategy: the runtime refuses it
                 if wan_schedule != schedules[0] and fair_step is None:
                     continue  # the fair variant did not fit
                 if refused is not None:

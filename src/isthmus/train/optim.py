@@ -12,6 +12,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from isthmus.config import TrainConfig
+from isthmus.train.zero1 import ShardedOptimizer
 
 
 def param_groups(modules: list[nn.Module], weight_decay: float) -> list[dict]:
@@ -51,7 +52,10 @@ def by_tensor_kind(groups: list[dict]) -> list[dict]:
 
 
 def build_optimizer(
-    modules: nn.Module | list[nn.Module], cfg: TrainConfig, zero1_group: ProcessGroup | None = None
+    modules: nn.Module | list[nn.Module],
+    cfg: TrainConfig,
+    zero1_group: ProcessGroup | None = None,
+    shard_group: ProcessGroup | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW over this rank's (local) parameters.
 
@@ -63,12 +67,15 @@ def build_optimizer(
     inside the kernel's vector lanes), which the layout-equivalence tests rely on; it differs from
     the single-tensor path by up to 5e-7 relative. With ``zero1_group`` (ZeRO-1) torch's
     ZeroRedundancyOptimizer keeps each rank's share of the AdamW state only and broadcasts the
-    updated parameters.
+    updated parameters. With ``shard_group`` (ZeRO-1 next to tp, pp, cp or replicas, over FSDP2's
+    replicated DTensors) `isthmus.train.zero1.ShardedOptimizer` does the same over local tensors.
     """
     groups = param_groups(modules if isinstance(modules, list) else [modules], cfg.weight_decay)
     kwargs: dict[str, Any] = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True)
     if zero1_group is not None:
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, process_group=zero1_group, **kwargs)
+    if shard_group is not None:
+        return ShardedOptimizer(groups, shard_group, torch.optim.AdamW, **kwargs)
     return torch.optim.AdamW(groups, **kwargs)
 
 

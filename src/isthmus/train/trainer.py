@@ -183,7 +183,8 @@ class Trainer:
             data_ranks = self.dims.dp * self.dims.cp * self.world // self.dims.world_size
             self.hooks.hooks.append(ExpertBalance(self.pm.moe, a, data_ranks, self.world, self.device))
         zero1_group = self._mesh_group("dp_cp") if self.pm.dp_kind == "zero1" else None
-        self.optimizer = build_optimizer(self.pm.modules, t, zero1_group)
+        shard_group = self._mesh_group("dp_shard_cp") if self.pm.sharded_optimizer else None
+        self.optimizer = build_optimizer(self.pm.modules, t, zero1_group, shard_group)
         self.scheduler = build_lr_scheduler(self.optimizer, t)
         self.sampler = BatchSampler(self.data.train, t.seq_len, t.seed)
         mesh_dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None else 0
