@@ -47,30 +47,41 @@ def searched() -> tuple[Topology, object]:
     return topo, search(get_flavor("llama3-70b"), topo, SearchSpace(batch_size=128, seq_len=2048), ISTHMUS, top=5)
 
 
+def _as_chosen(res: object) -> object:
+    """The result as if the fastest what-if were chosen (what `--geo.datacenters 2` would plan)."""
+    return replace(res, ranked=res.what_ifs, what_ifs=[])  # type: ignore[attr-defined, type-var]
+
+
 def test_the_search_leaves_the_small_far_datacenter_out_and_says_why(searched: tuple[Topology, object]) -> None:
     topo, res = searched
-    best = res.best  # type: ignore[attr-defined]
+    # The fastest layout is a what-if (the runtime splits ranks evenly over every datacenter): it is
+    # listed apart, and the chosen one is the best the runtime runs.
+    chosen, best = res.best, res.what_ifs[0]  # type: ignore[attr-defined]
+    assert runnable(topo, chosen.layout) is None and best.effective_tokens_per_s > chosen.effective_tokens_per_s
     used = [topo.datacenters[i].name for i in place(topo, best.layout).dcs]
     assert best.layout.dc_axis == "pp" and sorted(used) == ["big", "mid"]
     with_far = res.alternatives["datacenters=3"]  # type: ignore[attr-defined]
     assert with_far.step_time_s > 1.3 * best.step_time_s
     text = explain(res, topo)  # type: ignore[arg-type]
+    assert f"A planner-only what-if would be faster: {best.layout.label()}" in text
+    assert "uses 2 of the 3 datacenters" in text
+    text = explain(_as_chosen(res), topo)  # type: ignore[arg-type]
     assert "It uses big and mid (2 of 3 datacenters)." in text
     assert (
         f"It leaves out far: with far the best layout ({with_far.layout.label()}) takes "
-        f"{with_far.step_time_s:.3g} s per step, against {best.step_time_s:.3g} s without." in text
+        f"{with_far.step_time_s:.3g} s per step, against {best.step_time_s:.3g} s without" in text
     )
-    assert "planner-only what-if" in text and "uses 2 of the 3 datacenters" in text
+    assert "This is a planner-only what-if" in text and "The best layout the runtime runs as planned is" in text
 
 
 def test_stage_counts_follow_datacenter_sizes(searched: tuple[Topology, object]) -> None:
     topo, res = searched
-    best = res.best  # type: ignore[attr-defined]
+    best = res.what_ifs[0]  # type: ignore[attr-defined]
     pl = place(topo, best.layout)
     width = best.layout.dp * best.layout.cp * best.layout.tp
     counts = [topo.datacenters[i].devices // width for i in pl.dcs]
     assert list(pl.stages_per_dc) == counts and counts[0] == 2 * counts[1]  # 32 and 16 devices: every one used
-    assert f"spread {counts[0]} in big, {counts[1]} in mid" in explain(res, topo)  # type: ignore[arg-type]
+    assert f"spread {counts[0]} in big, {counts[1]} in mid" in explain(_as_chosen(res), topo)  # type: ignore[arg-type]
     # Only stage boundaries cross the WAN: one boundary, between the two datacenters.
     assert sum(1 for _, _, wan in pl.boundary_links if wan) == 1
     # Fewer stages than devices allow: by compute, the largest first on ties; alike datacenters alike.
@@ -197,3 +208,12 @@ def test_the_topology_carries_the_wan_window_to_planner_and_emulator(tmp_path: P
     path.write_text(text.replace("latency_us = 0 ", "window_kib = -1\nlatency_us = 0 "))
     with pytest.raises(ConfigError, match="window_kib"):
         load_topology(str(path))
+
+
+def test_plan_json_lists_the_layouts_that_run_first(searched: tuple[Topology, object]) -> None:
+    from isthmus.planner.explain import result_json
+
+    topo, res = searched
+    rows = result_json(res, topo, 3)["layouts"]  # type: ignore[arg-type]
+    runs = [row["what_if"] is None for row in rows]
+    assert runs[0] and runs == sorted(runs, reverse=True) and not runs[-1]  # the chosen one runs; what-ifs last

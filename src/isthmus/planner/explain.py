@@ -13,12 +13,13 @@ from isthmus.planner.topology import Topology
 COLUMNS = ("#", "layout", "step s", "tokens/s", "TFLOP/s/dev", "MFU", "mem GB", "bubble", "WAN GB/step", "bottleneck")
 
 
-def table_rows(result: SearchResult, top: int) -> list[list[str]]:
+def table_rows(ranked: list[Estimate], mark: str = "") -> list[list[str]]:
+    """One row per layout, numbered from 1 (``mark`` before each number: ``w`` for the what-ifs)."""
     rows = []
-    for i, est in enumerate(result.ranked[:top], 1):
+    for i, est in enumerate(ranked, 1):
         rows.append(
             [
-                str(i),
+                f"{mark}{i}",
                 est.layout.label(),
                 f"{est.step_time_s:.3g}",
                 f"{est.tokens_per_s:,.0f}",
@@ -33,18 +34,38 @@ def table_rows(result: SearchResult, top: int) -> list[list[str]]:
     return rows
 
 
-def format_table(result: SearchResult, top: int) -> str:
-    """A plain-text table, columns aligned (numbers right, words left)."""
-    rows = [list(COLUMNS)] + table_rows(result, top)
+WHAT_IFS = "planner-only what-ifs: faster than #1, but the runtime cannot run them as placed"
+"""The line over the what-ifs' rows (:attr:`SearchResult.what_ifs`)."""
+
+
+def format_table(result: SearchResult, top: int, topo: Topology | None = None) -> str:
+    """A plain-text table, columns aligned (numbers right, words left): the layouts the runtime runs,
+    then, under their own line, the what-ifs that beat them (``w1``, ``w2``, ... each with why it
+    does not run when ``topo`` is given)."""
+    runs, ifs = table_rows(result.ranked[:top]), table_rows(result.what_ifs[:top], "w")
+    rows = [list(COLUMNS), *runs, *ifs]
     widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
     left = {1, 9}
-    lines = []
-    for k, r in enumerate(rows):
-        cells = [r[c].ljust(widths[c]) if c in left else r[c].rjust(widths[c]) for c in range(len(COLUMNS))]
-        lines.append("  ".join(cells).rstrip())
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
+
+    def line(r: list[str]) -> str:
+        return "  ".join(r[c].ljust(widths[c]) if c in left else r[c].rjust(widths[c]) for c in range(len(COLUMNS)))
+
+    lines = [line(list(COLUMNS)).rstrip(), "  ".join("-" * w for w in widths)]
+    if result.ranked and runnable_of(result, topo) is not None:
+        lines[0:0] = ["no layout runs as placed: every row is a planner-only what-if"]
+    lines += [line(r).rstrip() for r in runs]
+    if ifs:
+        lines.append("")
+        lines.append(WHAT_IFS + ":")
+        for r, est in zip(ifs, result.what_ifs):
+            why = runnable(topo, est.layout) if topo is not None else None
+            lines.append(line(r).rstrip() + (f"  ({why})" if why else ""))
     return "\n".join(lines)
+
+
+def runnable_of(result: SearchResult, topo: Topology | None) -> str | None:
+    """Why the chosen layout (``result.best``) does not run as placed, or None (or no ``topo``)."""
+    return None if topo is None else runnable(topo, result.best.layout)
 
 
 def _pct(a: float, b: float) -> str:
@@ -150,9 +171,10 @@ def _core(est: Estimate) -> tuple[object, ...]:
 
 def _runner_up(result: SearchResult) -> Estimate | None:
     """The best layout whose parallel degrees, schedule or placement differ from the winner's."""
-    core = _core(result.best)
+    core, tps = _core(result.best), result.best.effective_tokens_per_s
     pool = list(result.ranked[1:]) + sorted(result.alternatives.values(), key=lambda e: -e.effective_tokens_per_s)
-    return next((e for e in pool if _core(e) != core), None)
+    # A faster what-if is no runner-up: placement_sentences names it.
+    return next((e for e in pool if _core(e) != core and e.effective_tokens_per_s <= tps), None)
 
 
 def _wan_sentences(result: SearchResult, topo: Topology) -> list[str]:
@@ -191,8 +213,14 @@ def _wan_sentences(result: SearchResult, topo: Topology) -> list[str]:
         if lay.sync in ("compressed", *DILOCO_SYNCS):
             s += f" Its ranking assumes {100 * (1 - best.effective_tokens_per_s / best.tokens_per_s):.0f}% more tokens for the same loss."
     else:
-        s = f"It uses one datacenter: the WAN ({links}) would cost more than the other datacenters add."
-    if rival is not None:
+        s = (
+            f"It uses one datacenter: of the layouts the runtime runs as placed, none across datacenters "
+            f"({links}) is faster."
+            if result.what_ifs
+            else f"It uses one datacenter: the WAN ({links}) would cost more than the other datacenters add."
+        )
+    # A faster rival is a what-if, which placement_sentences names.
+    if rival is not None and rival.effective_tokens_per_s <= best.effective_tokens_per_s:
         r = rival.layout
         what = (
             "pipeline stages across datacenters"
@@ -232,7 +260,8 @@ def placement_sentences(result: SearchResult, topo: Topology) -> list[str]:
             added = [topo.datacenters[i].name for i in place(topo, more.layout).dcs if i not in pl.dcs]
             out.append(
                 f"It leaves out {_names(left)}: with {_names(added)} the best layout ({more.layout.label()}) "
-                f"takes {more.step_time_s:.3g} s per step, against {best.step_time_s:.3g} s without."
+                f"takes {more.step_time_s:.3g} s per step, against {best.step_time_s:.3g} s without"
+                + (" (a planner-only what-if)." if runnable(topo, more.layout) else ".")
             )
         else:
             out.append(f"It leaves out {_names(left)}: no layout that uses them fits or is valid.")
@@ -263,6 +292,13 @@ def placement_sentences(result: SearchResult, topo: Topology) -> list[str]:
                 f"{real.tokens_per_s:,.0f} tokens/s, {real.step_time_s:.3g} s per step."
             )
         out.append(s)
+    elif result.what_ifs:
+        lead = result.what_ifs[0]
+        out.append(
+            f"A planner-only what-if would be faster: {lead.layout.label()} reaches {lead.tokens_per_s:,.0f} tokens/s "
+            f"({_pct(lead.effective_tokens_per_s, best.effective_tokens_per_s)} more), but the runtime cannot run it as "
+            f"placed (it {runnable(topo, lead.layout)})."
+        )
     return out
 
 
@@ -279,6 +315,11 @@ def result_json(result: SearchResult, topo: Topology, top: int) -> dict[str, obj
         "model_params": count_params(result.best.work.args),
         "considered": result.considered,
         "pruned_memory": result.pruned_memory,
-        "layouts": [{**est.as_json(), "what_if": runnable(topo, est.layout)} for est in result.ranked[:top]],
+        # The chosen layout first; each row's what_if is null when the runtime runs it as placed, else
+        # why not (the what-ifs follow the layouts that run).
+        "layouts": [
+            {**est.as_json(), "what_if": runnable(topo, est.layout)}
+            for est in result.ranked[:top] + result.what_ifs[:top]
+        ],
         "explanation": explain(result, topo),
     }

@@ -147,8 +147,9 @@ def stage_counts(topo: Topology, order: list[int], pp: int, width: int) -> list[
     return counts
 
 
-def runnable(topo: Topology, layout: LayoutSpec) -> str | None:
-    """Why the runtime cannot run ``layout`` as the planner places it, or None when it can.
+def runnable(topo: Topology, layout: LayoutSpec, placed: Placement | None = None) -> str | None:
+    """Why the runtime cannot run ``layout`` as the planner places it, or None when it can
+    (``placed``: its placement, when already made).
 
     The runtime (``isthmus train`` / ``emulate``) splits the ranks evenly over every datacenter of
     its topology (it runs both WAN schedules); the planner can also use a subset and give
@@ -159,7 +160,7 @@ def runnable(topo: Topology, layout: LayoutSpec) -> str | None:
     if 1 < layout.datacenters < n:
         why.append(f"uses {layout.datacenters} of the {n} datacenters")
     if layout.dc_axis == "pp":
-        counts = place(topo, layout).stages_per_dc
+        counts = (placed or place(topo, layout)).stages_per_dc
         if len(set(counts)) > 1:
             why.append(f"puts {'+'.join(map(str, counts))} stages in its datacenters")
     return "; ".join(why) or None
