@@ -24,6 +24,7 @@ Pure Python: no torch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import Field, asdict, dataclass, field, fields, replace
 from typing import Any
@@ -42,7 +43,16 @@ from isthmus.layout.dims import ParallelDims
 from isthmus.layout.rules import DataParallelKind, data_parallel_kind, shard_degree
 from isthmus.layout.sections import LayoutConfig
 
-__all__ = ["DERIVED", "GEO_KEYS", "PARALLEL_KEYS", "LayoutSpec"]
+__all__ = [
+    "DERIVED",
+    "GEO_KEYS",
+    "LABEL_LEGEND",
+    "PARALLEL_KEYS",
+    "LabelPart",
+    "LayoutSpec",
+    "label_parts",
+    "legend_for",
+]
 
 
 def _key(
@@ -299,6 +309,110 @@ class LayoutSpec:
 
 
 _FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(LayoutSpec)}
+
+
+@dataclass(frozen=True)
+class LabelPart:
+    """One token :meth:`LayoutSpec.label` can print, its digits written N (:func:`label_parts`)."""
+
+    token: str
+    short: str
+    """A few words, for the line under `isthmus plan`'s table."""
+    means: str
+    keys: str
+    """The config keys it shows."""
+
+
+LABEL_LEGEND: tuple[LabelPart, ...] = (
+    LabelPart("tpN", "tensor parallel", "tensor parallelism over N ranks (tp1: none)", "parallel.tp"),
+    LabelPart(
+        "sp", "sequence parallel", "sequence parallelism inside the tensor-parallel group", "parallel.sequence_parallel"
+    ),
+    LabelPart("cpN", "context parallel", "context parallelism over N ranks, ring attention", "parallel.cp"),
+    LabelPart("cpNu", "Ulysses cp", "context parallelism over N ranks by Ulysses all-to-all", "parallel.cp_impl"),
+    LabelPart(
+        "epN", "expert parallel", "expert parallelism: each rank holds 1/N of every MoE layer's experts", "parallel.ep"
+    ),
+    LabelPart("ppN", "pipeline stages", "N pipeline stages", "parallel.pp"),
+    LabelPart(
+        "/dc",
+        "crosses datacenters",
+        "after ppN: the datacenters hold consecutive stages, only activations cross the WAN; after dpN: the "
+        "replicas span the datacenters and synchronise over the WAN by the sync that follows",
+        "geo.dc_axis",
+    ),
+    LabelPart("gpipe", "GPipe", "pipeline schedule: all forwards, then all backwards", "parallel.pp_schedule"),
+    LabelPart("1f1b", "1F1B", "pipeline schedule: one forward, one backward", "parallel.pp_schedule"),
+    LabelPart("i1f1b", "interleaved 1F1B", "interleaved 1F1B, several stages per rank", "parallel.pp_schedule"),
+    LabelPart("zb", "zero bubble", "zero-bubble schedule (ZB-V with vN 2)", "parallel.pp_schedule"),
+    LabelPart("vN", "stages per rank", "N virtual pipeline stages per rank", "parallel.pp_virtual_stages"),
+    LabelPart("ts", "time-shared WAN", "the pipelines crossing one WAN link take it in turn", "geo.wan_schedule"),
+    LabelPart(
+        "dpN", "data parallel", "data parallelism of degree N over the whole layout, every datacenter included", ""
+    ),
+    LabelPart(
+        "(rN sN)",
+        "replicas x shards",
+        "N replicas of N shards each; shown where replication and sharding meet",
+        "parallel.dp_replicate (x datacenters), parallel.dp_shard",
+    ),
+    LabelPart(
+        "zN",
+        "ZeRO stage",
+        "what the shards shard: 1 optimizer state, 2 + gradients, 3 + parameters",
+        "parallel.zero_stage",
+    ),
+    LabelPart("flat", "flat WAN ring", "one flat all-reduce ring over every replica", "geo.sync"),
+    LabelPart("hierarchical", "hierarchical", "reduce inside each datacenter, then across the WAN", "geo.sync"),
+    LabelPart("compressed", "compressed", "gradient shards compressed over the WAN", "geo.sync"),
+    LabelPart("none", "no WAN sync", "replicas across datacenters that never synchronise", "geo.sync"),
+    LabelPart("diloco", "DiLoCo", "DiLoCo: outer steps every HN inner steps", "geo.sync"),
+    LabelPart("sdiloco", "Streaming DiLoCo", "Streaming DiLoCo: fragments synchronised in turn", "geo.sync"),
+    LabelPart(
+        "HN", "inner steps", "N inner steps between two syncs of the same parameters (not a GPU)", "geo.inner_steps"
+    ),
+    LabelPart("FN", "fragments", "Streaming DiLoCo's N fragments, synchronised in turn", "geo.fragments"),
+    LabelPart(
+        "tN", "overlap steps", "steps a fragment's transfer overlaps before it is applied (tau)", "geo.overlap_steps"
+    ),
+    LabelPart(
+        "mbNxN",
+        "microbatch x count",
+        "microbatches of N sequences, N of them per step per replica (a pipeline's microbatches, or "
+        "gradient accumulation without one)",
+        "micro_batch (derived), parallel.microbatches or train.grad_accum",
+    ),
+    LabelPart(
+        "ac-full",
+        "full recompute",
+        "every block's activations recomputed in the backward",
+        "parallel.activation_checkpoint",
+    ),
+    LabelPart(
+        "ac-selective",
+        "selective recompute",
+        "attention's core recomputed in the backward",
+        "parallel.activation_checkpoint",
+    ),
+)
+"""What every token of :meth:`LayoutSpec.label` means (`isthmus plan --legend`, docs/planning.md); a
+test checks that each token a label can print is here."""
+
+_WORDS = {"1f1b", "i1f1b"}
+"""Tokens whose digits are part of the word."""
+
+
+def label_parts(label: str) -> list[str]:
+    """The tokens of a :meth:`LayoutSpec.label`, digits written N (``dp512(r64 s8) z3/dc`` ->
+    ``dpN``, ``(rN sN)``, ``zN``, ``/dc``), as :data:`LABEL_LEGEND` names them."""
+    tokens = re.findall(r"\(r\d+ s\d+\)|/dc|[^\s/()]+", label)
+    return [t if t in _WORDS else re.sub(r"\d+", "N", t) for t in tokens]
+
+
+def legend_for(labels: list[str]) -> list[LabelPart]:
+    """The legend entries the tokens of ``labels`` need, in the legend's order."""
+    used = {t for label in labels for t in label_parts(label)}
+    return [part for part in LABEL_LEGEND if part.token in used]
 
 
 def _keys(section: str | None) -> tuple[str, ...]:
