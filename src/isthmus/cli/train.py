@@ -18,6 +18,8 @@ from isthmus.errors import ConfigError
 from isthmus.launch.environ import launcher_world
 from isthmus.launch.preflight import preflight
 from isthmus.launch.warm import start_rank_server, starts_local_ranks
+from isthmus.layout.choices import DILOCO_SYNCS
+from isthmus.layout.syncs import sparse_syncs
 from isthmus.log import setup_logging
 from isthmus.planner.autoplan import PLAN_KEYS, apply_local_choice
 
@@ -79,7 +81,16 @@ def train_config(config: str | None, rest: list[str], print_config: bool = False
     if cfg.parallel.plan == "auto":
         _plan_auto(cfg, overrides, as_comment=print_config, announce=announce)
     preflight(cfg)
+    why = sparse_syncs(cfg.geo.inner_steps, cfg.train.steps) if syncs_by_diloco(cfg) else None
+    if why is not None and (world is None or os.environ.get("RANK") == "0"):
+        # A warning, not an error: a short trial of a long run's config is a fair thing to start.
+        sys.stderr.write(f"warning: {why}\n")
     return cfg
+
+
+def syncs_by_diloco(cfg: JobConfig) -> bool:
+    """Whether the run's datacenters average their models every geo.inner_steps steps."""
+    return cfg.geo.datacenters > 1 and cfg.geo.sync in DILOCO_SYNCS
 
 
 def parse_train_command(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
