@@ -71,7 +71,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     # The 2-rank measurements' processes fork from a server that imports torch beside this process.
     start_rank_server(("isthmus.profile.measure",))
     # Startup time: the measurements load torch, which `isthmus plan` and the rest of the CLI never need.
-    from isthmus.profile.measure import measure, topology_toml
+    from isthmus.profile.measure import measure, ms, times, topology_toml
 
     wait_for_rank_server()  # (its import would slow the first measurements down)
 
@@ -89,14 +89,20 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     out.write_text(text)
     topo = load_topology(str(out))  # what was written must load
     dc = topo.datacenters[0]
+    over = prof.get("overheads") or {}
     sys.stdout.write(
         f"isthmus profile: {cores} cores, {prof['seconds']:.1f} s, calibrated at {ns.model} {ns.batch} x {ns.seq_len}\n"
         f"  GEMM curve (1 thread): gemm_max_fraction {prof['fraction']:.3f}, gemm_half_dim {prof['half_dim']:g} "
         f"(rms error {100 * prof['fit_error']:.1f}% over {len(prof['gemms'])} shapes)\n"
-        f"  one block forward + backward: {prof['block_1t'] * 1e3:.1f} ms on 1 thread ({prof['block_quarter'] * 1e3:.1f} ms at "
-        f"a quarter of the batch) -> per-op {prof['launch_s'] * 1e6:.1f} us, memory {prof['memory_bandwidth'] / 1e9:.1f} GB/s "
-        f"effective; {prof['block_nt'] * 1e3:.1f} ms on {threads} threads ({prof['speedup']:.2f} x); "
-        f"{prof['shared']:.2f} x slower with both ranks computing\n"
+        f"  one block forward + backward: {ms(prof['block_1t'])} on 1 thread ({ms(prof['block_quarter'])} at "
+        "a quarter of the batch) -> "
+        + (
+            f"per-op {prof['launch_s'] * 1e6:.1f} us, memory {prof['memory_bandwidth'] / 1e9:.1f} GB/s effective"
+            if prof["launch_s"] is not None
+            else "per-op cost and memory bandwidth not fitted (the cpu kind's kept)"
+        )
+        + f"; {ms(prof['block_nt'])} on {threads} threads ({times(prof['speedup'])}); "
+        f"{times(prof['shared'])} slower with both ranks computing\n"
         f"  gloo all-reduce, 2 ranks: {prof['gloo_bw'] / 1e9:.2f} GB/s, latency {prof['gloo_lat'] * 1e6:.0f} us\n"
         + (
             f"  shared-memory all-reduce (tensor parallelism's), 2 ranks: {prof['host_bw'] / 1e9:.2f} GB/s, "
@@ -104,9 +110,12 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
             if prof.get("host")
             else ""
         )
-        + f"  runtime work per block on 2 ranks: tp {dc.kind.tp_block_s * 1e3:.1f} ms per pass "
-        f"(sp {dc.kind.sp_block_s * 1e3:+.1f} ms), FSDP2 {dc.kind.shard_block_s * 1e3:.1f} ms per collective\n"
-        f"  CPU peak for MFU: "
+        + f"  runtime work per block on 2 ranks: tp {ms(over.get('tp_block_s'))} per pass "
+        f"(sp adds {ms(over.get('sp_block_s'))}), "
+        f"FSDP2 {ms(over.get('shard_block_s'))} per collective"
+        + (" (unresolved figures are not written: the kind's own stay)" if None in over.values() else "")
+        + "\n"
+        "  CPU peak for MFU: "
         + "; ".join(
             f"{t} thread(s) {peaks[t, 'fp32'] / 1e9:.1f} GFLOP/s fp32, {peaks[t, 'bf16'] / 1e9:.1f} bf16"
             for t in sorted({t for t, _ in peaks})

@@ -68,6 +68,25 @@ from isthmus.train.optim import build_optimizer
 
 ALLREDUCE_BYTES = tuple(4 * 1024 * 4**i for i in range(8))
 """4 KB, 16 KB, ... 64 MB."""
+NOISE_SHARE = 0.02
+"""A figure derived as the difference of two timings is resolved only when it is at least this
+share of the larger timing: repeated best-of timings of the same work on a quiet machine still
+differ by a percent or so, and a difference below that is noise."""
+TIMER_S = time.get_clock_info("perf_counter").resolution
+"""The timer's resolution: a difference below a few ticks was not measured."""
+
+
+def resolved(difference: float, timing: float) -> float | None:
+    """``difference`` (seconds: the difference of two timings, the larger ``timing``) when the timings
+    resolve it, None when not: negative, or below :data:`NOISE_SHARE` of ``timing`` or 4 timer ticks.
+    The profile writes no figure derived from an unresolved one (it keeps the base kind's value)."""
+    floor = max(NOISE_SHARE * abs(timing), 4 * TIMER_S)
+    return difference if difference >= floor else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b when both are resolved figures (b > 0), else None."""
+    return a / b if a is not None and b is not None and b > 0 else None
 
 
 # --- measurements -------------------------------------------------------------------------------------
@@ -138,7 +157,8 @@ def _gloo_worker(
     host_times = None
     if isinstance(host, SharedMemoryCollectives):
         host_times = [_median_all_reduce(host.all_reduce, nbytes, budget / 2 / len(sizes), repeats) for nbytes in sizes]
-    together = alone = 0.0
+    together: float | None = 0.0
+    alone: float | None = 0.0
     if block:
         flavor, batch, seq, seconds = block
         steps = _block_steps(get_flavor(flavor), batch, seq)
@@ -160,7 +180,7 @@ def _gloo_worker(
             dist.broadcast(go, src=0)
             if not int(go[0]):
                 break
-        alone, together = _block_from(best["alone"])[0], _block_from(best["together"])[0]
+        alone, together = block_from(best["alone"])[0], block_from(best["together"])[0]
     if rank == 0:
         got = {"allreduce": times, "host_allreduce": host_times, "block_alone": alone, "block_together": together}
         Path(out).write_text(json.dumps(got))
@@ -189,9 +209,10 @@ def _median_all_reduce(all_reduce: Callable[[torch.Tensor], Any], nbytes: int, b
 
 def measure_gloo(
     budget: float, sizes: tuple[int, ...] = ALLREDUCE_BYTES, block: list[Any] | None = None, repeats: int = 3
-) -> tuple[list[tuple[int, float]], float, list[tuple[int, float]] | None]:
+) -> tuple[list[tuple[int, float]], float | None, list[tuple[int, float]] | None]:
     """((bytes, median seconds) of a gloo all-reduce between two local ranks over loopback; when
-    ``block`` asks, how much slower a block runs with both ranks computing than with one alone; the
+    ``block`` asks, how much slower a block runs with both ranks computing than with one alone (None:
+    not asked, or unresolved); the
     same (bytes, seconds) through shared memory, None where that path does not serve here)."""
     got = _two_ranks(
         _gloo_worker,
@@ -199,7 +220,7 @@ def measure_gloo(
         120 + 10 * budget,
         "the gloo ranks",
     )
-    shared = got["block_together"] / got["block_alone"] if got["block_alone"] > 0 else 1.0
+    shared = ratio(got["block_together"], got["block_alone"])
     host = list(zip(sizes, got["host_allreduce"])) if got["host_allreduce"] is not None else None
     return list(zip(sizes, got["allreduce"])), shared, host
 
@@ -308,21 +329,23 @@ def _two_ranks(worker: Callable[..., None], worker_args: Any, timeout_s: float, 
 
 def fit_mechanisms(
     topology_text: str, flavor: str, batch: int, seq: int, measured: dict[str, list[float]]
-) -> dict[str, float]:
+) -> dict[str, float | None]:
     """Seconds per block of runtime work each mechanism adds beyond what the planner counts.
 
     For each layout the planner predicts the same 2-rank steps on the profiled topology; the
     measured minus the predicted growth from 1 to 3 blocks, halved, is what one block adds: for tp
     per pass (forward, backward: DTensor's dispatch, the collectives' copies), for sequence
     parallelism on top of that, for FSDP2 per collective of a block (its hooks, copy-in and
-    copy-out), least squares over ZeRO-2 (2 per step) and ZeRO-3 (3).
+    copy-out), least squares over ZeRO-2 (2 per step) and ZeRO-3 (3). A figure the steps do not
+    resolve (:func:`resolved`) is None.
     """
 
     topo = parse_topology(tomllib.loads(topology_text))
     runtime = local_runtime()
     args = get_flavor(flavor)
 
-    def per_block(name: str) -> float:
+    def excess(name: str) -> float:
+        """Seconds the 2 blocks more add beyond the planner's count: a difference of two timings."""
         v = MECHANISMS[name]
         lay = LayoutSpec(**v, micro_batch=batch // v.get("dp_shard", 1), microbatches=1)
         pred = [
@@ -330,12 +353,24 @@ def fit_mechanisms(
             for n in (1, 3)
         ]
         got = measured[name]
-        return ((got[1] - got[0]) - (pred[1] - pred[0])) / 2
+        return (got[1] - got[0]) - (pred[1] - pred[0])
 
-    tp = max(0.0, per_block("tp") / 2)
-    sp = max(-tp, per_block("sp") / 2 - tp)
-    z = [(SHARD_EVENTS[2], per_block("zero2")), (SHARD_EVENTS[3], per_block("zero3"))]
-    shard = max(0.0, sum(e * r for e, r in z) / sum(e * e for e, _ in z))
+    # Each figure comes from a difference of timings of steps of 1 and 3 blocks; one the steps do
+    # not resolve (or a negative one) is None, and the topology keeps the kind's own value for it.
+    def step(name: str) -> float:
+        return measured[name][1]
+
+    tp_excess = resolved(excess("tp"), step("tp"))
+    tp = None if tp_excess is None else tp_excess / 4  # 2 blocks, 2 passes each
+    sp_excess = excess("sp") - excess("tp")
+    # Sequence parallelism may cost less than plain tp (a negative sp_block_us), but not below -tp.
+    sp = (
+        sp_excess / 4 if tp is not None and abs(sp_excess) >= NOISE_SHARE * step("sp") and sp_excess / 4 > -tp else None
+    )
+    z = [(SHARD_EVENTS[2], excess("zero2") / 2), (SHARD_EVENTS[3], excess("zero3") / 2)]
+    fit = sum(e * r for e, r in z) / sum(e * e for e, _ in z)
+    # At ZeRO-3 the 2 blocks more add 2 x 3 collectives' worth: what the steps must resolve.
+    shard = fit if resolved(2 * SHARD_EVENTS[3] * fit, step("zero3")) is not None else None
     return {"tp_block_s": tp, "sp_block_s": sp, "shard_block_s": shard}
 
 
@@ -427,15 +462,17 @@ def _block_steps(args: Any, batch: int, seq: int) -> list[Any]:
     return steps
 
 
-def _block_from(best: list[float]) -> tuple[float, float]:
-    """(block, rest) from the best 1-block and 3-block times: the difference, halved, is one block."""
-    block = max((best[1] - best[0]) / 2, 1e-9)
-    return block, max(best[0] - block, 0.0)
+def block_from(best: list[float]) -> tuple[float | None, float]:
+    """(block, rest) from the best 1-block and 3-block times: the difference, halved, is one block
+    (None when the timings do not resolve it, :func:`resolved`); the rest is the 1-block time less it."""
+    diff = resolved(best[1] - best[0], best[1])
+    block = None if diff is None else diff / 2
+    return block, max(best[0] - (block or 0.0), 0.0)
 
 
 def measure_block(
     args: Any, batch: int, seq: int, threads: tuple[int, ...], budget: float, repeats: int = 3
-) -> dict[int, tuple[float, float]]:
+) -> dict[int, tuple[float | None, float]]:
     """Per thread count, (one block's forward + backward, the rest of the model's) seconds at
     ``batch`` x ``seq`` tokens.
 
@@ -458,7 +495,7 @@ def measure_block(
                     fn()
                     best[t][i] = min(best[t][i], time.perf_counter() - t0)
             reps += 1
-        return {t: _block_from(b) for t, b in best.items()}
+        return {t: block_from(b) for t, b in best.items()}
     finally:
         torch.set_num_threads(old)
 
@@ -522,8 +559,10 @@ def measure(
     runs = measure_block(args, batch, seq, tuple(sorted({1, threads})), 0.25 * budget, repeats)
     (block_1t, ends_1t), (block_nt, ends_nt) = runs[1], runs[threads]
     block_q = measure_block(args, quarter, seq, (1,), 0.1 * budget, repeats)[1][0] if quarter < batch else block_1t
-    launch, bw = fit_block(kind, args, seq, [(batch, block_1t), (quarter, block_q)], floor)
-    kind = replace(kind, kernel_launch_s=launch, memory_bandwidth=bw)
+    # Unresolved block times fit nothing: the kind keeps the cpu kind's launch cost and bandwidth.
+    samples = [(b, t) for b, t in ((batch, block_1t), (quarter, block_q)) if t is not None]
+    launch, bw = fit_block(kind, args, seq, samples, floor) if samples else (None, None)
+    kind = replace(kind, kernel_launch_s=launch or kind.kernel_launch_s, memory_bandwidth=bw or kind.memory_bandwidth)
     gloo, shared, host = measure_gloo(0.2 * budget, sizes, [flavor, half, seq, 0.15 * budget], repeats)
     lat, link_bw = fit_alpha_beta(gloo)
     host_lat, host_bw = fit_alpha_beta(host) if host else (None, None)
@@ -548,9 +587,9 @@ def measure(
         "ends_1t": ends_1t,
         "block_nt": block_nt,
         "ends_nt": ends_nt,
-        "speedup": block_1t / block_nt,
+        "speedup": ratio(block_1t, block_nt),
         "half": half,
-        "shared": max(1.0, shared),
+        "shared": None if shared is None else max(1.0, shared),
         "gloo": gloo,
         "gloo_lat": lat,
         "gloo_bw": link_bw,
@@ -561,11 +600,23 @@ def measure(
     }
 
 
+def ms(seconds: float | None) -> str:
+    """A derived time as the profile prints it: milliseconds, or ``unresolved`` (None)."""
+    return "unresolved" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def times(factor: float | None) -> str:
+    """A derived ratio as the profile prints it: ``2.00 x``, or ``unresolved x`` (None)."""
+    return "unresolved x" if factor is None else f"{factor:.2f} x"
+
+
 def topology_toml(prof: dict[str, Any], name: str, cores: int) -> str:
     """The topology file: one rank among ``cores`` busy ones, one rank alone with all threads, one node.
 
     With ``prof["mechanisms"]`` the 2-rank layouts' per-block overheads are fitted against the
-    planner on the file without them (:func:`fit_mechanisms`) and written into ``cpu-local``.
+    planner on the file without them (:func:`fit_mechanisms`) and written into ``cpu-local``. A
+    figure the timings did not resolve (None) is not written: the kind keeps its base's value (the
+    ``-<t>t`` kind, without a speed-up, is left to the planner's estimate), and a comment says so.
     """
     if "mechanisms" in prof and "overheads" not in prof:
         bare = topology_toml({**prof, "overheads": {}}, name, cores)
@@ -573,7 +624,7 @@ def topology_toml(prof: dict[str, Any], name: str, cores: int) -> str:
     over = prof.get("overheads") or {}
     base = prof["base"]
     t = prof["threads"]
-    speed, shared = prof["speedup"], prof["shared"]
+    speed, shared = prof["speedup"], prof["shared"] or 1.0  # unresolved: as fast as one rank alone
     gemms = "\n".join(f"#   {m:>5} x {n:>5} x {k:>5}: {f / 1e9:6.1f} GFLOP/s" for m, n, k, f in prof["gemms"])
     gloo = "\n".join(f"#   {b / 1024:>8.0f} KB: {s * 1e6:9.0f} us" for b, s in prof["gloo"])
     shape = f"{prof['flavor']} at {prof['batch']} x {prof['seq']} tokens"
@@ -590,13 +641,19 @@ def topology_toml(prof: dict[str, Any], name: str, cores: int) -> str:
         gemms,
         f"# Fitted to the planner's GEMM curve against the cpu kind's {base.peak('fp32') / 1e9:.0f} GFLOP/s peak: "
         f"rms error {100 * prof['fit_error']:.1f}%.",
-        f"# One block forward + backward, one thread, alone: {prof['block_1t'] * 1e3:.1f} ms at {prof['batch']} x {prof['seq']}, "
-        f"{prof['block_quarter'] * 1e3:.1f} ms at {prof['quarter']} x {prof['seq']}:",
-        f"# kernel_launch_us and memory_bandwidth_gb_s make the planner's block those times (a small op alone:"
-        f" {prof['launch_floor'] * 1e6:.1f} us).",
-        f"# {t} threads, alone: {prof['block_nt'] * 1e3:.1f} ms ({speed:.2f} x one thread, in turns with it) -> cpu-local-{t}t.",
+        f"# One block forward + backward, one thread, alone: {ms(prof['block_1t'])} at {prof['batch']} x {prof['seq']}, "
+        f"{ms(prof['block_quarter'])} at {prof['quarter']} x {prof['seq']}:",
+        (
+            f"# kernel_launch_us and memory_bandwidth_gb_s make the planner's block those times (a small op alone:"
+            f" {prof['launch_floor'] * 1e6:.1f} us)."
+            if prof["launch_s"] is not None
+            else "# unresolved (the 3-block model was not measurably slower than the 1-block one): the cpu kind's "
+            "kernel_launch_us and memory_bandwidth_gb_s stay."
+        ),
+        f"# {t} threads, alone: {ms(prof['block_nt'])} ({times(speed)} one thread, in turns with it) -> "
+        + (f"cpu-local-{t}t." if speed is not None else f"no cpu-local-{t}t: the planner estimates it."),
         f"# Two ranks computing at once ({prof['half']} x {prof['seq']} each) against one alone: a block takes "
-        f"{shared:.2f} x as long -> cpu-local.",
+        f"{times(prof['shared'])} as long -> cpu-local.",
         "# gloo all-reduce between 2 local ranks (median):",
         gloo,
         f"# Fitted: t = 2 x {prof['gloo_lat'] * 1e6:.0f} us + bytes / {prof['gloo_bw'] / 1e9:.3f} GB/s.",
@@ -609,9 +666,12 @@ def topology_toml(prof: dict[str, Any], name: str, cores: int) -> str:
         f"peak_tflops = {peaks(1 / shared)}",
         f"gemm_max_fraction = {prof['fraction']:.4f}",
         f"gemm_half_dim = {prof['half_dim']:g}",
-        f"memory_bandwidth_gb_s = {prof['memory_bandwidth'] / shared / 1e9:.3f}",
-        f"kernel_launch_us = {prof['launch_s'] * shared * 1e6:.2f}",
     ]
+    if prof["launch_s"] is not None:
+        lines += [
+            f"memory_bandwidth_gb_s = {prof['memory_bandwidth'] / shared / 1e9:.3f}",
+            f"kernel_launch_us = {prof['launch_s'] * shared * 1e6:.2f}",
+        ]
     if over:
         m = prof["mechanisms"]
         lines += [
@@ -619,21 +679,30 @@ def topology_toml(prof: dict[str, Any], name: str, cores: int) -> str:
             + "; ".join(f"{k} {v[0] * 1e3:.0f} / {v[1] * 1e3:.0f}" for k, v in m.items())
             + ".",
             "# What one block adds beyond the planner's count of the same steps (per pass; FSDP2 per collective):",
-            f"tp_block_us = {over['tp_block_s'] * 1e6:.0f}",
-            f"sp_block_us = {over['sp_block_s'] * 1e6:.0f}",
-            f"shard_block_us = {over['shard_block_s'] * 1e6:.0f}",
+            *(
+                f"{key[:-2]}_us = {over[key] * 1e6:.0f}"
+                if over[key] is not None
+                else f"# {key[:-2]}_us: unresolved (within the steps' noise, or negative): not written"
+                for key in ("tp_block_s", "sp_block_s", "shard_block_s")
+            ),
         ]
     lines += [
         "",
     ]
-    if t > 1:
+    if t > 1 and speed is not None:
         lines += [
             f"[devices.cpu-local-{t}t]",
             'base = "cpu-local"',
             f'description = "one rank alone with {t} threads on this machine (isthmus profile)"',
             f"peak_tflops = {peaks(speed)}",
-            f"memory_bandwidth_gb_s = {prof['memory_bandwidth'] * speed / 1e9:.3f}",
-            f"kernel_launch_us = {prof['launch_s'] * 1e6:.2f}",
+            *(
+                [
+                    f"memory_bandwidth_gb_s = {prof['memory_bandwidth'] * speed / 1e9:.3f}",
+                    f"kernel_launch_us = {prof['launch_s'] * 1e6:.2f}",
+                ]
+                if prof["launch_s"] is not None
+                else []
+            ),
             "",
         ]
     lines += [
