@@ -185,3 +185,51 @@ def test_a_pinned_layout_over_memory_shows_its_own_peak() -> None:
     assert "1 considered, 1 over memory" in message and "\n" not in message
     closest, usable = (float(x) for x in re.search(r"= ([\d.]+) GB of ([\d.]+) GB usable", message).groups())  # type: ignore[union-attr]
     assert closest > usable
+
+
+def test_legend_prints_every_label_part_and_needs_no_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from isthmus.layout.spec import LABEL_LEGEND
+
+    with pytest.raises(SystemExit) as done:
+        plan(["--legend"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"  {part.token} " in out for part in LABEL_LEGEND)
+
+
+_ATLAS = ["--model.flavor", "llama3-70b", "--topology", "examples/atlas-3dc.toml", "--train.batch_size", "128"]
+
+
+def test_layouts_that_run_come_first_and_the_what_ifs_apart(capsys: pytest.CaptureFixture[str]) -> None:
+    """On Atlas's three datacenters the fastest layouts are what-ifs (two of the three, unequal
+    stages): the table lists the layouts the runtime runs, then the what-ifs under their own line."""
+    assert plan([*_ATLAS, "--train.seq_len", "2048", "--top", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.lstrip().startswith("1  "))
+    label = next(i for i, line in enumerate(lines) if line.startswith("planner-only what-ifs"))
+    what_if = next(i for i, line in enumerate(lines) if line.startswith("w1  "))
+    assert first < label < what_if and "(uses 2 of the 3 datacenters" in lines[what_if]
+    assert any(line.startswith("labels: tpN tensor parallel;") for line in lines)
+
+
+_TWO_DCS = ["--model.flavor", "tiny", "--topology", "emulated-2dc", "--train.batch_size", "8", "--train.seq_len", "32"]
+_DILOCO = ["--geo.datacenters", "2", "--geo.dc_axis", "dp", "--geo.sync", "diloco,streaming_diloco", "--json"]
+
+
+def test_a_short_run_syncs_at_least_min_syncs_times(capsys: pytest.CaptureFixture[str]) -> None:
+    from isthmus.layout.syncs import MIN_SYNCS
+
+    assert plan([*_TWO_DCS, *_DILOCO, "--train.steps", "10"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for lay in out["layouts"]:
+        geo = lay["geo"]
+        assert geo["inner_steps"] * MIN_SYNCS <= 10 and geo["fragments"] <= geo["inner_steps"]
+        assert geo["overlap_steps"] < geo["inner_steps"]
+    assert out["sync_note"] is None
+    # A fixed interval is kept, and the plan says why it is too long for the run.
+    assert plan([*_TWO_DCS, *_DILOCO, "--train.steps", "10", "--geo.inner_steps", "100"]) == 0
+    note = json.loads(capsys.readouterr().out)["sync_note"]
+    assert note.startswith("warning: geo.inner_steps = 100 syncs the datacenters 0 time(s) in train.steps = 10")
+    # Without a run length the interval is the planner's, with the length it needs.
+    assert plan([*_TWO_DCS, *_DILOCO]) == 0
+    assert "give --train.steps N" in json.loads(capsys.readouterr().out)["sync_note"]
