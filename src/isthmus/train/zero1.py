@@ -5,7 +5,7 @@ context parallelism or replicas: FSDP2 replicates the weights and all-reduces th
 (`isthmus.parallel.data_parallel.zero1_mesh`), so every rank of the group holds the whole reduced
 gradient; each parameter's optimizer state is kept by one owner rank, which steps that parameter
 and broadcasts it to the others. The step runs in two phases: every rank updates the parameters it
-owns, then one broadcast per owner (its parameters flattened into one buffer) brings the others'.
+owns, then a broadcast of each parameter from its owner brings the others'.
 
 Why not torch's ZeroRedundancyOptimizer (which the dp_shard-alone layout uses over DDP): it keeps
 plain tensors only, bucketing parameters by ``.data``, while here the parameters are DTensors
@@ -22,7 +22,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.tensor import DTensor
 
 
@@ -75,21 +74,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return None
 
     def _broadcast(self) -> None:
-        """Every owner's updated parameters to the other ranks: one flat buffer per owner and dtype,
-        all broadcasts in flight at once, then copied into place."""
+        """Every owner's updated parameters to the other ranks, in place: one broadcast per local
+        tensor, all in flight at once. In place rather than through a flat buffer per owner, which
+        would hold a second copy of every weight during the step."""
         pending = []
         for r, params in enumerate(self.owned_by):
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            src = dist.get_global_rank(self.group, r)
             for p in params:
                 t = local_tensor(p)
-                by_dtype.setdefault(t.dtype, []).append(t)
-            for tensors in by_dtype.values():
-                flat = _flatten_dense_tensors(tensors)
-                src = dist.get_global_rank(self.group, r)
-                work = dist.broadcast(flat, src=src, group=self.group, async_op=True)
-                pending.append((work, flat, tensors, r))
-        for work, flat, tensors, r in pending:
+                assert t.is_contiguous(), "a broadcast fills a contiguous tensor in place"
+                pending.append(dist.broadcast(t, src=src, group=self.group, async_op=True))
+        for work in pending:
             work.wait()
-            if r != self.rank:
-                for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
-                    t.copy_(new)
