@@ -25,6 +25,9 @@ from isthmus.planner.search import search
 from isthmus.sim import simulate, write_png, write_trace
 from isthmus.sim.run import SimResult
 
+DIFFER = 0.15
+"""Past this relative difference between the two step times the output says which to trust."""
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``simulate`` sub-command: every ``plan`` flag, plus the layout and the outputs."""
@@ -113,6 +116,11 @@ def format_result(r: SimResult, topo_name: str) -> str:
         f"{'':{w0}}  {'simulated':>{w1}}  cost model",
     ]
     lines += [f"{a:{w0}}  {b:>{w1}}  {c}" for a, b, c in rows]
+    if abs(sim["vs_cost_model"]) > DIFFER:
+        lines.append(
+            f"the steps differ by {sim['vs_cost_model']:+.0%}: trust the simulated one, which runs the pipeline's "
+            "actions in torch's order on shared links where the cost model has closed forms (docs/simulation.md)"
+        )
     parts = "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r.breakdown.items() if v > 0)
     mem = r.memory
     held = (

@@ -351,6 +351,9 @@ class RankSync:
     wan_bytes: float
     fragment: float = 0.0
     """streaming_diloco: WAN seconds of one fragment's exchange, overlapped with the next steps."""
+    ports: float = 0.0
+    """Seconds its gradient reductions and once-per-step gathers keep the device's own links busy
+    (WAN legs aside), however they overlap compute."""
 
 
 def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placement, r: int, st: StageCost) -> RankSync:
@@ -380,6 +383,7 @@ def rank_sync(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placemen
             sc.per_microbatch,
             sc.wan_bytes,
             sc.fragment,
+            max(0.0, sc.grad - sc.wan) + sc.params,
         )
         if worst is None or cost.tail > worst.tail:
             worst = cost
@@ -436,7 +440,7 @@ def pipeline_links(
 ) -> list[LinkStage]:
     """Pipeline boundaries as stages of their own, when sends overlap compute (``busy``: seconds per
     microbatch of each rank)."""
-    p, v, m = layout.pp, layout.pp_virtual_stages, layout.microbatches
+    p, v = layout.pp, layout.pp_virtual_stages
     if p == 1 or not runtime.p2p_async:
         return []
     msg = (
@@ -616,9 +620,13 @@ def estimate(
         ),
         key=lambda mb: mb.total,
     )
-    # A microbatch takes its compute or its ZeRO-3 gathers, whichever is longer, when they overlap.
+    # A microbatch's ZeRO-3 gathers overlap the pass that needs them, when the runtime overlaps them:
+    # the forward (with a pipeline, the weights stay gathered for the backward), or each half its pass.
+    back = 0.5 if layout.pp == 1 else 0.0
     busy = [
-        max(st.total, sy.per_microbatch) if runtime.gathers_overlap else st.total + sy.per_microbatch
+        max(st.fwd, (1 - back) * sy.per_microbatch) + max(st.bwd, back * sy.per_microbatch)
+        if runtime.gathers_overlap
+        else st.total + sy.per_microbatch
         for st, sy in zip(stages, syncs)
     ]
     e = act_bytes(work.dtype)
@@ -626,6 +634,11 @@ def estimate(
     t_pipe, idle = pipeline_time(busy, [st.wgrad for st in stages], m, v, layout.pp_schedule, links)
     slow = max(range(p), key=lambda r: syncs[r].tail)
     step = t_pipe + syncs[slow].tail
+    # Gathers and gradient reductions overlap compute, but not each other: they share the device's
+    # links, so a step lasts at least all of them and the optimizer after the last reduction.
+    ports = max(m * sy.per_microbatch + sy.ports + sy.optimizer for sy in syncs)
+    shared = max(0.0, ports - step)
+    step += shared
     # Streaming DiLoCo: the slowest fragment transfer against the steps it overlaps.
     streaming = streaming_exposed(max(sy.fragment for sy in syncs), step, layout)
     step += streaming
@@ -640,10 +653,14 @@ def estimate(
     )
     heavy = max(range(p), key=lambda r: busy[r])
     breakdown = {k: m * val for k, val in stages[heavy].parts}
-    wan_wait = max([m * l.occupancy - m * busy[heavy] for l, (_, _, w) in zip(links, pl.boundary_links) if w] + [0.0])
+    # What the WAN boundaries add to the pipeline phase (their pacing, latency and slots) is WAN time,
+    # not bubble: the phase without them (the simulator measures it the same way).
+    inside = [l for l, (_, _, w) in zip(links, pl.boundary_links) if not w]
+    t_inside, _ = pipeline_time(busy, [st.wgrad for st in stages], m, v, layout.pp_schedule, inside)
+    wan_wait = min(max(0.0, idle), max(0.0, t_pipe - t_inside))
     breakdown.update(
         {
-            "dp comm": syncs[slow].dp + m * (busy[heavy] - stages[heavy].total),
+            "dp comm": syncs[slow].dp + m * (busy[heavy] - stages[heavy].total) + shared,
             "wan": syncs[slow].wan + wan_wait + streaming,
             "bubble": max(0.0, idle - wan_wait),
             "optimizer": syncs[slow].optimizer,

@@ -9,8 +9,8 @@ part. With m microbatches the schedules of torch.distributed.pipelining take
 where fill_r = S_r (GPipe, 1F1B, interleaved 1F1B) or S_r - 2 W_r (zero bubble: weight gradients
 fill the bubble). With even stages this is the textbook (m + (p - 1)/v) S. A link whose sends
 overlap compute is a stage of its own in steady state (its occupancy per microbatch competes with
-max(S)), and its latency adds once to the fill and drain; a rank keeping k microbatches in flight
-hides a round trip of latency up to k times its own compute, no more.
+max(S)), and its latency adds once to the fill and drain. With fewer microbatches than ranks the
+pipeline never fills, and the step is at least one microbatch's trip through every stage and back.
 """
 
 from __future__ import annotations
@@ -28,9 +28,12 @@ class LinkStage:
 
     occupancy: float
     """The shortest period per microbatch the boundary allows: its busy time in the busiest direction
-    (all virtual-stage crossings), or the latency round trip the ranks before it cannot hide."""
+    (all virtual-stage crossings), or its round trip shared by the microbatches in flight around it."""
     fill: float
     """Seconds it adds to fill and drain (one message each way, latency included)."""
+    chain: float | None = None
+    """Seconds it adds to one microbatch's trip through every stage and back (every crossing of it,
+    latency included); None: ``fill``."""
 
 
 def pipeline_time(
@@ -46,10 +49,19 @@ def pipeline_time(
     if p == 1:
         return m * stage[0], 0.0
     links = links or []
-    fill = [max(s - 2 * w, 0.0) if schedule == "zero_bubble" else s for s, w in zip(stage, wgrad)]
+    # Weight passes fill the bubble under zero bubble; ZB-V (v = 2) has its full set of them to
+    # defer only from 2p - 1 microbatches on (torch drops the missing ones from that schedule).
+    share = (min(1.0, m / (2 * p - 1)) if v == 2 else 1.0) if schedule == "zero_bubble" else 0.0
+    fill = [max(s - 2 * share * w, 0.0) for s, w in zip(stage, wgrad)]
     slowest = max(range(p), key=lambda r: stage[r])
     steady = max([stage[slowest]] + [l.occupancy for l in links])
     total = m * steady + (sum(fill) - fill[slowest]) / v + sum(l.fill for l in links)
+    # With fewer microbatches than ranks the pipeline never fills: the step is at least the first
+    # microbatch's trip through every stage and back (weight gradients aside under zero bubble),
+    # the others one virtual stage behind it each.
+    chain = [s - w if schedule == "zero_bubble" else s for s, w in zip(stage, wgrad)]
+    trip = sum(chain) + (m - 1) * steady / v + sum(l.fill if l.chain is None else l.chain for l in links)
+    total = max(total, trip)
     busy = m * sum(stage) / p
     return total, total - busy
 

@@ -9,7 +9,7 @@ the same layout and what the simulation covered.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import mean
 
 from isthmus.layout.spec import LayoutSpec
@@ -100,17 +100,15 @@ def simulate(
         step -= waited - stream_wait
     p = layout.pp
     # Per step, averaged over steps: the pipeline phase ends when the last rank's last op does.
-    stats = [[plan.stats[i] for plan in sim.ranks] for i in range(iterations)]
-    idle = mean(
-        mean(pipe_end_all - s.op_busy - s.p2p_block for s in row)
-        for row, pipe_end_all in ((row, max(s.pipe_end for s in row)) for row in stats)
-    )
+    idle = _pipeline_idle(sim)
     heavy = max(range(p), key=lambda r: sim.ranks[r].stats[0].op_busy)
     slow = max(range(p), key=lambda r: sim.ranks[r].stats[0].end - sim.ranks[r].stats[0].pipe_end)
     dev = sim.devices[heavy]
     per_step = {k: v / iterations for k, v in dev.by_cat.items()}
     s_slow = [plan.stats for plan in sim.ranks][slow]
     tail_wan = mean(s.tail_wan + s.outer for s in s_slow) + stream_wait
+    ideal = _without_wan(work, topo, layout, runtime)
+    pipe_wan = min(max(0.0, idle), max(0.0, idle - _pipeline_idle(ideal))) if ideal else 0.0
     breakdown = {
         "compute": sum(per_step.get(k, 0.0) for k in ("fwd", "bwd", "wgrad", "recompute")),
         "tp comm": per_step.get("tp", 0.0),
@@ -118,8 +116,8 @@ def simulate(
         "ep comm": per_step.get("ep", 0.0),
         "pp p2p": mean(s.p2p_block for s in sim.ranks[heavy].stats),
         "dp comm": mean(s.tail_wait - s.tail_wan for s in s_slow) + mean(s.gather_wait for s in sim.ranks[heavy].stats),
-        "wan": tail_wan,
-        "bubble": max(0.0, idle),
+        "wan": tail_wan + pipe_wan,
+        "bubble": max(0.0, idle - pipe_wan),
         "optimizer": mean(s.optimizer for s in s_slow),
     }
     # Each WAN phase carries the bytes of every device it stands for (all replicas included).
@@ -146,7 +144,7 @@ def simulate(
         mem_per_device_gb=memory.total / 1e9,
         memory=memory,
         fits=memory.total <= usable,
-        bubble_fraction=max(0.0, idle) / step if p > 1 else 0.0,
+        bubble_fraction=breakdown["bubble"] / step if p > 1 else 0.0,
         wan_bytes_per_step=wan_bytes,
         breakdown=breakdown,
         stage_layers=tuple(sim.stage_layers),
@@ -157,6 +155,21 @@ def simulate(
         trace_events=sim.engine.events,
         track_names=_track_names(sim),
     )
+
+
+def _pipeline_idle(sim: Simulation) -> float:
+    """Seconds an average pipeline rank idles per step until the last rank's last op ends."""
+    stats = [[plan.stats[i] for plan in sim.ranks] for i in range(sim.iterations)]
+    return mean(mean(max(s.pipe_end for s in row) - s.op_busy - s.p2p_block for s in row) for row in stats)
+
+
+def _without_wan(work: Workload, topo: Topology, layout: LayoutSpec, runtime: Runtime) -> Simulation | None:
+    """The same replica with instant WAN links, when pipeline stages cross datacenters: what the
+    pipeline idles beyond it is WAN time (latency and bytes), as the cost model's wan counts it."""
+    if layout.pp == 1 or layout.dc_axis != "pp" or layout.datacenters < 2:
+        return None
+    ideal = replace(topo, wan={k: replace(link, bandwidth=1e18, latency=0.0) for k, link in topo.wan.items()})
+    return Simulation(work, ideal, layout, runtime).run()
 
 
 def _rank_memory(sim: Simulation, r: int) -> MemoryBreakdown:
