@@ -92,8 +92,9 @@ def test_across_nodes_2d_and_3d_move_less_than_1d_but_1d_with_cp_is_faster() -> 
     assert two.comm_bytes < one.comm_bytes / 2 and three.comm_bytes < one.comm_bytes / 2
     assert two.step_s < one.step_s
     assert cp.step_s < min(two.step_s, three.step_s)
-    # Every scheme computes the same FLOPs per device; the GEMM shapes differ by a few percent.
-    assert two.compute_s == pytest.approx(one.compute_s, rel=0.1)
+    # Every scheme computes the same FLOPs per device; their GEMM shapes differ (tp 64 splits a
+    # dimension 64 ways, an 8 x 8 grid two dimensions 8 ways), which an H100's curve prices apart.
+    assert two.compute_s == pytest.approx(one.compute_s, rel=0.2)
 
 
 def test_a_grid_over_the_wan_pays_for_it() -> None:

@@ -19,15 +19,20 @@ from isthmus.planner.topology import DeviceKind
 from isthmus.planner.workload import Runtime, Workload
 
 ELEM_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-FLASH_EFFICIENCY = 0.7
-"""Fused attention reaches this fraction of the GEMM curve at its (s, s, head_dim) shape (assumed)."""
+FP8_HALF_DIM_SCALE = 3.0
+"""An FP8 GEMM's curve saturates at this many times the device's ``gemm_half_dim``: its tensor-core
+tiles are twice as deep, so small or skinny GEMMs gain less from FP8 than large ones."""
 FLASH_BACKWARD_FACTOR = 2.5
 """Fused attention backward costs this many forwards (it recomputes the scores)."""
 CAUSAL_SKIP = 0.5
 """Fraction of the S x S square a causal fused kernel computes (masked tiles are skipped)."""
 OPTIMIZER_BYTES_PER_PARAM = 32
 """Adam step, gradient-norm and zeroing traffic per local parameter (fp32 master, m, v, grad)."""
-OVERLAP_GEMM_SLOWDOWN = 0.05
+EAGER_POINTWISE_TRAFFIC = 4.8
+"""Traffic of an eager block's norms and activation over a fused kernel's (``Runtime.fused_pointwise``
+false): eager RMSNorm upcasts, squares, averages, scales and casts back in separate kernels, SwiGLU
+runs SiLU and the product apart. Fitted (docs/planner-checks.md names the rows)."""
+OVERLAP_GEMM_SLOWDOWN = 0.25
 """Share a GEMM slows by while a tensor-parallel collective streams beside it (the SMs and memory
 bandwidth the transfers take: Megatron's userbuffers reserve a few SMs, async TP's copy engines
 share HBM) (assumed)."""
@@ -51,10 +56,10 @@ class Fp8Cost:
 
 
 FP8_RECIPES: dict[str, Fp8Cost] = {
-    "tensorwise": Fp8Cost(gemm_efficiency=0.80, cast_bytes=3.0, transpose_bytes=2.0, gathers_fp8=True),
-    "rowwise": Fp8Cost(gemm_efficiency=0.70, cast_bytes=3.5, transpose_bytes=3.5, gathers_fp8=False),
-    "blockwise": Fp8Cost(gemm_efficiency=0.70, cast_bytes=3.5, transpose_bytes=3.5, gathers_fp8=False),
-    "mxfp8": Fp8Cost(gemm_efficiency=0.80, cast_bytes=3.2, transpose_bytes=3.2, gathers_fp8=False),
+    "tensorwise": Fp8Cost(gemm_efficiency=1.0, cast_bytes=3.0, transpose_bytes=2.0, gathers_fp8=True),
+    "rowwise": Fp8Cost(gemm_efficiency=0.62, cast_bytes=3.5, transpose_bytes=3.5, gathers_fp8=False),
+    "blockwise": Fp8Cost(gemm_efficiency=0.90, cast_bytes=3.5, transpose_bytes=3.5, gathers_fp8=False),
+    "mxfp8": Fp8Cost(gemm_efficiency=0.50, cast_bytes=3.2, transpose_bytes=3.2, gathers_fp8=False),
 }
 """FP8 recipes' costs (``Runtime.fp8_recipe``). The GEMM efficiencies are fitted (docs/planner-checks.md
 names the rows); the cast traffic is each kernel's reads and writes."""
@@ -130,9 +135,9 @@ class Op:
     seconds: float
 
 
-def gemm_fraction(kind: DeviceKind, m: float, n: float, k: float) -> float:
+def gemm_fraction(kind: DeviceKind, m: float, n: float, k: float, dtype: str = "bf16") -> float:
     """Achievable fraction of peak of an (m x k) @ (k x n) GEMM: saturates as each dim grows."""
-    d0 = kind.gemm_half_dim
+    d0 = kind.gemm_half_dim * (FP8_HALF_DIM_SCALE if dtype == "fp8" else 1.0)
     return kind.gemm_max_fraction * (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
 
 
@@ -142,7 +147,7 @@ def gemm_time(
     """Seconds for ``batch`` GEMMs of (m, n, k): compute at the curve, bounded below by memory traffic.
     FP8 GEMMs run at their recipe's share of the curve (:data:`FP8_RECIPES`) and write bf16."""
     e = ELEM_BYTES[dtype]
-    fraction = gemm_fraction(kind, m, n, k)
+    fraction = gemm_fraction(kind, m, n, k, dtype)
     if dtype == "fp8":
         fraction *= FP8_RECIPES[recipe].gemm_efficiency
     compute = 2 * m * n * k * batch / (kind.peak(dtype) * fraction)
@@ -158,13 +163,22 @@ def memory_time(kind: DeviceKind, nbytes: float, kernels: int = 1) -> float:
 
 
 def _gemm_ops(
-    kind: DeviceKind, dtype: str, name: str, m: float, n: float, k: float, batch: float = 1, recipe: str = "tensorwise"
+    kind: DeviceKind,
+    dtype: str,
+    name: str,
+    m: float,
+    n: float,
+    k: float,
+    batch: float = 1,
+    recipe: str = "tensorwise",
+    input_share: float = 1.0,
 ) -> list[Op]:
     """Forward GEMM and its two backward GEMMs: dX = dY W^T (m, k, n) and dW = X^T dY (k, n, m).
     Under FP8 each also quantises what it reads: the forward its input (and the transposed copy the
     weight gradient reads), the backward the output's gradient. Weights are quantised once per step,
     not per microbatch (Transformer Engine caches them; FSDP2's float8 gathers them quantised), so
-    that cast is left out."""
+    that cast is left out. ``input_share``: the share of the input this rank quantises (1 / tp where
+    sequence parallelism gathers it already quantised: each rank casts its own shard)."""
     e, f = ELEM_BYTES[dtype], 2 * m * n * k * batch
     ops = [
         Op(name, "fwd", f, e * (m * k + k * n + m * n) * batch, gemm_time(kind, dtype, m, n, k, batch, recipe)),
@@ -185,7 +199,7 @@ def _gemm_ops(
     ]
     if dtype == "fp8":
         fp8 = FP8_RECIPES[recipe]
-        fwd_cast = (fp8.cast_bytes + fp8.transpose_bytes) * m * k * batch
+        fwd_cast = (fp8.cast_bytes + fp8.transpose_bytes) * m * k * batch * input_share
         bwd_cast = (fp8.cast_bytes + fp8.transpose_bytes) * m * n * batch
         ops += [
             Op(name + ".cast", "fwd", 0.0, fwd_cast, memory_time(kind, fwd_cast)),
@@ -216,7 +230,9 @@ def layer_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]
     mask = 1 if runtime.dropout else 0
     ops: list[Op] = []
     ops += _mem_ops(kind, "norm1", 2 * e * rep * h)
-    ops += _gemm_ops(kind, dtype, "qkv", tokens, (q + 2 * kv) / tp, h, recipe=recipe)
+    # Under sequence parallelism a recipe whose scales survive the gather casts each rank's shard.
+    share = 1 / tp if sp and dtype == "fp8" and FP8_RECIPES[recipe].gathers_fp8 else 1.0
+    ops += _gemm_ops(kind, dtype, "qkv", tokens, (q + 2 * kv) / tp, h, recipe=recipe, input_share=share)
     if runtime.attention == "materialized":
         scores = micro_batch * heads * s_local * seq_len
         ops += _gemm_ops(kind, adt, "attn.scores", s_local, seq_len, hd, micro_batch * heads)
@@ -227,7 +243,7 @@ def layer_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]
     else:
         flops = 4 * micro_batch * heads * s_local * seq_len * hd
         fwd = kind.kernel_launch_s + CAUSAL_SKIP * flops / (
-            kind.peak(adt) * gemm_fraction(kind, s_local, seq_len, hd) * FLASH_EFFICIENCY
+            kind.peak(adt) * gemm_fraction(kind, s_local, seq_len, 1e12) * kind.attention_fraction
         )
         ops += [
             Op("attn.flash", "fwd", flops, 0.0, fwd),
@@ -240,11 +256,18 @@ def layer_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]
         ops += moe_ops(kind, block, runtime)
     else:
         branches = 2 if args.mlp == "swiglu" else 1
-        ops += _gemm_ops(kind, dtype, "fc1", tokens, branches * f / tp, h, recipe=recipe)
+        ops += _gemm_ops(kind, dtype, "fc1", tokens, branches * f / tp, h, recipe=recipe, input_share=share)
         ops += _mem_ops(kind, "act", (branches + 1) * e * tokens * f / tp)
         ops += _gemm_ops(kind, dtype, "fc2", tokens, h, f / tp, recipe=recipe)
     ops += _mem_ops(kind, "residual2", (3 * e + mask) * rep * h)
+    if not runtime.fused_pointwise:
+        ops = [_eager(op) if op.name.split(".")[0] in ("norm1", "norm2", "act") else op for op in ops]
     return ops
+
+
+def _eager(op: Op) -> Op:
+    """An elementwise op as eager PyTorch runs it: several kernels, :data:`EAGER_POINTWISE_TRAFFIC` the bytes."""
+    return replace(op, nbytes=op.nbytes * EAGER_POINTWISE_TRAFFIC, seconds=op.seconds * EAGER_POINTWISE_TRAFFIC)
 
 
 def moe_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]:

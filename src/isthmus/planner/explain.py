@@ -114,12 +114,46 @@ def explain(result: SearchResult, topo: Topology) -> str:
             f"It beats the best layout that differs in more than the data-parallel split "
             f"({second.layout.label()}) by {_pct(best.effective_tokens_per_s, second.effective_tokens_per_s)}."
         )
+    decided = feature_sentence(result, topo)
+    if decided:
+        out.append(decided)
     top_cost = best.bottleneck
     if top_cost != "compute":
         out.append(f"What limits it now is {top_cost} ({_share(best, top_cost)} of the step).")
     else:
         out.append("It is compute-bound: every other cost is under 5% of the step.")
     return " ".join(out)
+
+
+FEATURE_OFF: tuple[tuple[str, object, str], ...] = (
+    ("tp_overlap", "none", "tensor-parallel collectives pipelined under their GEMMs"),
+    ("dp_overlap", False, "gradient reduction overlapped with backward"),
+    ("param_overlap", False, "parameter gathers overlapped with forward"),
+    ("fused_pointwise", False, "fused norms and activations"),
+    ("fused_cross_entropy", False, "a fused cross-entropy"),
+)
+"""Each runtime feature the explanation weighs, the value that turns it off, and its name in words."""
+FEATURE_MATTERS = 0.02
+"""A feature is named as deciding the plan when turning it off slows the chosen layout by this share."""
+
+
+def feature_sentence(result: SearchResult, topo: Topology) -> str:
+    """Which of the assumed software features the chosen layout's speed rests on: each one turned off
+    alone, the same layout estimated again; those that cost at least :data:`FEATURE_MATTERS` are named
+    with what they are worth (``--runtime.<feature>`` sets them)."""
+    best, runtime = result.best, result.runtime
+    worth = []
+    for feature, off, words in FEATURE_OFF:
+        if getattr(runtime, feature) == off or (feature == "param_overlap" and runtime.gathers_overlap == off):
+            continue
+        slower = estimate(best.work, topo, best.layout, runtime.with_features(**{feature: off})).step_time_s
+        if slower > best.step_time_s * (1 + FEATURE_MATTERS):
+            worth.append(f"{words} ({feature}: {100 * (slower / best.step_time_s - 1):.0f}% of the step)")
+    if best.work.dtype == "fp8":
+        worth.append(f"FP8 GEMMs scaled {runtime.fp8_recipe}")
+    if not worth:
+        return ""
+    return f"It assumes the software does {'; '.join(worth)}."
 
 
 def expert_sentence(result: SearchResult, span: Span | None) -> str:

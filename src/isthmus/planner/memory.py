@@ -39,11 +39,6 @@ test holds these equal): one cache line per rank's counter, then two banks of on
 slot the largest tensor served rounded up to a power of two, 1 MiB to 256 MiB."""
 
 
-FP8_WEIGHT_COPIES = 2
-"""Bytes per parameter of the FP8 copies of the weights an FP8 run keeps (the weight and its
-transpose, one byte each: Hopper's FP8 GEMMs read one layout only)."""
-
-
 def shared_file_bytes(tp: int, largest: float) -> float:
     """Bytes of the shared file a tensor-parallel group of ``tp`` CPU ranks on one host exchanges
     through, which every rank maps and reads whole: ``largest`` is the group's largest collective
@@ -330,9 +325,9 @@ def device_memory(
         per_layer = full
     activations = layers * per_layer * in_flight
     e = act_bytes(dtype)
-    if dtype == "fp8":
-        # The quantised weights the GEMMs read, and their transposes, kept across the step's microbatches.
-        w += FP8_WEIGHT_COPIES * (params - experts * (1 - 1 / max(1, block.ep)))
+    # An FP8 run's weights take no more than the runtime's weight bytes: Megatron's FP8 parameters (the
+    # weight and its transpose, a byte each) stand in for the bf16 copy beside the fp32 master, and
+    # FSDP2's float8 gathers them quantised for the step's GEMMs only.
     # The block being recomputed: with every other block wrapped, only when backward starts at one.
     recomputes_on_top = activation_checkpoint == "full" or (
         activation_checkpoint == "selective" and (runtime.selective == "attention_core" or wraps_last)

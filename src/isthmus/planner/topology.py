@@ -40,6 +40,7 @@ _DEVICE_KEYS = {
     "peak_tflops",
     "gemm_max_fraction",
     "gemm_half_dim",
+    "attention_fraction",
     "memory_bw_fraction",
     "kernel_launch_us",
     "default_dtype",
@@ -47,6 +48,9 @@ _DEVICE_KEYS = {
     "sp_block_us",
     "shard_block_us",
 }
+ATTENTION_FRACTION = 0.56
+"""A device kind's attention_fraction unless its table or base says: 0.7 of the GEMM curve at a
+head_dim of 128 on the A100's curve (FlashAttention-2 on the part it was written for)."""
 _DC_KEYS = {"name", "device", "nodes", "devices_per_node", "intra_node", "fabric", "host_memory"}
 _LINK_KEYS = {"bandwidth_gb_s", "latency_us"}
 TCP_WINDOW_SHARE = 0.5
@@ -78,6 +82,10 @@ class DeviceKind:
     description: str = ""
     default_dtype: str = "bf16"
     """The dtype training uses on this kind unless told otherwise (fp32 on CPUs)."""
+    attention_fraction: float = 0.56  # ATTENTION_FRACTION
+    """Fraction of the GEMM curve a fused attention kernel reaches over its (s, s) score tiles: the
+    kernels are written per architecture (FlashAttention-2 reaches much more of an A100 than of an
+    H100, whose own kernels need FlashAttention-3 or cuDNN)."""
     tp_block_s: float = 0.0
     """Runtime work per block and pass (forward or backward) under tensor parallelism that the ops
     above leave out: DTensor's dispatch, the collectives' copies. ``isthmus profile`` measures it
@@ -97,6 +105,7 @@ class DeviceKind:
                     self.memory_bytes,
                     self.gemm_max_fraction,
                     self.gemm_half_dim,
+                    self.attention_fraction,
                     self.memory_bw_fraction,
                     self.memory_bandwidth,
                     self.kernel_launch_s,
@@ -402,6 +411,7 @@ def _parse_device(name: str, table: Any, known: dict[str, DeviceKind], where_roo
         peak_flops=peaks,
         gemm_max_fraction=pick("gemm_max_fraction", 1.0, "gemm_max_fraction", fraction=True),
         gemm_half_dim=pick("gemm_half_dim", 1.0, "gemm_half_dim"),
+        attention_fraction=_optional_fraction(table, "attention_fraction", where, base),
         memory_bw_fraction=pick("memory_bw_fraction", 1.0, "memory_bw_fraction", fraction=True),
         kernel_launch_s=pick("kernel_launch_us", 1e-6, "kernel_launch_s"),
         description=str(table.get("description", base.description if base else "")),
@@ -410,6 +420,14 @@ def _parse_device(name: str, table: Any, known: dict[str, DeviceKind], where_roo
         sp_block_s=_overhead(table, "sp_block_us", where, base.sp_block_s if base else 0.0, signed=True),
         shard_block_s=_overhead(table, "shard_block_us", where, base.shard_block_s if base else 0.0),
     )
+
+
+def _optional_fraction(table: dict[str, Any], key: str, where: str, base: DeviceKind | None) -> float:
+    """An optional fraction of a device kind (its base's, or the field's default, when absent)."""
+    v = _fraction(table, key, where) if key in table else None
+    if v is not None:
+        return v
+    return float(getattr(base, key)) if base else ATTENTION_FRACTION
 
 
 def _overhead(table: dict[str, Any], key: str, where: str, default: float, signed: bool = False) -> float:

@@ -146,6 +146,11 @@ class Runtime:
     default), rowwise (one per row: torchao), blockwise (1 x 128 and 128 x 128 tiles, DeepSeek-V3's
     recipe), mxfp8 (32-element blocks, Blackwell's MX formats; on Hopper emulated). Each has its own
     GEMM rate and cast traffic (:data:`~isthmus.planner.compute.FP8_RECIPES`)."""
+    fused_pointwise: bool = True
+    """A block's norms and activation run as fused kernels, one pass over their tensors (Transformer
+    Engine, Apex, torch.compile); False: eager PyTorch, whose RMSNorm and SwiGLU run several kernels
+    with fp32 intermediates (:data:`~isthmus.planner.compute.EAGER_POINTWISE_TRAFFIC` times the
+    traffic). ``train.compile true`` fuses them."""
     fused_cross_entropy: bool = False
     """The loss is computed in vocabulary chunks without the fp32 logits and softmax (Megatron's
     cross-entropy fusion, Liger-style kernels): the last stage keeps its logits in the compute dtype
@@ -205,7 +210,7 @@ class Runtime:
         eager one but more than ``pointwise_recompute`` assumes (benchmarks/peak_memory.py
         --compile; figures in dev/LOG.md), so eager's storage is kept: a plan that fits eager blocks
         fits compiled ones."""
-        return replace(self, name=self.name + COMPILED) if compiled else self
+        return replace(self, name=self.name + COMPILED, fused_pointwise=True) if compiled else self
 
 
 FEATURES: dict[str, str] = {
@@ -214,6 +219,8 @@ FEATURES: dict[str, str] = {
     "param_overlap": "sharded parameters' all-gathers overlap forward: true or false",
     "fp8_recipe": "scaling of --train.dtype fp8: tensorwise, rowwise, blockwise or mxfp8",
     "attention": "flash (fused, no S x S tensor) or materialized",
+    "selective": "what activation_checkpoint selective recomputes: alternate_blocks or attention_core",
+    "fused_pointwise": "norms and activations as fused kernels (compiled or Transformer Engine): true or false",
     "fused_cross_entropy": "loss without fp32 logits: true or false",
 }
 """The runtime's features a user sets one by one (``--runtime.<feature>`` of ``isthmus plan`` and
@@ -249,7 +256,8 @@ RUNTIMES: dict[str, Runtime] = {
     # in bf16 throughout, fp32 sharded master weights and reductions), SDPA flash attention, torch
     # pipelining, every-other-block selective recomputation; its published memory (Llama 3.1 8B on
     # H100 96GB at 82.4 GiB; Llama 2 13B without recomputation on A100 80GB) bounds the leaner storage.
-    "torchtitan": replace(_ISTHMUS, name="torchtitan", autocast=False),
+    # Its eager blocks run RMSNorm and SwiGLU unfused; `train.compile true` fuses them.
+    "torchtitan": replace(_ISTHMUS, name="torchtitan", autocast=False, fused_pointwise=False),
     # Megatron-LM as in Narayanan et al. 2021: fp16 with fused softmax over a materialised score
     # matrix, dropout 0.1, gradient all-reduce after the last backward, blocking p2p with the
     # scatter/gather optimisation, ZeRO-paper state accounting (2 + 2 + 12 bytes per parameter).
@@ -329,7 +337,7 @@ RUNTIMES: dict[str, Runtime] = {
     # moments sharded over dp when the layout says parallel.zero_stage 1), gradient reduction and
     # parameter gathers overlapped with compute, tensor-parallel collectives pipelined under their
     # GEMMs, a fused cross-entropy, asynchronous pipeline p2p, uneven stages allowed, selective
-    # recomputation of the attention core.
+    # recomputation of the attention core, fused pointwise kernels.
     "current": Runtime(
         "current",
         attention="flash",
@@ -343,6 +351,9 @@ RUNTIMES: dict[str, Runtime] = {
         selective="attention_core",
         tp_overlap="pipelined",
         fused_cross_entropy=True,
+        # Transformer Engine's fused norm-linear and SwiGLU kernels, and torch.compile's partitioner,
+        # keep what the GEMMs and attention read and recompute the pointwise results.
+        pointwise_recompute=True,
     ),
     # Meta's Llama 3 405B pretraining stack as Dubey et al. 2024 (section 3.3.2) describe it: 4D
     # parallelism with FSDP that shards optimizer state and gradients but keeps the bf16 weights
