@@ -2,6 +2,7 @@
 
     python benchmarks/published_runs.py             # the comparison, with median / max error per source
     python benchmarks/published_runs.py --markdown  # the table in docs/planner-checks.md
+    python benchmarks/published_runs.py --markdown --sources megatron-bridge-h100,nemo2024-h100   # some sources
     python benchmarks/published_runs.py --plot docs/img/published_runs.svg   # and the scatter
 
 Each row runs ``isthmus simulate <its args> --runtime <its runtime> --json`` in this process and
@@ -88,22 +89,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--plot", default="", help="also draw predicted against published step time to this file (.svg, .png)"
     )
+    ap.add_argument("--sources", default="", help="only these sources (a comma list of the csv's `source`)")
     ns = ap.parse_args(argv)
+    wanted = {x for x in ns.sources.split(",") if x}
     points: list[tuple[str, float, float]] = []
-    head = ["source", "row", "runtime", "metric", "published", "simulated", "cost model", "error", "mem GB"]
+    head = ["source", "row", "layout", "runtime", "metric", "published", "simulated", "cost model", "error", "mem GB"]
     if ns.markdown:
         print("| " + " | ".join(head) + " |")
         print("|" + "---|" * len(head))
     by_source: dict[str, list[float]] = {}
+    unfitted: list[tuple[bool, float]] = []
     for row in published_runs():
+        if wanted and row.source not in wanted:
+            continue
         res = predict(row)
         sim, cost = figures(row, res)
         err = error(row, sim)
         by_source.setdefault(row.source, []).append(err)
+        unfitted.append(("CALIBRATES" in row.table, err))
         points.append((row.source, res["step_time_s"] * (1 + err), res["step_time_s"]))
         cells = [
             row.source,
-            row.row,
+            row.row + (" (fitted)" if "CALIBRATES" in row.table else ""),
+            f"`{res['label']}`" if ns.markdown else res["label"],
             row.runtime,
             row.metric,
             f"{row.published:g}",
@@ -121,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"all: {len(allerr)} rows, median |error| {100 * statistics.median(allerr):.1f}%, max {100 * max(allerr):.1f}%"
     )
+    checks = [abs(e) for fitted, e in unfitted if not fitted]
+    if len(checks) < len(unfitted) and checks:
+        print(
+            f"not fitted: {len(checks)} rows, median |error| {100 * statistics.median(checks):.1f}%, max {100 * max(checks):.1f}%"
+        )
     for src in by_source:
         rows = [r for r in published_runs() if r.source == src]
         if implied := source_micro_batch(rows):
