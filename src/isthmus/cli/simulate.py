@@ -86,6 +86,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
         return 0
     sys.stdout.write(format_result(result, topo.name) + "\n")
+    sys.stdout.write(f"assumed software: {plan_cli.assumed_features(runtime, dtype)}\n")
     for line in written:
         sys.stdout.write(line + "\n")
     return 0
