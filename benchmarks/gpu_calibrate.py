@@ -14,8 +14,9 @@ Each part prints as it finishes; everything lands in ``<out>/calibration.json``,
 3. memory: an elementwise add's bandwidth (``memory_bw_fraction`` of the datasheet's) and a tiny kernel's
    time (``kernel_launch_us``).
 4. attention: causal SDPA (32 heads of 128) at 2,048 and 8,192 tokens, forward and backward, as
-   ``planner.compute`` prices fused attention: the efficiency against the GEMM curve
-   (``FLASH_EFFICIENCY``, assumed 0.7) and backward over forward (``FLASH_BACKWARD_FACTOR``, 2.5).
+   ``planner.compute`` prices fused attention: the share of the GEMM curve at the (s, s) score tiles it
+   reaches (the kind's ``attention_fraction``: h100-sxm 0.41, a100-80g's default 0.56) and backward over
+   forward (``FLASH_BACKWARD_FACTOR``, 2.5). The longest sequence's share goes into the fitted kind.
 5. collectives: all-reduce bus bandwidth over every GPU (NCCL) when there are two or more; one GPU
    has none to measure and says so.
 6. steps: a llama3-8b-shaped model with 2 blocks (bf16 autocast, AdamW, isthmus.api as the trainer
@@ -200,8 +201,9 @@ def memory(device: torch.device, shapes: Shapes, kind: DeviceKind) -> dict[str, 
 
 
 def attention(device: torch.device, shapes: Shapes, kind: DeviceKind) -> list[dict[str, float]]:
-    """Causal SDPA against ``compute.layer_ops``'s price: CAUSAL_SKIP x 4 b h s^2 d FLOPs at the GEMM
-    curve's (s, s, d) rate x FLASH_EFFICIENCY forward, FLASH_BACKWARD_FACTOR forwards backward."""
+    """Causal SDPA against ``compute.layer_ops``'s price: a launch plus CAUSAL_SKIP x 4 b h s^2 d FLOPs at
+    the GEMM curve's rate over (s, s) score tiles (no head-dim term) x the kind's ``attention_fraction``
+    forward, FLASH_BACKWARD_FACTOR forwards backward; the fraction each sequence measures is printed."""
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[shapes.dtype]
     rows = []
     for s in shapes.attention_seqs:
@@ -221,18 +223,19 @@ def attention(device: torch.device, shapes: Shapes, kind: DeviceKind) -> list[di
             t_fwd = timed(fwd, device, shapes.reps, inner=3)
         t_both = timed(fwd_bwd, device, shapes.reps, inner=3)
         flops = 4 * shapes.heads * s * s * shapes.head_dim
-        curve = kind.peak(shapes.dtype) * gemm_fraction(kind, s, s, shapes.head_dim)
+        curve = kind.peak(shapes.dtype) * gemm_fraction(kind, s, s, 1e12)  # as layer_ops: no head-dim term
+        kernel = t_fwd - kind.kernel_launch_s if t_fwd > 2 * kind.kernel_launch_s else t_fwd
         row = {
             "seq": s,
             "fwd_ms": t_fwd * 1e3,
             "bwd_ms": (t_both - t_fwd) * 1e3,
-            "flash_efficiency": CAUSAL_SKIP * flops / (t_fwd * curve),
+            "attention_fraction": CAUSAL_SKIP * flops / (kernel * curve),
             "flash_backward_factor": (t_both - t_fwd) / t_fwd,
         }
         rows.append(row)
         print(
-            f"  seq {s}: forward {row['fwd_ms']:.2f} ms, backward {row['bwd_ms']:.2f} ms; efficiency against the"
-            f" GEMM curve {row['flash_efficiency']:.2f} (assumed 0.7), backward / forward"
+            f"  seq {s}: forward {row['fwd_ms']:.2f} ms, backward {row['bwd_ms']:.2f} ms; attention_fraction"
+            f" {row['attention_fraction']:.2f} (the kind's {kind.attention_fraction:.2f}), backward / forward"
             f" {row['flash_backward_factor']:.2f} (assumed 2.5)"
         )
     return rows
@@ -353,7 +356,10 @@ def steps(device: torch.device, shapes: Shapes, kinds: dict[str, DeviceKind]) ->
     return {"rows": rows, "solved_gemm_max_fraction": solved}
 
 
-def device_toml(base: str, name: str, fit: dict[str, Any], mem: dict[str, float], solved: float, gpu: str) -> str:
+def device_toml(
+    base: str, name: str, fit: dict[str, Any], mem: dict[str, float], solved: float, gpu: str, attention: float | None
+) -> str:
+    share = [] if attention is None else [f"attention_fraction = {min(attention, 1.0):.3f}"]
     return "\n".join(
         [
             f"[devices.{name}]",
@@ -363,6 +369,7 @@ def device_toml(base: str, name: str, fit: dict[str, Any], mem: dict[str, float]
             f"gemm_half_dim = {fit['gemm_half_dim']:g}",
             f"memory_bw_fraction = {min(mem['memory_bw_fraction'], 1.0):.3f}",
             f"kernel_launch_us = {mem['kernel_launch_us']:.1f}",
+            *share,
             "",
         ]
     )
@@ -416,7 +423,11 @@ def main(argv: list[str] | None = None) -> int:
             memory_bw_fraction=min(report["memory"]["memory_bw_fraction"], 1.0),
             kernel_launch_s=report["memory"]["kernel_launch_us"] / 1e6,
         )
-    part("4. attention", "attention", lambda: attention(device, shapes, fit))
+    attention_fraction = None
+    rows = part("4. attention", "attention", lambda: attention(device, shapes, fit))
+    if "attention" not in failed:
+        attention_fraction = min(rows[-1]["attention_fraction"], 1.0)  # the longest sequence's
+        fit = replace(fit, attention_fraction=attention_fraction)
     part("5. collectives", "collectives", lambda: collectives(device, shapes))
     title = f"6. steps ({shapes.flavor} shape, {shapes.layers} blocks, one device)"
     part(title, "steps", lambda: steps(device, shapes, {"shipped": kind, "fit": fit}))
@@ -425,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     if not {"gemm", "memory", "steps"} & set(failed):
         name = f"{base}-measured"
         solved = report["steps"]["solved_gemm_max_fraction"]
-        (out / "device.toml").write_text(device_toml(base, name, report["gemm"], report["memory"], solved, gpu))
+        toml = device_toml(base, name, report["gemm"], report["memory"], solved, gpu, attention_fraction)
+        (out / "device.toml").write_text(toml)
         written.append(out / "device.toml")
     print(f"wrote {' and '.join(map(str, written))}")
     checks = report["correctness"]

@@ -36,13 +36,14 @@ def test_quick_run_on_cpu_writes_a_kind_the_planner_reads(tmp_path: Path) -> Non
     assert 0 < report["gemm"]["gemm_max_fraction"] <= 1 and report["gemm"]["samples"]
     assert report["memory"]["bandwidth_gb_s"] > 0 and report["memory"]["kernel_launch_us"] > 0
     assert all(r["fwd_ms"] > 0 and r["flash_backward_factor"] > 0 for r in report["attention"])
+    assert all(r["attention_fraction"] > 0 for r in report["attention"])
     assert report["collectives"]["backend"] == "gloo" and report["collectives"]["world"] == 2
     first = report["steps"]["rows"][0]
     # The whole-program fraction is solved on the first layout: its prediction is its measurement.
     assert first["predicted_s"]["solved"] == pytest.approx(first["measured_s"], rel=0.01)
     table = tomllib.loads((tmp_path / "device.toml").read_text())
     kind = table["devices"]["cpu-measured"]
-    assert kind["base"] == "cpu"
+    assert kind["base"] == "cpu" and 0 < kind["attention_fraction"] <= 1
     link = {"bandwidth_gb_s": 1, "latency_us": 10}
     topo = parse_topology(
         {
