@@ -247,6 +247,34 @@ _ISTHMUS = Runtime(
     pp_recv_buffers=True,
 )
 
+_MEGATRON_2021 = Runtime(
+    "megatron-2021",
+    attention="materialized",
+    dropout=True,
+    dp_overlap=False,
+    p2p_async=False,
+    scatter_gather=True,
+    weight_bytes=2,
+    grad_bytes=2,
+    optimizer_bytes=12,
+    selective=None,  # both came with Korthikanti et al. 2022 (megatron-2022)
+    sequence_parallel=False,
+    megatron_stages=True,
+)
+
+_MEGATRON_CORE = Runtime(
+    "megatron-core",
+    attention="flash",
+    dropout=False,
+    dp_overlap=True,
+    p2p_async=True,
+    scatter_gather=False,
+    weight_bytes=2,
+    grad_bytes=4,
+    optimizer_bytes=12,
+    selective="attention_core",
+)
+
 DEFAULT_GPU_RUNTIME = "current"
 """The preset ``isthmus plan`` and ``simulate`` assume on GPU topologies; CPU topologies take ``isthmus``."""
 
@@ -261,35 +289,10 @@ RUNTIMES: dict[str, Runtime] = {
     # Megatron-LM as in Narayanan et al. 2021: fp16 with fused softmax over a materialised score
     # matrix, dropout 0.1, gradient all-reduce after the last backward, blocking p2p with the
     # scatter/gather optimisation, ZeRO-paper state accounting (2 + 2 + 12 bytes per parameter).
-    "megatron-2021": Runtime(
-        "megatron-2021",
-        attention="materialized",
-        dropout=True,
-        dp_overlap=False,
-        p2p_async=False,
-        scatter_gather=True,
-        weight_bytes=2,
-        grad_bytes=2,
-        optimizer_bytes=12,
-        selective=None,  # both came with Korthikanti et al. 2022 (megatron-2022)
-        sequence_parallel=False,
-        megatron_stages=True,
-    ),
+    "megatron-2021": _MEGATRON_2021,
     # Megatron-LM from 2022 (Korthikanti et al. 2022): as 2021, plus sequence parallelism and
     # selective recomputation of the attention core. The data-parallel all-reduce still follows the flush.
-    "megatron-2022": Runtime(
-        "megatron-2022",
-        attention="materialized",
-        dropout=True,
-        dp_overlap=False,
-        p2p_async=False,
-        scatter_gather=True,
-        weight_bytes=2,
-        grad_bytes=2,
-        optimizer_bytes=12,
-        selective="attention_core",
-        megatron_stages=True,
-    ),
+    "megatron-2022": replace(_MEGATRON_2021, name="megatron-2022", selective="attention_core", sequence_parallel=True),
     # Megatron-DeepSpeed as MT-NLG 530B (Smith et al. 2022) and BLOOM 176B (BigScience 2022) ran it:
     # Megatron's tensor parallelism inside DeepSpeed's pipeline engine (deepspeed/runtime/pipe/), which
     # runs 1F1B without interleaving (TrainSchedule); partitions each stage's output over the
@@ -319,18 +322,7 @@ RUNTIMES: dict[str, Runtime] = {
     # --overlap-param-gather; sequence parallelism; interleaved pipelines whose p2p overlaps compute,
     # at any pp (2 included) and with uneven first and last stages (--decoder-first/last-pipeline-num-
     # layers), so not Megatron-LM 2021's stage rules; selective recomputation of the attention core.
-    "megatron-core": Runtime(
-        "megatron-core",
-        attention="flash",
-        dropout=False,
-        dp_overlap=True,
-        p2p_async=True,
-        scatter_gather=False,
-        weight_bytes=2,
-        grad_bytes=4,
-        optimizer_bytes=12,
-        selective="attention_core",
-    ),
+    "megatron-core": _MEGATRON_CORE,
     # Today's stacks, the default for GPU clusters: Megatron-Core with Transformer Engine (2025) and
     # torchtitan with torch.compile, Float8 and async TP, as their H100 recipes run: fused attention,
     # no dropout, the distributed optimizer (bf16 weights, fp32 gradients, fp32 master and Adam
@@ -338,17 +330,9 @@ RUNTIMES: dict[str, Runtime] = {
     # parameter gathers overlapped with compute, tensor-parallel collectives pipelined under their
     # GEMMs, a fused cross-entropy, asynchronous pipeline p2p, uneven stages allowed, selective
     # recomputation of the attention core, fused pointwise kernels.
-    "current": Runtime(
-        "current",
-        attention="flash",
-        dropout=False,
-        dp_overlap=True,
-        p2p_async=True,
-        scatter_gather=False,
-        weight_bytes=2,
-        grad_bytes=4,
-        optimizer_bytes=12,
-        selective="attention_core",
+    "current": replace(
+        _MEGATRON_CORE,
+        name="current",
         tp_overlap="pipelined",
         fused_cross_entropy=True,
         # Transformer Engine's fused norm-linear and SwiGLU kernels, and torch.compile's partitioner,
@@ -360,16 +344,9 @@ RUNTIMES: dict[str, Runtime] = {
     # gathered from forward to backward (no reshard after forward); gradients accumulated in fp32
     # over microbatches; asynchronous pipeline p2p; an interleaved schedule; no activation
     # checkpointing at 8K sequences (so no selective variant is claimed); fused attention.
-    "llama3": Runtime(
-        "llama3",
-        attention="flash",
-        dropout=False,
-        dp_overlap=True,
-        p2p_async=True,
-        scatter_gather=False,
-        weight_bytes=2,
-        grad_bytes=4,
-        optimizer_bytes=12,
+    "llama3": replace(
+        _MEGATRON_CORE,
+        name="llama3",
         selective=None,
         # The paper trained 8K sequences at tp 8, pp 16 on 80 GB without activation checkpointing,
         # which eager storage cannot hold (96.8 GB on the first rank at 1F1B); storing only what
