@@ -40,7 +40,7 @@ BOUND = {
     "bigscience2022-bloom": 0.10,  # on its own cluster (jean-zay-a100); 13.4% on selene-a100's fabric
     "dubey2024-llama3": 0.10,
     # MoE rows (docs/moe-planning.md): issue 33's target is 15%; the 8x22B row runs Megatron-Core's
-    # reference mapping, not the paper's folded layout, and lands near its edge (-14.4%).
+    # reference mapping, not the paper's folded layout (-8.2%); Mixtral 8x7B and Qwen2 come out +13.7%.
     "megatron-core-moe": 0.15,
     "liu2025-folding": 0.15,
     # H100 and H200 runs of today's stacks, on the `current` runtime's default features (what a row
