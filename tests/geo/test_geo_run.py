@@ -134,3 +134,76 @@ def test_geo_grids_are_datacenter_major() -> None:
     assert geo_grids(2, 2, 2, 1, 1, 1) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
     # FSDP over 2 shards: the shards are separate parts, the replicas dp_replicate alone.
     assert geo_grids(2, 1, 1, 2, 1, 1) == [[[0], [2]], [[1], [3]]]
+
+
+def _diloco_run(monkeypatch: pytest.MonkeyPatch) -> tuple[GeoRun, list[tuple[int, ...]]]:
+    """A DiLoCo run over 2 datacenters of 2 ranks, and the shape of each all-reduce its step sums
+    started (no process group: they are recorded only)."""
+    import isthmus.train.step_sum as step_sum
+
+    shapes: list[tuple[int, ...]] = []
+    monkeypatch.setattr(step_sum.dist, "all_reduce", lambda t, async_op=False: shapes.append(tuple(t.shape)))
+    run = GeoRun(GeoConfig(datacenters=2, sync="diloco", inner_steps=3))
+    run._round = step_sum.RoundSum(4)
+    run.sync = SimpleNamespace(bytes_sent={**new_counter(), "wan": 0})  # type: ignore[assignment]
+    return run, shapes
+
+
+def test_diloco_inner_steps_start_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    run, shapes = _diloco_run(monkeypatch)
+    sums = []
+    for step in range(1, 8):
+        run.sync.bytes_sent["wan"] += 10 * step  # type: ignore[union-attr]
+        sums.append(run.step_sum(None, step, last=step == 7, world=4))
+        # One all-reduce per outer round (steps 3 and 6) and one for the run's last step, each
+        # carrying its steps' rows: [loss, has a loss, 3 byte tiers].
+        assert len(shapes) == (step >= 3) + (step >= 6) + (step >= 7)
+    assert shapes == [(3, 5), (3, 5), (1, 5)] and all(s.eventually for s in sums)
+    assert [s.counters[-1] for s in sums] == [10 * step for step in range(1, 8)]  # per step, as before
+
+
+def test_a_diloco_round_is_summed_early_when_the_trainer_needs_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    run, shapes = _diloco_run(monkeypatch)
+    first = run.step_sum(None, 1, last=False, world=4)
+    first.wait()  # validation or a checkpoint after step 1: every rank starts the round's sum there
+    run.step_sum(None, 2, last=False, world=4)
+    run.step_sum(None, 3, last=False, world=4)
+    assert shapes == [(1, 5), (2, 5)]
+
+
+def test_without_diloco_every_step_is_summed_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    run, shapes = _diloco_run(monkeypatch)
+    run._round = None
+    sums = [run.step_sum(None, step, last=False, world=4) for step in (1, 2, 3)]
+    assert shapes == [(5,), (5,), (5,)] and not any(s.eventually for s in sums)
+
+
+def _inner_steps_without_the_other_datacenter(flag_dir: str) -> list[float]:
+    """Two datacenters of one rank each: rank 0 takes two inner steps before rank 1 starts its
+    first; were an inner step's sum to cross the WAN, rank 0 would wait forever."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from isthmus.layout.dims import ParallelDims
+
+    rank, flag = dist.get_rank(), Path(flag_dir) / "rank0-inner-done"
+    run = GeoRun(GeoConfig(datacenters=2, sync="diloco", inner_steps=3, outer_dtype="fp32"))
+    params = [torch.nn.Parameter(torch.ones(4))]
+    run.build_sync(params, ParallelDims(1, 1, 1, 1, 1, world_size=2, datacenters=2), 2)
+    if rank == 1:
+        while not flag.exists():
+            time.sleep(0.01)
+    sums = [run.step_sum(torch.tensor(float(rank + step)), step, False, 2) for step in (1, 2)]
+    flag.touch()
+    sums.append(run.step_sum(torch.tensor(float(rank + 3)), 3, False, 2))  # the outer round's end
+    return [s.loss for s in sums]
+
+
+@pytest.mark.slow
+def test_diloco_inner_steps_never_wait_for_the_other_datacenter(tmp_path: Path) -> None:
+    from multirank import run_ranks
+
+    for losses in run_ranks(_inner_steps_without_the_other_datacenter, 2, str(tmp_path), timeout=120):
+        assert losses == [1.5, 2.5, 3.5]  # each step's mean over both datacenters, as without DiLoCo

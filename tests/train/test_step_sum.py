@@ -46,3 +46,37 @@ def test_a_step_sum_does_not_wait_for_the_other_ranks_to_start_it(tmp_path: Path
 def test_one_rank_sums_at_once() -> None:
     one = StepSum(torch.tensor(1.25), [7], world=1)
     assert one.wait() is one and one.loss == 1.25 and one.counters == [7]
+
+
+class _Pending:
+    """A sum that is in once ``arrived`` is set."""
+
+    def __init__(self, eventually: bool, arrived: bool = False) -> None:
+        self.eventually, self.arrived = eventually, arrived
+
+    def done(self) -> bool:
+        return self.arrived
+
+
+def test_the_trainer_logs_a_job_wide_diloco_sum_once_it_is_in_and_in_step_order() -> None:
+    from collections import deque
+    from types import SimpleNamespace
+
+    from isthmus.train.trainer import Trainer
+
+    closed: list[int] = []
+    trainer = SimpleNamespace(
+        cfg=SimpleNamespace(geo=SimpleNamespace(inner_steps=3)),
+        _close_step=lambda done, result, metrics: closed.append(done.step),
+    )
+    job = _Pending(eventually=True)
+    steps = deque(SimpleNamespace(step=s, sum=p) for s, p in ((3, job), (4, _Pending(False)), (5, _Pending(False))))
+    Trainer._close_due(trainer, steps, None, None)  # type: ignore[arg-type]
+    assert closed == []  # the job-wide sum is on its way; the inner steps after it wait their turn
+    job.arrived = True
+    Trainer._close_due(trainer, steps, None, None)  # type: ignore[arg-type]
+    assert closed == [3, 4, 5] and not steps
+    late = _Pending(eventually=True)
+    steps.extend(SimpleNamespace(step=s, sum=late if s == 6 else _Pending(False)) for s in range(6, 10))
+    Trainer._close_due(trainer, steps, None, None)  # type: ignore[arg-type]
+    assert closed[3:] == [6, 7, 8, 9]  # an outer round later it is waited for

@@ -19,7 +19,8 @@ forward, backward, input-gradient or weight-gradient pass of one microbatch thro
 ZeRO/FSDP overlap the op that needs them; a gradient bucket (one per block, plus the embedding and
 the head) starts its reduction when the last microbatch's backward has produced it, queued behind
 the device's earlier buckets; the optimizer runs when all buckets are reduced; steps are separated
-by a barrier (the loss and gradient-norm all-reduces make one).
+by a barrier (the gradient-norm all-reduce makes one), free: the loss sum runs behind the next
+step, and under DiLoCo once per outer round (docs/cost-model.md).
 """
 
 from __future__ import annotations

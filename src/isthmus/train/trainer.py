@@ -11,6 +11,7 @@ import math
 import os
 import threading
 import time
+from collections import deque
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
@@ -44,7 +45,7 @@ from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
 from isthmus.train.short_run import max_steps_override
 from isthmus.train.step import forward_backward, loss_context, loss_function, shard_batch
-from isthmus.train.step_sum import StepSum
+from isthmus.train.step_sum import RoundStep, StepSum
 from isthmus.weights.final_model import gather_full_state, save_final_model
 from isthmus.weights.init_from import load_weights, open_weights
 
@@ -92,7 +93,7 @@ class _OpenStep:
     step: int
     lr: float
     seconds: float
-    sum: StepSum
+    sum: StepSum | RoundStep
     grad_norm: float
     extra: dict[str, Any]
 
@@ -325,7 +326,7 @@ class Trainer:
         return StepSum(local, (), self.world).loss
 
     # --- one optimizer step -------------------------------------------------------------
-    def train_step(self) -> tuple[StepSum, float]:
+    def train_step(self) -> tuple[StepSum | RoundStep, float]:
         """Batch, forward/backward, reduce, clip, optimizer step. Returns the step's loss on its way
         to the mean over ranks (with the step's byte counters; `StepSum`) and the gradient norm."""
         t = self.cfg.train
@@ -343,7 +344,12 @@ class Trainer:
         self.step += 1
         self.hooks.after_optimizer_step(self.step, self.pm.parameters())
         local = torch.stack(losses).mean() if losses else None
-        return StepSum(local, self.geo_run.step_counters(), self.world), grad_norm
+        step_sum = self.geo_run.step_sum(local, self.step, self.step == t.steps, self.world)
+        if step_sum.eventually:
+            # DiLoCo: the job's loss arrives up to an outer round later; check this rank's now (a NaN
+            # loss in the datacenter makes its gradients, and so each of its ranks' norm, NaN too).
+            self._check_finite(float(local) if local is not None else 0.0, grad_norm, t.lr, self.step)
+        return step_sum, grad_norm
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         """Forward and backward over grad_accum micro-batches, gradients accumulated; returns the
@@ -412,17 +418,17 @@ class Trainer:
         result = TrainResult(run_dir=self.run_dir, n_params=self.n_params, world_size=self.world)
         step_times: list[float] = []
         start = time.perf_counter()
-        # The step whose loss is still being summed over ranks: closed (logged) after the next step
-        # has computed, so that the sum crosses the network behind it (see train/step_sum.py).
-        open_step: _OpenStep | None = None
+        # The steps whose losses are still being summed over ranks, oldest first: each closed
+        # (logged) after the next step has computed, so that the sum crosses the network behind it,
+        # or under DiLoCo, the job-wide sum once it is in (see train/step_sum.py and `_close_due`).
+        open_steps: deque[_OpenStep] = deque()
         try:
             while self.step < t.steps:
                 step_start = time.perf_counter()
                 lr = float(self.scheduler.get_last_lr()[0])
                 self.hooks.begin_step(self.step + 1)
                 step_sum, grad_norm = self.train_step()
-                if open_step is not None:
-                    self._close_step(open_step, result, metrics)
+                self._close_due(open_steps, result, metrics)
                 step_times.append(time.perf_counter() - step_start)
                 self.progress.advance(self.step)
                 if len(step_times) == 1:
@@ -430,13 +436,13 @@ class Trainer:
                 # The outer round's quorum and the busy fractions (a collective of their own) are
                 # the step's own: taken at its end, not when its sums arrive.
                 extra = self.hooks.end_step(self.step)
-                open_step = _OpenStep(self.step, lr, step_times[-1], step_sum, grad_norm, extra)
+                open_steps.append(_OpenStep(self.step, lr, step_times[-1], step_sum, grad_norm, extra))
                 validate = bool(t.val_every and self.step % t.val_every == 0) or self.step == t.steps
                 save = self.checkpointer.due(self.step, last=self.step == t.steps)
                 if validate or save:
                     # Both see the state after this step, and a checkpoint only a finite one.
-                    self._close_step(open_step, result, metrics)
-                    open_step = None
+                    while open_steps:
+                        self._close_step(open_steps.popleft(), result, metrics)
                 if validate:
                     val = self.validate()
                     result.val_losses.append((self.step, val))
@@ -445,8 +451,8 @@ class Trainer:
                 self.checkpointer.poll()
                 if save:
                     self.checkpointer.save(self.step, self.train_state)
-            if open_step is not None:
-                self._close_step(open_step, result, metrics)
+            while open_steps:
+                self._close_step(open_steps.popleft(), result, metrics)
         except BaseException:
             self.checkpointer.abandon()
             raise
@@ -467,6 +473,17 @@ class Trainer:
         result.peak_source = describe_peak(self.device, t.dtype)
         self._save_final_model()
         return result
+
+    def _close_due(self, open_steps: deque[_OpenStep], result: TrainResult, metrics: MetricsLogger | None) -> None:
+        """Close the open steps, oldest first, that are due now that a later step has computed:
+        each one, waiting for its sum, except a job-wide sum under DiLoCo (`StepSum.eventually`)
+        not in yet, which (with the steps after it, logged in order) stays open for up to
+        ``geo.inner_steps`` steps: no inner step waits on the WAN."""
+        while open_steps:
+            oldest = open_steps[0].sum
+            if oldest.eventually and not oldest.done() and len(open_steps) <= self.cfg.geo.inner_steps:
+                return
+            self._close_step(open_steps.popleft(), result, metrics)
 
     def _close_step(self, done: _OpenStep, result: TrainResult, metrics: MetricsLogger | None) -> None:
         """Collect a step's loss and byte counts summed over ranks; check and log them."""
