@@ -101,7 +101,9 @@ class Strategy:
         if self.kind == "compressed":
             return f"compressed ({s.get('wan_dtype', d.wan_dtype)})"
         extra = "".join(
-            f", {k}={s[k]}" for k in ("outer_lr", "outer_momentum", "mix_alpha", "eager", "block_size") if k in s
+            f", {k}={s[k]}"
+            for k in ("outer_lr", "outer_momentum", "mix_alpha", "eager", "block_size", "outer_density")
+            if k in s
         )
         if self.kind == "diloco":
             return f"diloco (H={s['inner_steps']}, {s.get('outer_dtype', 'fp32')}{extra})"

@@ -249,6 +249,9 @@ class BubblesConfig:
 
 
 WireDtype = Literal["fp32", "bf16", "int8", "int4"]
+OuterWire = Literal["fp32", "bf16", "int8", "int4", "topk2"]
+"""What the outer gradients of diloco and streaming_diloco go on the WAN as (topk2: isthmus.geo.sparse)."""
+OuterDtype = Literal["auto", "fp32", "bf16", "int8", "int4", "topk2"]
 
 
 WAN_STREAMS_MAX = 16
@@ -289,8 +292,10 @@ class GeoConfig:
     """streaming_diloco: fragment <- alpha * local + (1 - alpha) * global when applied (0 = replace by global)."""
     eager: bool = False
     """diloco / streaming_diloco: eager outer updates (Kale et al. 2025): a fragment's outer step is taken as it syncs, from this datacenter's fresh outer gradient and the other datacenters' of the previous sync, whose transfer had the H steps since to cross the WAN (overlap_steps unused)."""
-    outer_dtype: Literal["auto", "fp32", "bf16", "int8", "int4"] = "auto"
-    """diloco / streaming_diloco: outer-gradient dtype on the WAN; auto = fp32 for diloco, int4 for streaming."""
+    outer_dtype: OuterDtype = "auto"
+    """diloco / streaming_diloco: outer-gradient dtype on the WAN; auto = fp32 for diloco, int4 for streaming; topk2 = SparseLoCo's top-k of each block_size chunk at 2 bits (outer_density)."""
+    outer_density: float = 0.02
+    """outer_dtype topk2: fraction of each chunk's entries sent, largest magnitudes first (round(outer_density * block_size) a chunk, at least 1); the rest stay in the error feedback."""
     wan_streams: int = 1
     """Parallel connections per cross-datacenter transfer (pipeline sends and receives across datacenters, geo.sync's inter-datacenter collectives): each transfer is split into this many stripes, one per connection, reassembled exactly. One TCP flow carries at most its window / RTT."""
     fault_tolerant: bool = False
@@ -738,6 +743,11 @@ def validate_geo(cfg: GeoConfig) -> None:
         raise ConfigError("geo.eager", cfg.eager, f"needs geo.sync diloco or streaming_diloco, not {cfg.sync}")
     if cfg.eager and cfg.fault_tolerant:
         raise ConfigError("geo.eager", cfg.eager, "does not combine with geo.fault_tolerant (its rounds are blocking)")
+    if cfg.outer_dtype == "topk2":
+        if not 0 < cfg.outer_density <= 1:
+            raise ConfigError("geo.outer_density", cfg.outer_density, "must be in (0, 1]")
+        if cfg.block_size > 65536:
+            raise ConfigError("geo.block_size", cfg.block_size, "must be at most 65536 with outer_dtype topk2")
     if cfg.sync == "streaming_diloco":
         if not 1 <= cfg.fragments <= cfg.inner_steps:
             raise ConfigError(
@@ -751,7 +761,7 @@ def validate_geo(cfg: GeoConfig) -> None:
             )
 
 
-def resolved_outer_dtype(cfg: GeoConfig, kind: str | None = None) -> WireDtype:
+def resolved_outer_dtype(cfg: GeoConfig, kind: str | None = None) -> OuterWire:
     """The outer-gradient wire dtype after resolving ``auto`` (fp32 as DiLoCo, int4 as Streaming DiLoCo)."""
     if cfg.outer_dtype != "auto":
         return cfg.outer_dtype

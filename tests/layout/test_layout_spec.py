@@ -121,6 +121,7 @@ NOT_LAYOUT = {
         "mix_alpha",
         "eager",
         "outer_dtype",
+        "outer_density",
         "fault_tolerant",
     },
     "train": set(section_fields(JobConfig())["train"]) - {"grad_accum"},

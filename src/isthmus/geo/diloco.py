@@ -18,6 +18,9 @@ Streaming DiLoCo (Douillard et al. 2025) adds three things, all here:
   while training goes on: the outer step then uses the pseudo-gradient from launch time;
 - outer gradients go on the WAN quantised (``outer_dtype``, int4 by default, with error feedback).
 
+``outer_dtype = "topk2"`` sends SparseLoCo's sparse 2-bit outer gradients instead (isthmus.geo.sparse:
+the largest ``outer_density`` of each chunk, the rest kept in the error feedback), with either kind.
+
 Merge after a delayed sync (our choice, after the paper's mixing): the fragment becomes
 ``alpha * local + (1 - alpha) * global`` where local has moved tau steps since launch. alpha = 0
 replaces it by the global value, so every datacenter holds identical values right then, and the
@@ -51,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from isthmus.config import GeoConfig, resolved_outer_dtype
-from isthmus.geo import compress
+from isthmus.geo import compress, sparse
 from isthmus.geo.buckets import (
     Bucket,
     build_buckets,
@@ -99,7 +102,9 @@ class DiLoCoSync(GeoSync):
             self.overlap_steps = self.inner_steps
         self.wire = resolved_outer_dtype(cfg, self.kind)
         # Nothing crosses a WAN with one datacenter: keep fp32 and skip the quantisation error.
-        self.lossy = compress.is_lossy(self.wire) and groups.n_dc > 1
+        self.lossy = self.wire != "fp32" and groups.n_dc > 1
+        self.topk = sparse.chunk_k(cfg.block_size, cfg.outer_density)
+        """topk2: entries sent per chunk of block_size."""
         k = groups.intra_size
         self.fragments: list[list[Bucket]] = [
             build_buckets([params[i] for i in idx], self.bucket_numel, k, index=idx)
@@ -187,7 +192,7 @@ class DiLoCoSync(GeoSync):
     def _send(self, f: int, t: int, outer_grads: list[Tensor]) -> _Transfer:
         """Start averaging ``outer_grads`` (consumed: fp32 ones are reduced in place) across datacenters."""
         tr = _Transfer(fragment=f, apply_at=t + self.overlap_steps)
-        n_dc, bs = self.groups.n_dc, self.cfg.block_size
+        n_dc = self.groups.n_dc
         own: list[Tensor] = []
         for i, outer_grad in enumerate(outer_grads):
             if not self.lossy:
@@ -197,9 +202,9 @@ class DiLoCoSync(GeoSync):
                 tr.buffers.append(outer_grad)
                 continue
             residual = self.residuals[f][i] if self.residuals is not None else None
-            payload = compress.encode_with_feedback(outer_grad, residual, self.wire, bs)
+            payload = self._encode(outer_grad, residual)
             if self.eager:
-                own.append(compress.decode(payload, self.wire, outer_grad.numel(), bs))
+                own.append(self._decode(payload, outer_grad.numel()))
             gathered = torch.empty(n_dc * payload.numel(), dtype=torch.uint8, device=self.device)
             tr.works.append(self._all_gather(gathered, payload, "inter", async_op=True))
             tr.buffers.append(gathered)
@@ -225,17 +230,33 @@ class DiLoCoSync(GeoSync):
     def _receive(self, tr: _Transfer) -> list[Tensor]:
         """Wait for a transfer and decode the mean outer gradient (once)."""
         if tr.mean is None:
-            n_dc, bs = self.groups.n_dc, self.cfg.block_size
+            n_dc = self.groups.n_dc
             mean = []
             for work, buf, b in zip(tr.works, tr.buffers, self.fragments[tr.fragment], strict=True):
                 work.wait()
                 shard_numel = b.padded // self.groups.intra_size
                 if self.lossy:
-                    mean.append(compress.mean_of_payloads(buf, n_dc, self.wire, shard_numel, bs))
+                    mean.append(self._mean_of_payloads(buf, n_dc, shard_numel))
                 else:
                     mean.append(buf.div_(n_dc))
             tr.mean, tr.works, tr.buffers, tr.payloads = mean, [], [], []
         return tr.mean
+
+    def _encode(self, x: Tensor, residual: Tensor | None) -> Tensor:
+        """The wire form of ``x`` (plus ``residual``, which keeps the new error) in outer_dtype."""
+        if self.wire == "topk2":
+            return sparse.encode_with_feedback(x, residual, self.cfg.block_size, self.topk)
+        return compress.encode_with_feedback(x, residual, self.wire, self.cfg.block_size)
+
+    def _decode(self, payload: Tensor, numel: int) -> Tensor:
+        if self.wire == "topk2":
+            return sparse.decode(payload, numel, self.cfg.block_size, self.topk)
+        return compress.decode(payload, self.wire, numel, self.cfg.block_size)
+
+    def _mean_of_payloads(self, gathered: Tensor, n: int, numel: int) -> Tensor:
+        if self.wire == "topk2":
+            return sparse.mean_of_payloads(gathered, n, numel, self.cfg.block_size, self.topk)
+        return compress.mean_of_payloads(gathered, n, self.wire, numel, self.cfg.block_size)
 
     def _apply(self, tr: _Transfer, params: list[nn.Parameter]) -> None:
         """Outer Nesterov step on the fragment's snapshot, then merge it into the parameters."""
