@@ -77,6 +77,9 @@ def test_the_trainer_logs_a_job_wide_diloco_sum_once_it_is_in_and_in_step_order(
     Trainer._close_due(trainer, steps, None, None)  # type: ignore[arg-type]
     assert closed == [3, 4, 5] and not steps
     late = _Pending(eventually=True)
-    steps.extend(SimpleNamespace(step=s, sum=late if s == 6 else _Pending(False)) for s in range(6, 10))
+    steps.extend(SimpleNamespace(step=s, sum=late if s == 6 else _Pending(False)) for s in range(6, 12))
     Trainer._close_due(trainer, steps, None, None)  # type: ignore[arg-type]
-    assert closed[3:] == [6, 7, 8, 9]  # an outer round later it is waited for
+    assert closed[3:] == []  # in flight for the next round's steps too
+    steps.append(SimpleNamespace(step=12, sum=_Pending(False)))
+    Trainer._close_due(trainer, steps, None, None)  # type: ignore[arg-type]
+    assert closed[3:] == [6, 7, 8, 9, 10, 11, 12]  # two outer rounds later it is waited for

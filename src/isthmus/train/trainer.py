@@ -477,11 +477,12 @@ class Trainer:
     def _close_due(self, open_steps: deque[_OpenStep], result: TrainResult, metrics: MetricsLogger | None) -> None:
         """Close the open steps, oldest first, that are due now that a later step has computed:
         each one, waiting for its sum, except a job-wide sum under DiLoCo (`StepSum.eventually`)
-        not in yet, which (with the steps after it, logged in order) stays open for up to
-        ``geo.inner_steps`` steps: no inner step waits on the WAN."""
+        not in yet, which (with the steps after it, logged in order) stays open until the next
+        outer round has ended too (the oldest round's steps and the next round's, at most
+        2 x ``geo.inner_steps`` open): no inner step waits on the WAN."""
         while open_steps:
             oldest = open_steps[0].sum
-            if oldest.eventually and not oldest.done() and len(open_steps) <= self.cfg.geo.inner_steps:
+            if oldest.eventually and not oldest.done() and len(open_steps) <= 2 * self.cfg.geo.inner_steps:
                 return
             self._close_step(open_steps.popleft(), result, metrics)
 
