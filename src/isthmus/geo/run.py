@@ -38,7 +38,6 @@ from isthmus.log import get_logger
 from isthmus.parallel.pipeline import count_cross_dc_sends, crosses_datacenters, local_stages
 from isthmus.parallel.striped import stripe_groups, stripe_stage
 from isthmus.parallel.timeshare import TimeShare, time_share_schedule, turn_groups
-from isthmus.train.step_sum import RoundStep, RoundSum, StepSum
 
 
 def build_geo_run(cfg: GeoConfig) -> GeoRun:
@@ -66,9 +65,9 @@ class GeoRun:
         self._pipeline_sent_before: dict[str, int] = {}
         self.time_share: TimeShare | None = None
         """``geo.wan_schedule = time_shared``: this rank's turns on the WAN, once `wire_pipeline` made them."""
-        self._round: RoundSum | None = None
-        """Under DiLoCo over several datacenters: the outer round whose steps' sums are being
-        gathered (`step_sum`)."""
+        self.sums_per_round = False
+        """Whether the trainer sums the steps' losses and counters over ranks once per outer round
+        (DiLoCo across datacenters: no inner step waits on the WAN) rather than every step."""
         self.bytes_by_tier: dict[str, int] = {}
         """What the whole run sent by link tier, summed over ranks once `finish` ran (empty without
         cross-datacenter traffic)."""
@@ -126,7 +125,7 @@ class GeoRun:
         )
         self.sync = build_geo_sync(self.cfg.sync, groups, params, self.cfg)
         if self.cfg.sync in DILOCO_SYNCS and dims.datacenters > 1:
-            self._round = RoundSum(world)
+            self.sums_per_round = True
         return self.sync
 
     def wire_pipeline(self, schedule: Any, pp: int, mesh: Meshes | None) -> None:
@@ -176,24 +175,6 @@ class GeoRun:
         """Meet the other datacenters before the first step; returns the step to train from
         (0: from where this process stands)."""
         return 0
-
-    def step_sum(self, local_loss: torch.Tensor | None, step: int, last: bool, world: int) -> StepSum | RoundStep:
-        """Step number ``step``'s loss and byte counters (this rank's) on their way to the sum
-        over every rank.
-
-        Each step's sum is an all-reduce of its own, except under DiLoCo across datacenters, whose
-        inner steps must not wait on the WAN: the steps of an outer round share one all-reduce,
-        started at the round's last step (every ``geo.inner_steps``-th, and the run's last), which
-        the trainer collects whenever it is in.
-        """
-        if self._round is None:
-            return StepSum(local_loss, self.step_counters(), world)
-        if self._round.started:  # the trainer needed the figures before the round ended
-            self._round = RoundSum(world)
-        out = self._round.add(local_loss, self.step_counters())
-        if step % self.cfg.inner_steps == 0 or last:
-            self._round.start()
-        return out
 
     def step_counters(self) -> list[int]:
         """This rank's bytes sent since the previous call, for the trainer to sum over ranks in the

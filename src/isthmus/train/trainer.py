@@ -45,7 +45,7 @@ from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
 from isthmus.train.short_run import max_steps_override
 from isthmus.train.step import forward_backward, loss_context, loss_function, shard_batch
-from isthmus.train.step_sum import RoundStep, StepSum
+from isthmus.train.step_sum import RoundStep, RoundSum, StepSum
 from isthmus.weights.final_model import gather_full_state, save_final_model
 from isthmus.weights.init_from import load_weights, open_weights
 
@@ -129,6 +129,8 @@ class Trainer:
         # The whole run, or (geo.fault_tolerant) one datacenter's job of it: the layout checked
         # below is still the whole run's.
         self.geo_run = build_geo_run(cfg.geo)
+        self._round: RoundSum | None = None
+        """Under DiLoCo across datacenters: the outer round whose steps' sums are being gathered."""
         self.run_dir = self.geo_run.run_dir(Path(t.run_dir))
         self.data = self._prepare_data()
         self.model_args = a = resolve_model_args(cfg.model, self.data.tokenizer.vocab_size)
@@ -344,12 +346,28 @@ class Trainer:
         self.step += 1
         self.hooks.after_optimizer_step(self.step, self.pm.parameters())
         local = torch.stack(losses).mean() if losses else None
-        step_sum = self.geo_run.step_sum(local, self.step, self.step == t.steps, self.world)
+        step_sum = self._step_sum(local, self.step == t.steps)
         if step_sum.eventually:
             # DiLoCo: the job's loss arrives up to an outer round later; check this rank's now (a NaN
             # loss in the datacenter makes its gradients, and so each of its ranks' norm, NaN too).
             self._check_finite(float(local) if local is not None else 0.0, grad_norm, t.lr, self.step)
         return step_sum, grad_norm
+
+    def _step_sum(self, local: torch.Tensor | None, last: bool) -> StepSum | RoundStep:
+        """The step just taken's loss and byte counters (this rank's) on their way to the sum over
+        every rank: an all-reduce of each step's own, except under DiLoCo across datacenters
+        (`GeoRun.sums_per_round`), whose inner steps must not wait on the WAN: the steps of an outer
+        round share one all-reduce, started at the round's last step (every ``geo.inner_steps``-th,
+        and the run's last), which `_close_due` collects whenever it is in."""
+        counters = self.geo_run.step_counters()
+        if not self.geo_run.sums_per_round:
+            return StepSum(local, counters, self.world)
+        if self._round is None or self._round.started:  # started: needed before the round's end
+            self._round = RoundSum(self.world)
+        out = self._round.add(local, counters)
+        if self.step % self.cfg.geo.inner_steps == 0 or last:
+            self._round.start()
+        return out
 
     def _forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         """Forward and backward over grad_accum micro-batches, gradients accumulated; returns the
