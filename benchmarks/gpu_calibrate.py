@@ -57,7 +57,7 @@ from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import get_flavor
 from isthmus.models.llama import build_model
 from isthmus.parallel.rendezvous import loopback_store_server, served_group_args
-from isthmus.planner.compute import CAUSAL_SKIP, gemm_fraction
+from isthmus.planner.compute import CAUSAL_SKIP, attention_fraction
 from isthmus.planner.cost import estimate
 from isthmus.planner.topology import DeviceKind, Topology, device_kinds, load_topology
 from isthmus.planner.workload import RUNTIMES, Workload
@@ -223,7 +223,8 @@ def attention(device: torch.device, shapes: Shapes, kind: DeviceKind) -> list[di
             t_fwd = timed(fwd, device, shapes.reps, inner=3)
         t_both = timed(fwd_bwd, device, shapes.reps, inner=3)
         flops = 4 * shapes.heads * s * s * shapes.head_dim
-        curve = kind.peak(shapes.dtype) * gemm_fraction(kind, s, s, 1e12)  # as layer_ops: no head-dim term
+        # The curve layer_ops prices fused attention on, at an attention_fraction of 1: what is left is the kind's.
+        curve = kind.peak(shapes.dtype) * attention_fraction(kind, s, s) / kind.attention_fraction
         kernel = t_fwd - kind.kernel_launch_s if t_fwd > 2 * kind.kernel_launch_s else t_fwd
         row = {
             "seq": s,
@@ -423,11 +424,11 @@ def main(argv: list[str] | None = None) -> int:
             memory_bw_fraction=min(report["memory"]["memory_bw_fraction"], 1.0),
             kernel_launch_s=report["memory"]["kernel_launch_us"] / 1e6,
         )
-    attention_fraction = None
+    fitted_attention = None
     rows = part("4. attention", "attention", lambda: attention(device, shapes, fit))
     if "attention" not in failed:
-        attention_fraction = min(rows[-1]["attention_fraction"], 1.0)  # the longest sequence's
-        fit = replace(fit, attention_fraction=attention_fraction)
+        fitted_attention = min(rows[-1]["attention_fraction"], 1.0)  # the longest sequence's
+        fit = replace(fit, attention_fraction=fitted_attention)
     part("5. collectives", "collectives", lambda: collectives(device, shapes))
     title = f"6. steps ({shapes.flavor} shape, {shapes.layers} blocks, one device)"
     part(title, "steps", lambda: steps(device, shapes, {"shipped": kind, "fit": fit}))
@@ -436,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     if not {"gemm", "memory", "steps"} & set(failed):
         name = f"{base}-measured"
         solved = report["steps"]["solved_gemm_max_fraction"]
-        toml = device_toml(base, name, report["gemm"], report["memory"], solved, gpu, attention_fraction)
+        toml = device_toml(base, name, report["gemm"], report["memory"], solved, gpu, fitted_attention)
         (out / "device.toml").write_text(toml)
         written.append(out / "device.toml")
     print(f"wrote {' and '.join(map(str, written))}")

@@ -180,13 +180,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "the default on GPU topologies), isthmus (what isthmus runs; the default on CPU topologies), or a "
         "published era: torchtitan, megatron-2021, megatron-2022, megatron-deepspeed, megatron-core, llama3",
     )
+    runtime_hints = typing.get_type_hints(Runtime)
     for feature, doc in FEATURES.items():
-        hint = typing.get_type_hints(Runtime)[feature]
         p.add_argument(
             f"--runtime.{feature}",
             dest=f"runtime_{feature}",
             default=None,
-            **_typed(hint),
+            **_typed(runtime_hints[feature]),
             help=f"{doc} (default: the preset's)",
         )
     p.add_argument(

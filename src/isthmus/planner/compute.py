@@ -141,6 +141,14 @@ def gemm_fraction(kind: DeviceKind, m: float, n: float, k: float, dtype: str = "
     return kind.gemm_max_fraction * (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
 
 
+def attention_fraction(kind: DeviceKind, s_local: float, seq_len: float) -> float:
+    """Achievable fraction of peak of a fused attention kernel over (s_local, seq_len) score tiles: the
+    GEMM curve in those two dimensions (the head dimension is the kernel's design point, not a GEMM's
+    inner dimension) at the device kind's ``attention_fraction``."""
+    d0 = kind.gemm_half_dim
+    return kind.gemm_max_fraction * (s_local / (s_local + d0)) * (seq_len / (seq_len + d0)) * kind.attention_fraction
+
+
 def gemm_time(
     kind: DeviceKind, dtype: str, m: float, n: float, k: float, batch: float = 1, recipe: str = "tensorwise"
 ) -> float:
@@ -242,9 +250,7 @@ def layer_ops(kind: DeviceKind, block: BlockShape, runtime: Runtime) -> list[Op]
         ops += _gemm_ops(kind, adt, "attn.values", s_local, hd, seq_len, micro_batch * heads)
     else:
         flops = 4 * micro_batch * heads * s_local * seq_len * hd
-        fwd = kind.kernel_launch_s + CAUSAL_SKIP * flops / (
-            kind.peak(adt) * gemm_fraction(kind, s_local, seq_len, 1e12) * kind.attention_fraction
-        )
+        fwd = kind.kernel_launch_s + CAUSAL_SKIP * flops / (kind.peak(adt) * attention_fraction(kind, s_local, seq_len))
         ops += [
             Op("attn.flash", "fwd", flops, 0.0, fwd),
             Op("attn.flash.bwd", "bwd", 2 * flops, 0.0, FLASH_BACKWARD_FACTOR * fwd),

@@ -102,9 +102,9 @@ def block_cost(kind: DeviceKind, site: SiteSpans, block: BlockShape, cp_impl: st
     t = layer_times(kind, block, runtime)
     act = b * s / cp * a.dim * e
     tp_fwd, tp_bwd = tp_collectives(kind, site, block, runtime, act)
-    if tp > 1:  # measured runtime work of a tensor-parallel block (0 unless a profile says)
-        tp_fwd += kind.tp_block_s + (kind.sp_block_s if sp else 0.0)
-        tp_bwd += kind.tp_block_s + (kind.sp_block_s if sp else 0.0)
+    if tp > 1:  # measured runtime work of a tensor-parallel block and pass (0 unless a profile says)
+        work = kind.tp_block_s + (kind.sp_block_s if sp else 0.0)
+        tp_fwd, tp_bwd = tp_fwd + work, tp_bwd + work
     cp_f = cp_b = 0.0
     if cp > 1:
         kv = b * s / cp * 2 * a.n_kv_heads * a.head_dim / tp * e
@@ -146,8 +146,8 @@ def tp_collectives(
         # the results back): the MoE half's collectives carry top_k copies per token at the busiest
         # rank's load, not one hidden state (Megatron-Core's all-to-all dispatcher with expert tp = tp).
         copies = a.top_k * rank_imbalance(block, runtime)
-    # (collective seconds, the forward GEMM it meets, the backward GEMMs) per exchange, in block order.
-    ops = {op.name: op.seconds for op in layer_ops(kind, block, runtime)}
+    # (collective seconds, the GEMM it meets) per exchange, in block order; that GEMM's backward
+    # passes are its ".dgrad" and ".wgrad" ops.
     mlp_in, mlp_out = ("experts.fc1", "experts.fc2") if a.is_moe else ("fc1", "fc2")
     pairs = [
         (comm.all_gather(gathered, span), "qkv"),
@@ -155,14 +155,14 @@ def tp_collectives(
         (comm.all_gather(gathered * copies, span), mlp_in),
         (comm.reduce_scatter(act * copies, span), mlp_out),
     ]
+    exposed = sum(c for c, _ in pairs)
     if runtime.tp_overlap == "none" or not block.sp:
-        fwd = sum(c for c, _ in pairs)
-        return fwd, fwd
+        return exposed, exposed
+    ops = {op.name: op.seconds for op in layer_ops(kind, block, runtime)}
     slow = OVERLAP_GEMM_SLOWDOWN
     if runtime.tp_overlap == "bulk":
-        fwd = sum(c for c, _ in pairs)
         bwd = sum(max(0.0, c - ops.get(g + ".wgrad", 0.0)) + slow * ops.get(g + ".wgrad", 0.0) for c, g in pairs)
-        return fwd, bwd
+        return exposed, bwd
     chunks = block.tp
     fwd = sum(max(c / chunks, c - ops.get(g, 0.0)) + slow * ops.get(g, 0.0) for c, g in pairs)
     bwd = sum(max(c / chunks, c - ops.get(g + ".dgrad", 0.0)) + slow * ops.get(g + ".dgrad", 0.0) for c, g in pairs)

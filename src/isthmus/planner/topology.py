@@ -82,7 +82,7 @@ class DeviceKind:
     description: str = ""
     default_dtype: str = "bf16"
     """The dtype training uses on this kind unless told otherwise (fp32 on CPUs)."""
-    attention_fraction: float = 0.56  # ATTENTION_FRACTION
+    attention_fraction: float = ATTENTION_FRACTION
     """Fraction of the GEMM curve a fused attention kernel reaches over its (s, s) score tiles: the
     kernels are written per architecture (FlashAttention-2 reaches much more of an A100 than of an
     H100, whose own kernels need FlashAttention-3 or cuDNN)."""
@@ -411,7 +411,9 @@ def _parse_device(name: str, table: Any, known: dict[str, DeviceKind], where_roo
         peak_flops=peaks,
         gemm_max_fraction=pick("gemm_max_fraction", 1.0, "gemm_max_fraction", fraction=True),
         gemm_half_dim=pick("gemm_half_dim", 1.0, "gemm_half_dim"),
-        attention_fraction=_optional_fraction(table, "attention_fraction", where, base),
+        attention_fraction=_optional_fraction(
+            table, "attention_fraction", where, base.attention_fraction if base else ATTENTION_FRACTION
+        ),
         memory_bw_fraction=pick("memory_bw_fraction", 1.0, "memory_bw_fraction", fraction=True),
         kernel_launch_s=pick("kernel_launch_us", 1e-6, "kernel_launch_s"),
         description=str(table.get("description", base.description if base else "")),
@@ -422,12 +424,10 @@ def _parse_device(name: str, table: Any, known: dict[str, DeviceKind], where_roo
     )
 
 
-def _optional_fraction(table: dict[str, Any], key: str, where: str, base: DeviceKind | None) -> float:
-    """An optional fraction of a device kind (its base's, or the field's default, when absent)."""
-    v = _fraction(table, key, where) if key in table else None
-    if v is not None:
-        return v
-    return float(getattr(base, key)) if base else ATTENTION_FRACTION
+def _optional_fraction(table: dict[str, Any], key: str, where: str, default: float) -> float:
+    """An optional fraction of a device kind's table; ``default`` (its base's) where absent."""
+    v = _fraction(table, key, where)
+    return default if v is None else v
 
 
 def _overhead(table: dict[str, Any], key: str, where: str, default: float, signed: bool = False) -> float:
