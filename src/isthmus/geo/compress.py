@@ -18,6 +18,8 @@ from the sum of the true values by the last residual only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -99,23 +101,38 @@ def decode(payload: Tensor, dtype: WireDtype, numel: int, block_size: int) -> Te
     return dequantize(codes, scale_bytes.clone().view(torch.float32), block_size)
 
 
-def encode_with_feedback(x: Tensor, residual: Tensor | None, dtype: WireDtype, block_size: int) -> Tensor:
-    """Encode ``x + residual`` and store the new quantisation error in ``residual`` (in place)."""
+def with_feedback(
+    x: Tensor, residual: Tensor | None, encode_fn: Callable[[Tensor], Tensor], decode_fn: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """Encode ``x + residual`` with a lossy codec and store what the payload does not carry in
+    ``residual`` (in place): error feedback, whatever the codec."""
     if residual is None:
-        return encode(x, dtype, block_size)
+        return encode_fn(x)
     target = x + residual
-    payload = encode(target, dtype, block_size)
-    residual.copy_(target - decode(payload, dtype, x.numel(), block_size))
+    payload = encode_fn(target)
+    residual.copy_(target - decode_fn(payload))
     return payload
 
 
-def mean_of_payloads(gathered: Tensor, n: int, dtype: WireDtype, numel: int, block_size: int) -> Tensor:
+def mean_decoded(gathered: Tensor, n: int, decode_fn: Callable[[Tensor], Tensor]) -> Tensor:
     """Average of ``n`` payloads laid end to end (an all-gather's output), summed in rank order.
 
     Every receiver decodes the same bytes and sums in the same order, so all get identical values.
     """
     parts = gathered.view(n, -1)
-    total = decode(parts[0], dtype, numel, block_size)
+    total = decode_fn(parts[0])
     for i in range(1, n):
-        total += decode(parts[i], dtype, numel, block_size)
+        total += decode_fn(parts[i])
     return total.div_(n)
+
+
+def encode_with_feedback(x: Tensor, residual: Tensor | None, dtype: WireDtype, block_size: int) -> Tensor:
+    """Encode ``x + residual`` and store the new quantisation error in ``residual`` (in place)."""
+    return with_feedback(
+        x, residual, lambda t: encode(t, dtype, block_size), lambda p: decode(p, dtype, x.numel(), block_size)
+    )
+
+
+def mean_of_payloads(gathered: Tensor, n: int, dtype: WireDtype, numel: int, block_size: int) -> Tensor:
+    """:func:`mean_decoded` of this module's payloads."""
+    return mean_decoded(gathered, n, lambda p: decode(p, dtype, numel, block_size))

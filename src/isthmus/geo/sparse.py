@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from isthmus.geo.compress import mean_decoded, with_feedback
+
 MAX_CHUNK = 65536
 """Largest chunk whose offsets fit two bytes."""
 
@@ -83,21 +85,12 @@ def decode(payload: Tensor, numel: int, block_size: int, k: int) -> Tensor:
 
 def encode_with_feedback(x: Tensor, residual: Tensor | None, block_size: int, k: int) -> Tensor:
     """Encode ``x + residual`` and keep what was not sent in ``residual`` (in place)."""
-    if residual is None:
-        return encode(x, block_size, k)
-    target = x + residual
-    payload = encode(target, block_size, k)
-    residual.copy_(target - decode(payload, x.numel(), block_size, k))
-    return payload
+    return with_feedback(x, residual, lambda t: encode(t, block_size, k), lambda p: decode(p, x.numel(), block_size, k))
 
 
 def mean_of_payloads(gathered: Tensor, n: int, numel: int, block_size: int, k: int) -> Tensor:
     """Average of ``n`` payloads laid end to end, summed in rank order (identical on every receiver)."""
-    parts = gathered.view(n, -1)
-    total = decode(parts[0], numel, block_size, k)
-    for i in range(1, n):
-        total += decode(parts[i], numel, block_size, k)
-    return total.div_(n)
+    return mean_decoded(gathered, n, lambda p: decode(p, numel, block_size, k))
 
 
 def _group_mean(mag: Tensor, mask: Tensor) -> Tensor:
