@@ -159,26 +159,41 @@ def bridge_namespace(prefix: str) -> str:
 def datacenter_namespaces(net: EmulatedNetwork, prefix: str) -> list[DatacenterNamespace]:
     """Where each datacenter of ``net`` will live: its namespace, interface and address."""
     return [
-        DatacenterNamespace(i, dc.name, dc.ranks, f"{prefix}dc{i}", DC_IFNAME, f"{SUBNET}.{_FIRST_HOST + i}")
+        DatacenterNamespace(i, dc.name, dc.ranks, f"{prefix}dc{i}", DC_IFNAME, member_address(i))
         for i, dc in enumerate(net.datacenters)
     ]
+
+
+def member_address(index: int) -> str:
+    """The address of member ``index`` (a datacenter, or an emulated host) of a bridged run."""
+    return f"{SUBNET}.{_FIRST_HOST + index}"
+
+
+def build_bridge(prefix: str, members: list[tuple[str, str]], port: str = "dc") -> None:
+    """Make the bridge's namespace and one namespace per ``(namespace, address)`` of ``members``,
+    joined to the bridge by a veth (``DC_IFNAME`` inside, ``<port><i>`` on the bridge) that holds the
+    address; ``lo`` and the veth up. Nothing is shaped: :func:`build_network` adds that."""
+    wan = bridge_namespace(prefix)
+    netns.add_namespace(wan)
+    netns.sh("ip", "-n", wan, "link", "add", BRIDGE, "type", "bridge")
+    netns.sh("ip", "-n", wan, "link", "set", BRIDGE, "up")
+    for i, (namespace, address) in enumerate(members):
+        netns.add_namespace(namespace)
+        # Both ends are made inside our namespaces: nothing appears in the root namespace.
+        peer = f"{port}{i}"
+        netns.sh("ip", "-n", wan, "link", "add", peer, "type", "veth", "peer", "name", DC_IFNAME, "netns", namespace)
+        netns.sh("ip", "-n", wan, "link", "set", peer, "master", BRIDGE, "up")
+        netns.sh("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", DC_IFNAME)
+        netns.sh("ip", "-n", namespace, "link", "set", DC_IFNAME, "up")
 
 
 def build_network(net: EmulatedNetwork, dcs: list[DatacenterNamespace], prefix: str) -> None:
     """Make the bridge's namespace and each datacenter's, a veth between them, its address and
     qdiscs (and its TUN and routes when ``net`` has an RTT); every namespace's hosts file."""
+    assert all(dc.ifname == DC_IFNAME for dc in dcs)
     wan = bridge_namespace(prefix)
-    netns.add_namespace(wan)
-    netns.sh("ip", "-n", wan, "link", "add", BRIDGE, "type", "bridge")
-    netns.sh("ip", "-n", wan, "link", "set", BRIDGE, "up")
+    build_bridge(prefix, [(dc.namespace, dc.address) for dc in dcs])
     for dc in dcs:
-        netns.add_namespace(dc.namespace)
-        # Both ends are made inside our namespaces: nothing appears in the root namespace.
-        port = f"dc{dc.index}"
-        netns.sh("ip", "-n", wan, "link", "add", port, "type", "veth", "peer", "name", dc.ifname, "netns", dc.namespace)
-        netns.sh("ip", "-n", wan, "link", "set", port, "master", BRIDGE, "up")
-        netns.sh("ip", "-n", dc.namespace, "addr", "add", f"{dc.address}/24", "dev", dc.ifname)
-        netns.sh("ip", "-n", dc.namespace, "link", "set", dc.ifname, "up")
         _shape(net, dc, dcs)
         if net.delayed:
             _add_delay_route(net, dc, dcs)
