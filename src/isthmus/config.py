@@ -19,6 +19,7 @@ from typing import Any, Literal, get_args, get_origin
 from isthmus.errors import ConfigError
 from isthmus.layout.choices import ActivationCheckpoint, CpImpl, PpSchedule, SyncKind, WanSchedule
 from isthmus.layout.plan import is_plan_file, plan_overrides
+from isthmus.models.flavors import get_flavor
 
 RUN_DIR_PLACEHOLDERS = ("{config}", "{time}")
 """What train.run_dir may hold: the config's name and the run's start time (see isthmus.launch.rundir)."""
@@ -296,6 +297,10 @@ class GeoConfig:
     """diloco / streaming_diloco: outer-gradient dtype on the WAN; auto = fp32 for diloco, int4 for streaming; topk2 = SparseLoCo's top-k of each block_size chunk at 2 bits (outer_density)."""
     outer_density: float = 0.02
     """outer_dtype topk2: fraction of each chunk's entries sent, largest magnitudes first (round(outer_density * block_size) a chunk, at least 1); the rest stay in the error feedback."""
+    pp_compression: Literal["none", "int8", "int4", "lowrank"] = "none"
+    """dc_axis = pp: what activations and their gradients cross a pipeline boundary between datacenters as: none (exact), int8 or int4 (per-token absmax, one fp32 scale a token) or lowrank (a rank-pp_compression_rank projection, `isthmus.parallel.boundary_codec`); boundaries inside a datacenter stay exact."""
+    pp_compression_rank: int = 32
+    """pp_compression lowrank: the rank r of the projection, (tokens + dim) * r values a boundary tensor (1 to model.dim)."""
     wan_streams: int = 1
     """Parallel connections per cross-datacenter transfer (pipeline sends and receives across datacenters, geo.sync's inter-datacenter collectives): each transfer is split into this many stripes, one per connection, reassembled exactly. One TCP flow carries at most its window / RTT."""
     fault_tolerant: bool = False
@@ -699,6 +704,20 @@ def validate(cfg: JobConfig) -> None:
             g.sync,
             "must be none with geo.dc_axis = pp: data parallelism stays inside each datacenter",
         )
+    _require(
+        g.pp_compression == "none" or (g.dc_axis == "pp" and g.datacenters > 1 and p.pp > 1),
+        "geo.pp_compression",
+        g.pp_compression,
+        "needs a pipeline boundary between datacenters (geo.dc_axis = pp, geo.datacenters > 1, parallel.pp > 1)",
+    )
+    if g.pp_compression == "lowrank" and not m.init_from:
+        dim = m.dim or get_flavor(m.flavor).dim
+        _require(
+            1 <= g.pp_compression_rank <= dim,
+            "geo.pp_compression_rank",
+            g.pp_compression_rank,
+            f"must be between 1 and model.dim = {dim}",
+        )
 
 
 def synthetic_spec(spec: str) -> tuple[int, int] | None:
@@ -743,6 +762,8 @@ def validate_geo(cfg: GeoConfig) -> None:
         raise ConfigError("geo.eager", cfg.eager, f"needs geo.sync diloco or streaming_diloco, not {cfg.sync}")
     if cfg.eager and cfg.fault_tolerant:
         raise ConfigError("geo.eager", cfg.eager, "does not combine with geo.fault_tolerant (its rounds are blocking)")
+    if cfg.pp_compression_rank < 1:
+        raise ConfigError("geo.pp_compression_rank", cfg.pp_compression_rank, "must be at least 1")
     if cfg.outer_dtype == "topk2":
         if not 0 < cfg.outer_density <= 1:
             raise ConfigError("geo.outer_density", cfg.outer_density, "must be in (0, 1]")

@@ -35,6 +35,7 @@ from isthmus.geo.sync import build_geo_sync
 from isthmus.layout.choices import DILOCO_SYNCS
 from isthmus.layout.dims import MESH_DIMS, Meshes, ParallelDims
 from isthmus.log import get_logger
+from isthmus.parallel.boundary_codec import BoundaryCodec, compress_stage
 from isthmus.parallel.pipeline import count_cross_dc_sends, crosses_datacenters, local_stages
 from isthmus.parallel.striped import stripe_groups, stripe_stage
 from isthmus.parallel.timeshare import TimeShare, time_share_schedule, turn_groups
@@ -130,14 +131,17 @@ class GeoRun:
 
     def wire_pipeline(self, schedule: Any, pp: int, mesh: Meshes | None) -> None:
         """``geo.dc_axis = pp``: count the activations (and their gradients) that this rank's
-        pipeline stages send to a stage in another datacenter; with ``geo.wan_streams > 1`` split
+        pipeline stages send to a stage in another datacenter; with ``geo.pp_compression`` send them
+        encoded (and count the encoded bytes); with ``geo.wan_streams > 1`` split
         those transfers over that many connections, and with ``geo.wan_schedule = time_shared``
         let the pipelines take the link in turn. A collective (the stripe and turn groups)."""
         if self.cfg.dc_axis != "pp" or self.cfg.datacenters == 1 or schedule is None:
             return
         self.pipeline_wan = new_counter()  # only its wan tier is counted
-        count_cross_dc_sends(schedule, pp, self.cfg.datacenters, self.pipeline_wan)
-        if self.cfg.wan_streams == 1 and self.cfg.wan_schedule == "fair":
+        compressed = self.cfg.pp_compression != "none"
+        if not compressed:
+            count_cross_dc_sends(schedule, pp, self.cfg.datacenters, self.pipeline_wan)
+        if self.cfg.wan_streams == 1 and self.cfg.wan_schedule == "fair" and not compressed:
             return
         assert mesh is not None  # pp > 1 has a mesh
         ranks = mesh.root.mesh
@@ -149,6 +153,11 @@ class GeoRun:
                 assert st.group is not None  # the stage was built on the mesh's pp group
                 streams = [st.group, *(g[0] for g in extra)]
                 stripe_stage(st, streams, self._crosses(st.group_rank, pp), self.striped)
+        if compressed:
+            # After striping (the payload is what is striped); its sends count the payload's bytes.
+            codec = partial(BoundaryCodec, self.cfg.pp_compression, self.cfg.pp_compression_rank)
+            for st in local_stages(schedule):
+                compress_stage(st, lambda seed: codec(seed=seed), self._crosses(st.group_rank, pp), self.pipeline_wan)
         if self.cfg.wan_schedule == "time_shared":
             self._time_share(schedule, ranks, pp)
 

@@ -30,14 +30,26 @@ token's rounding error depends on another's magnitude.
 
 Hand-written: torch has int8 quantisation for tensors, but not a packed int4 wire format nor a
 basis kept between sends; the arithmetic here is a few tensor ops either way.
+
+:func:`compress_stage` puts a codec on a pipeline stage's P2P ops toward another datacenter: a send
+encodes and sends the payload, a receive receives the payload into a buffer of its own and decodes it
+into torch's receive buffer when the schedule waits on it, before the schedule reads it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+
+from isthmus.parallel.striped import StripedWork
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
 
 METHODS = ("none", "int8", "int4", "lowrank")
 """``geo.pp_compression`` values: none sends the tensor as it is (bit-identical), the others encode it."""
@@ -184,8 +196,69 @@ class BoundaryCodec:
 
     def decode(self, payload: Tensor, out: Tensor) -> None:
         """Rebuild the tensor into ``out`` (contiguous), in place."""
+        assert out.is_contiguous(), "decoding writes through a view of the receive buffer"
         with torch.no_grad():
             if self._lowrank is not None:
                 self._lowrank.decode(payload, out)
             else:
                 dequantise(payload, self.method, out)
+
+
+_FACTORIES = ("get_fwd_send_ops", "get_fwd_recv_ops", "get_bwd_send_ops", "get_bwd_recv_ops")
+
+
+def compress_stage(
+    stage: PipelineStage,
+    make_codec: Callable[[int], BoundaryCodec],
+    crosses: Callable[[int], bool],
+    counter: dict[str, int],
+) -> None:
+    """Make the P2P ops of ``stage`` toward a peer for which ``crosses(peer group rank)`` holds move
+    encoded payloads: each of the stage's four op kinds gets its own ``make_codec(seed)`` (a sender's
+    low-rank basis is per boundary and direction), and ``counter["wan"]`` adds every payload sent.
+
+    Applied after ``stripe_stage`` (the payload is what is striped) and before the time-shared
+    turns and bubble filling, which wrap whatever ``op.op`` this leaves and call it with torch's tensor."""
+    for i, name in enumerate(_FACTORIES):
+        factory = getattr(stage, name)
+        codec = make_codec(4 * stage.stage_index + i)
+        sends = "send" in name
+
+        def wrapped(
+            chunk_id: int,
+            _factory: Callable[[int], list[dist.P2POp]] = factory,
+            _codec: BoundaryCodec = codec,
+            _sends: bool = sends,
+        ) -> list[dist.P2POp]:
+            ops = _factory(chunk_id)
+            return [_encoded(op, _codec, _sends, counter) if crosses(op.group_peer) else op for op in ops]
+
+        setattr(stage, name, wrapped)
+
+
+def _encoded(op: dist.P2POp, codec: BoundaryCodec, sends: bool, counter: dict[str, int]) -> dist.P2POp:
+    inner = op.op
+
+    # batch_isend_irecv passes group_dst= or group_src= by testing `op.op is isend`, which a wrapped op
+    # is not: a plain isend / irecv gets its peer here; a striped op knows its peer and ignores keywords.
+    def move(payload: Tensor, **kw: Any) -> Any:
+        if inner is dist.isend:
+            return dist.isend(payload, group=op.group, tag=op.tag, group_dst=op.group_peer)
+        if inner is dist.irecv:
+            return dist.irecv(payload, group=op.group, tag=op.tag, group_src=op.group_peer)
+        return inner(payload, **kw)
+
+    if sends:
+
+        def run(tensor: Tensor, *_: Any, **kw: Any) -> StripedWork:
+            payload = codec.encode(tensor)
+            counter["wan"] += payload.numel()
+            return StripedWork([move(payload, **kw)], keep=[payload])
+    else:
+
+        def run(tensor: Tensor, *_: Any, **kw: Any) -> StripedWork:
+            payload = torch.empty(codec.payload_bytes(tensor), dtype=torch.uint8, device=tensor.device)
+            return StripedWork([move(payload, **kw)], keep=[payload], then=lambda: codec.decode(payload, tensor))
+
+    op.op = run
+    return op
