@@ -33,12 +33,14 @@ import json
 import logging
 import os
 import shutil
+import signal
+import socket
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
@@ -48,10 +50,11 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from isthmus.checkpoint.manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.config import JobConfig
-from isthmus.errors import EXIT_USAGE, Interrupted, IsthmusError, RunFailed, full_disk_as
+from isthmus.errors import EXIT_RUN_FAILED, EXIT_USAGE, ConfigError, Interrupted, IsthmusError, RunFailed, full_disk_as
 from isthmus.launch.environ import environ, launcher_world
 from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
-from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir
+from isthmus.launch.jobwatch import JobEnd, JobWatch, spans_hosts, where
+from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir, lock_host_dir, mark_job, shares_job_dir
 from isthmus.launch.stop import STOP_SIGNALS, Stopped, StopState, interrupted_line, stop_on_signals
 from isthmus.launch.warm import (
     START_METHOD,
@@ -125,6 +128,20 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None, environ: dict[str
     if launch_dir is not None:
         heartbeat = Heartbeat(launch_dir / f"rank{rank}.beat", rank, progress, beat_interval(cfg.parallel.timeout_s))
         heartbeat.start()
+    watch = None
+    # torchrun on several hosts: the ranks watch each other (emulated datacenters have their emulator's watch)
+    if launch_dir is None and spans_hosts() and os.environ.get(CLAIMED_ENV) != cfg.train.run_dir:
+        first_here = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        world = int(os.environ["WORLD_SIZE"])
+        watch = JobWatch(
+            rank,
+            world,
+            lambda: progress.step,
+            cfg.parallel.timeout_s,
+            watcher=first_here,
+            console=console if first_here else None,
+        )
+        watch.start()
     # From the signal on, this rank's lines go to its log file only: the launcher prints the one line.
     with stop_on_signals(on_stop=silence_console) as stop:
         try:
@@ -132,10 +149,14 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None, environ: dict[str
             write_rank_done(error_dir, rank, progress.step)
             return result
         except BaseException as e:
+            if watch is not None:
+                raise _host_rank_exit(e, stop, cfg, rank, progress, watch, error_dir) from None
             raise _rank_exit(e, stop, cfg, rank, progress, launch_dir, error_dir) from None
         finally:
             if heartbeat is not None:
                 heartbeat.stop()
+            if watch is not None:
+                watch.stop()
 
 
 def _rank_log_file(cfg: JobConfig, rank: int) -> Path:
@@ -183,6 +204,51 @@ def _rank_exit(
         silence_console()
         get_logger().error("rank %d failed", rank, exc_info=e)
     return e
+
+
+def _host_rank_exit(
+    e: BaseException, stop: StopState, cfg: JobConfig, rank: int, progress: Progress, watch: JobWatch, error_dir: Path
+) -> BaseException:
+    """What a rank of a job on several hosts raises: the job's end, the first reason any rank posted
+    (`isthmus.launch.jobwatch`), with its exit code on every rank; each host's local rank 0 says it.
+
+    A signal, or this rank's own error, is posted as the reason; a collective that failed (the
+    peers left) waits a moment for the reason of the rank that knows it, and is the reason itself
+    (a lost connection, exit 3) when none comes.
+    """
+    silence_console()
+    here = where(rank, watch.host)
+    if stop.signum is not None:
+        cause = f"{signal.Signals(stop.signum).name} to {here}"
+        end = watch.post(JobEnd("signal", rank, watch.host, 128 + stop.signum, cause))
+    elif isinstance(e, IsthmusError):
+        try:
+            write_rank_error(error_dir, rank, e)
+        except OSError:
+            pass
+        end = watch.post(JobEnd("error", rank, watch.host, e.exit_code, f"{e} ({here})"))
+    else:
+        get_logger().error("%s failed", here, exc_info=e)
+        end = watch.wait_for_end(2.0) or watch.post(
+            JobEnd(
+                "lost",
+                rank,
+                watch.host,
+                EXIT_RUN_FAILED,
+                f"{here} lost the job's other ranks ({_first_line(str(e)) or type(e).__name__}); "
+                f"see {Path(cfg.train.run_dir) / 'logs'} on each host",
+            )
+        )
+    get_logger().info("the job ends: %s", end.line)
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return SystemExit(end.code)
+    if end.kind == "signal":
+        signum = end.code - 128
+        line = interrupted_line(signum, progress.step, _checkpoint_root(cfg), cfg.checkpoint.every, cause=end.line)
+        return Interrupted(signum, line)
+    error = IsthmusError(end.line)
+    error.exit_code = end.code
+    return error
 
 
 def write_rank_error(directory: Path, rank: int, e: IsthmusError) -> None:
@@ -336,18 +402,85 @@ def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | Non
 
     device = resolve_device(cfg.train.device, int(os.environ.get("LOCAL_RANK", "0")))
     world, _ = init_distributed(cfg.parallel.backend, device)
-    claim, answer = None, [cfg.train.run_dir, None]  # [directory, refusal]
+    several_hosts = spans_hosts()
+    claim, answer = None, [cfg.train.run_dir, None, uuid.uuid4().hex]  # [directory, refusal, job token]
     if int(os.environ["RANK"]) == 0:
         try:
             claim = claim_run_dir(cfg, config_name)
             answer[0] = cfg.train.run_dir
+            if several_hosts:
+                mark_job(Path(cfg.train.run_dir), str(answer[2]))
+                if cfg.checkpoint.dir:
+                    _checkpoint_root(cfg).mkdir(parents=True, exist_ok=True)
+                    mark_job(_checkpoint_root(cfg), str(answer[2]))
         except IsthmusError as e:
-            answer[1] = str(e)
+            answer[1] = str(e) + (f" ({where(0)})" if several_hosts else "")
     if world > 1:
         dist.broadcast_object_list(answer, src=0)
     if answer[1] is not None:
-        raise IsthmusError(answer[1])
+        raise _said_once_per_host(IsthmusError(answer[1]))
     cfg.train.run_dir = str(answer[0])
+    if several_hosts:
+        claim = _claim_on_each_host(cfg, world, str(answer[2])) or claim
+    return claim
+
+
+def _said_once_per_host(e: IsthmusError) -> BaseException:
+    """A refusal every rank of a job on several hosts raises: each host's local rank 0 says it."""
+    if spans_hosts() and int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        return SystemExit(e.exit_code)
+    return e
+
+
+def _claim_on_each_host(cfg: JobConfig, world: int, token: str) -> RunDirClaim | None:
+    """A job on several hosts: is the run directory one folder that every host sees, or one per host?
+
+    Rank 0 left the job's token in the directories it claimed (`isthmus.launch.rundir.mark_job`; the
+    broadcast before this was the barrier), and each host's local rank 0 looks for it. A host that
+    finds it shares rank 0's directory, and rank 0's lock covers the job there. A host that does not
+    has a folder of its own by that name: its local rank 0 locks it too (a second job on that host
+    is refused there), and it holds that host's logs. Checkpoints need one folder every host sees:
+    a checkpoint's files are written by the ranks that own them, on their own hosts, and only rank
+    0's host would hold the commit and the metadata, so a run that saves or resumes checkpoints in
+    a folder some host does not share is refused before any work. The answers are gathered, so
+    every rank ends the same way.
+    """
+    rank, first_here = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")) == 0
+    run_dir, root = Path(cfg.train.run_dir), _checkpoint_root(cfg)
+    claim, seen = None, None  # (host, sees rank 0's run_dir, sees its checkpoint folder, refusal)
+    if first_here:
+        shared = rank == 0 or shares_job_dir(run_dir, token)
+        refusal = None
+        if not shared:
+            try:
+                claim = lock_host_dir(run_dir)
+            except IsthmusError as e:
+                refusal = f"{e} ({where(rank)})"
+        root_shared = rank == 0 or (shares_job_dir(root, token) if cfg.checkpoint.dir else shared)
+        seen = (socket.gethostname(), shared, root_shared, refusal)
+    answers: list[Any] = [None] * world
+    dist.all_gather_object(answers, seen)
+    refusals = [a[3] for a in answers if a is not None and a[3] is not None]
+    apart = sorted(a[0] for a in answers if a is not None and not a[2])
+    c = cfg.checkpoint
+    if not refusals and apart and (c.every > 0 or c.resume != "none"):
+        key, value = ("checkpoint.every", c.every) if c.every > 0 else ("checkpoint.resume", c.resume)
+        refusals.append(
+            str(
+                ConfigError(
+                    key,
+                    value,
+                    f"{', '.join(apart)} do not see the checkpoint folder {root} of rank 0 on {answers[0][0]} (a "
+                    "folder local to each host); a job on several hosts keeps its checkpoints in one folder "
+                    "every host mounts: set train.run_dir or checkpoint.dir there, or checkpoint.every = 0",
+                )
+            )
+        )
+    if refusals:
+        if claim is not None:
+            claim.release()
+        error = IsthmusError(refusals[0])
+        raise _said_once_per_host(error)
     return claim
 
 

@@ -33,7 +33,7 @@ from typing import IO, Any
 
 from isthmus.checkpoint.manifest import committed_checkpoints, read_manifest
 from isthmus.config import RUN_DIR_PLACEHOLDERS, JobConfig, settings_that_differ
-from isthmus.errors import CheckpointError, ConfigError, IsthmusError
+from isthmus.errors import CheckpointError, ConfigError, IsthmusError, full_disk_as
 from isthmus.log import get_logger
 from isthmus.models.resolve import expected_vocab, resolve_model_args
 
@@ -44,6 +44,9 @@ RUN_FILES = ("config.toml", "metrics.jsonl", "tokenizer_meta.json", "tokenizer.j
 RUN_DIRS = ("logs", "checkpoints", "final", "tb")
 CLAIMED_ENV = "ISTHMUS_RUN_DIR_CLAIMED"
 """Set for the ranks by a launcher that claimed the run directory (they must not claim it again)."""
+JOB_MARKER = ".job"
+"""Written by rank 0 of a job on several hosts in the run directory it claimed, for the other hosts to
+look for: a host that finds this job's token there shares the directory (a cluster file system)."""
 
 
 @dataclass
@@ -152,6 +155,28 @@ def _lock(directory: Path, key: str) -> IO[str]:
     except OSError:
         pass  # the lock holds without the note of who holds it; the run's own writes report a full disk
     return f
+
+
+def mark_job(run_dir: Path, token: str) -> None:
+    """Leave this job's token in ``run_dir`` (rank 0, after claiming it; replaced in one step)."""
+    tmp = run_dir / f"{JOB_MARKER}.{os.getpid()}.tmp"
+    with full_disk_as("run directory", tmp, "train.run_dir"):
+        tmp.write_text(token)
+        tmp.replace(run_dir / JOB_MARKER)
+
+
+def shares_job_dir(run_dir: Path, token: str) -> bool:
+    """Whether ``run_dir`` here is the directory rank 0 marked with ``token`` (:func:`mark_job`)."""
+    try:
+        return (run_dir / JOB_MARKER).read_text() == token
+    except OSError:
+        return False
+
+
+def lock_host_dir(run_dir: Path) -> RunDirClaim:
+    """Lock ``run_dir`` on a host of a job whose rank 0 claimed its own folder of that name elsewhere
+    (a folder local to each host): a second job on this host is refused there."""
+    return RunDirClaim(run_dir, continued=False, _locks=[_lock(run_dir, "train.run_dir")])
 
 
 def _remove(paths: list[Path]) -> None:

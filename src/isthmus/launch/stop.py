@@ -62,7 +62,8 @@ def stop_on_signals(on_stop: Callable[[], None] | None = None) -> Iterator[StopS
             signal.signal(s, h)
 
 
-def interrupted_line(signum: int, step: int, checkpoint_root: Path, every: int) -> str:
-    """``interrupted (SIGINT) at step 7; ...`` with what was saved and how to go on from it."""
+def interrupted_line(signum: int, step: int, checkpoint_root: Path, every: int, cause: str | None = None) -> str:
+    """``interrupted (SIGINT) at step 7; ...`` with what was saved and how to go on from it.
+    ``cause`` says more than the signal's name (``SIGTERM to rank 2 on host1``)."""
     where = f"at step {step}" if step > 0 else "before the first step"
-    return f"interrupted ({signal.Signals(signum).name}) {where}; {resume_note(checkpoint_root, every)}"
+    return f"interrupted ({cause or signal.Signals(signum).name}) {where}; {resume_note(checkpoint_root, every)}"

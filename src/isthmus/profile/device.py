@@ -20,6 +20,7 @@ import platform
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -352,3 +353,48 @@ def devices_worth(world: int, local_world: int, threads: int, device: torch.devi
     cores = usable_cores()
     wanted = local_world * min(threads, cores)
     return world * min(1.0, cores / wanted)
+
+
+@dataclass(frozen=True)
+class RankPeak:
+    """What one CPU rank brings to a job's peak: its host, its probed peak, its threads and the
+    cores it may run on there."""
+
+    host: str
+    peak_flops: float
+    threads: int
+    cores: int
+
+
+def this_rank_peak(peak: float) -> RankPeak:
+    """This process's :class:`RankPeak` (``peak``: what it probed, :func:`peak_flops`)."""
+    return RankPeak(socket.gethostname(), peak, torch.get_num_threads(), usable_cores())
+
+
+def host_peaks(ranks: list[RankPeak]) -> dict[str, float]:
+    """Peak FLOP/s of each host of a CPU job: its cores counted once, shared by the ranks there (as
+    :func:`devices_worth` does for one machine), at the peak each of its ranks probed."""
+    by_host: dict[str, list[RankPeak]] = {}
+    for r in ranks:
+        by_host.setdefault(r.host, []).append(r)
+    peaks = {}
+    for host, on_host in sorted(by_host.items()):
+        cores = max(r.cores for r in on_host)
+        share = min(1.0, cores / sum(min(r.threads, cores) for r in on_host))
+        peaks[host] = sum(share * r.peak_flops for r in on_host)
+    return peaks
+
+
+def job_devices(ranks: list[RankPeak], reference_peak: float) -> float:
+    """Devices' worth of compute of a CPU job whose ranks run on several hosts, in units of
+    ``reference_peak`` (rank 0's peak, which MFU divides by): the hosts need not be alike."""
+    return sum(host_peaks(ranks).values()) / reference_peak if reference_peak > 0 else 0.0
+
+
+def describe_hosts(ranks: list[RankPeak]) -> str:
+    """``host0 2 rank(s) on 1 core(s), 30.1 GFLOP/s; host1 ...``: each host's share of the peak."""
+    counts = {host: [r for r in ranks if r.host == host] for host in {r.host for r in ranks}}
+    return "; ".join(
+        f"{host} {len(counts[host])} rank(s) on {max(r.cores for r in counts[host])} core(s), {flops / 1e9:.1f} GFLOP/s"
+        for host, flops in host_peaks(ranks).items()
+    )

@@ -36,7 +36,16 @@ from isthmus.models.llama import build_model
 from isthmus.models.resolve import resolve_model_args
 from isthmus.parallel.parallelize import ParallelModel, apply_layout
 from isthmus.parallel.rendezvous import group_store_args
-from isthmus.profile.device import correct_peak, describe_peak, devices_worth, peak_flops, resolve_device
+from isthmus.profile.device import (
+    correct_peak,
+    describe_hosts,
+    describe_peak,
+    devices_worth,
+    job_devices,
+    peak_flops,
+    resolve_device,
+    this_rank_peak,
+)
 from isthmus.serve.prefill import build_bubble_run
 from isthmus.train.experts import ExpertBalance
 from isthmus.train.grad import clip_grad_norm
@@ -416,14 +425,28 @@ class Trainer:
         """Tokens per step, FLOPs per token and the devices' peak: what MFU is computed from."""
         t = self.cfg.train
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        peak = peak_flops(self.device, t.dtype)
+        devices = devices_worth(self.world, local_world, torch.get_num_threads(), self.device)
+        if self.device.type == "cpu" and self.world > local_world and self.geo_run.whole_run:
+            devices = self._hosts_devices(peak)
         return ThroughputModel(
             tokens_per_step=self.geo_run.tokens_per_step(t.batch_size * t.seq_len),
             flops_per_token=flops_per_token(self.model_args, t.seq_len),
-            peak_flops=peak_flops(self.device, t.dtype),
-            devices=devices_worth(self.world, local_world, torch.get_num_threads(), self.device),
+            peak_flops=peak,
+            devices=devices,
             # Rank 0 alone reports MFU, so it alone corrects a peak that a step proves wrong.
             correct_peak=partial(correct_peak, self.device, t.dtype) if self.rank == 0 else None,
         )
+
+    def _hosts_devices(self, peak: float) -> float:
+        """Ranks on several hosts (torchrun's nodes): each host's cores and peak count, not rank 0's
+        machine times the world. One gather of every rank's host, cores, threads and peak."""
+        ranks: list[Any] = [None] * self.world
+        dist.all_gather_object(ranks, this_rank_peak(peak))
+        hosts = len({r.host for r in ranks})
+        if self.rank == 0 and hosts > 1:
+            self.log.info("MFU peak over %d hosts: %s", hosts, describe_hosts(ranks))
+        return job_devices(ranks, peak)
 
     # --- the loop -----------------------------------------------------------------------
     def fit(self) -> TrainResult:

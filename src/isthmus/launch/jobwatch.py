@@ -1,0 +1,226 @@
+"""A job whose ranks span hosts, watched from inside its ranks: which host and rank stalled or stopped it.
+
+Under ``torchrun`` on several nodes no isthmus launcher watches the ranks: each host's agent knows
+only its own workers, and a rank whose peer on another host went away sees a collective fail (a
+reset connection), or wait for the process-group timeout (a peer that lives but stopped), without
+being told why. So every rank of such a job (``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``) runs a thread
+on the job's store (torchrun's, on the first host; its own client, so it never waits behind the
+trainer's store calls):
+
+- it beats: ``beat/<rank>`` holds its host, pid, last finished step and a counter it raises every
+  beat interval. Only the counter's change is looked at, by the watcher's own clock: the hosts'
+  clocks need not agree.
+- each host's local rank 0 watches every beat: a rank whose counter has not moved for
+  ``parallel.timeout_s`` stalled (its process stopped, or its host froze) and ends the job.
+- the first rank that knows why the job ends posts it once, as ``end`` (compare-and-set: the first
+  reason stands): a signal it got (``SIGTERM to rank 2 on host1``), a stall it found, an error of its
+  own. Every rank reads ``end`` a few times a second, so it still knows after the store's host is gone.
+- a rank whose collective failed (the peers left) ends with that reason and its exit code; a rank
+  blocked on a stalled peer cannot unwind, so its thread ends it (``os._exit``) with the reason's
+  line. Each host's local rank 0 prints the one line, so every host's output says it once.
+
+A rank that is gone before it could post (SIGKILL) leaves no reason: the others then say which host's
+connection they lost. torch's agent has no such check (its health check is for the agent itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from isthmus.launch.heartbeat import beat_interval
+from isthmus.parallel.rendezvous import store_address
+
+END_KEY = "end"
+POLL_S = 0.1
+"""How often a rank reads ``end``: it must know the reason before the host that posted it is gone."""
+STUCK_GRACE_S = 5.0
+"""How long a rank has, after the job's end was posted, to unwind by itself before its thread ends it."""
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """Why a job on several hosts ends, as the rank that knew it posted it."""
+
+    kind: str
+    """``signal``, ``stall``, ``error`` or ``lost``."""
+    rank: int
+    host: str
+    code: int
+    """The exit code every rank ends with (`isthmus.errors`; 128 + N for signal N)."""
+    line: str
+    """What happened, naming the rank and host (``rank 3 on host1 stopped answering for 31 s ...``)."""
+
+
+def spans_hosts() -> bool:
+    """Whether this process is a rank of an external launch (torchrun) whose ranks run on more than one host."""
+    try:
+        return int(os.environ["WORLD_SIZE"]) > int(os.environ["LOCAL_WORLD_SIZE"]) and "RANK" in os.environ
+    except (KeyError, ValueError):
+        return False
+
+
+def where(rank: int, host: str | None = None) -> str:
+    """``rank 3 on host1``: how a line names a rank of a job on several hosts."""
+    return f"rank {rank} on {host or socket.gethostname()}"
+
+
+class JobWatch:
+    """This rank's beat and watch on the job's store, in a daemon thread from :meth:`start` to :meth:`stop`."""
+
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        step: Any,
+        timeout_s: float,
+        *,
+        watcher: bool,
+        store: Any = None,
+        host: str | None = None,
+        exit_fn: Any = os._exit,
+        console: Any = None,
+    ) -> None:
+        """``step``: a callable, this rank's last finished step. ``watcher``: whether this rank looks for
+        stalled ranks (each host's local rank 0). ``store``: the job's store (default: a client of
+        MASTER_ADDR:MASTER_PORT under this attempt's prefix). ``console``: where this rank's thread
+        prints the one line when it ends the rank itself (None: it does not print)."""
+        self.rank, self.world, self.step, self.timeout_s = rank, world, step, timeout_s
+        self.watcher, self.host = watcher, host or socket.gethostname()
+        self.exit_fn, self.console = exit_fn, console
+        self.store = store if store is not None else _job_store()
+        self.end: JobEnd | None = None
+        """The job's end once any rank posted it (this one included)."""
+        self._lock = threading.RLock()
+        self._count = 0
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it last moved, by our clock)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="isthmus-job-watch", daemon=True)
+
+    def start(self) -> None:
+        self._beat()
+        self._thread.start()
+
+    def stop(self, done: bool = True) -> None:
+        """Stop beating; ``done``: this rank finished, and no watcher must take its silence for a stall."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if done:
+            self._beat(done=True)
+
+    def post(self, end: JobEnd) -> JobEnd:
+        """Post ``end`` unless another rank posted one first; returns the end that stands."""
+        body = json.dumps(asdict(end))
+        try:
+            with self._lock:
+                stood = self.store.compare_set(END_KEY, "", body)
+            self.end = _parse(stood) or end
+        except Exception:  # the store's host is gone: this rank's own reason is what it knows
+            self.end = self.end or end
+        return self.end
+
+    def wait_for_end(self, timeout_s: float) -> JobEnd | None:
+        """The job's end, waiting up to ``timeout_s`` for a rank to post it (after a collective failed,
+        the rank that knows why may be a moment behind)."""
+        deadline = time.monotonic() + timeout_s
+        while self.end is None and time.monotonic() < deadline:
+            self._read_end()
+            if self.end is None:
+                time.sleep(POLL_S)
+        return self.end
+
+    # --- the thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        interval = beat_interval(self.timeout_s)
+        next_beat = time.monotonic() + interval
+        ended_at: float | None = None
+        while not self._stop.wait(POLL_S):
+            try:
+                if self.end is None:
+                    self._read_end()
+                now = time.monotonic()
+                if self.end is None and now >= next_beat:
+                    next_beat = now + interval
+                    self._beat()
+                    if self.watcher:
+                        self._look_for_stalls(now)
+            except Exception:  # the store's host is gone: the ranks' own collectives fail and say so
+                pass
+            if self.end is not None:
+                ended_at = ended_at or time.monotonic()
+                if time.monotonic() - ended_at >= STUCK_GRACE_S:
+                    self._end_stuck_rank(self.end)
+                    return
+
+    def _beat(self, done: bool = False) -> None:
+        self._count += 1
+        body = {"host": self.host, "pid": os.getpid(), "step": int(self.step()), "n": self._count, "done": done}
+        try:
+            with self._lock:
+                self.store.set(f"beat/{self.rank}", json.dumps(body))
+        except Exception:
+            pass  # a beat that cannot be written is a beat missed: what the watchers report
+
+    def _read_end(self) -> None:
+        with self._lock:
+            if not self.store.check([END_KEY]):
+                return
+            self.end = _parse(self.store.get(END_KEY))
+
+    def _look_for_stalls(self, now: float) -> None:
+        keys = [f"beat/{r}" for r in range(self.world)]
+        with self._lock:
+            present = [k for k in keys if self.store.check([k])]
+            values = self.store.multi_get(present) if present else []
+        for key, value in zip(present, values, strict=True):
+            rank = int(key.split("/")[1])
+            beat = json.loads(bytes(value).decode())
+            if beat.get("done"):
+                self._seen.pop(rank, None)
+                continue
+            count, moved = self._seen.get(rank, (-1, now))
+            if beat["n"] != count:
+                self._seen[rank] = (beat["n"], now)
+            elif now - moved >= self.timeout_s:
+                line = (
+                    f"{where(rank, beat['host'])} stopped answering for {now - moved:.0f} s (last step it finished: "
+                    f"{beat['step']}); stopped every rank (parallel.timeout_s = {self.timeout_s:g})"
+                )
+                self.post(JobEnd("stall", rank, beat["host"], 3, line))
+                return
+
+    def _end_stuck_rank(self, end: JobEnd) -> None:
+        """The job ended and this rank did not: it waits on a peer that cannot answer. Say it and exit."""
+        if self.console is not None:
+            self.console.write(f"isthmus: {_prefix(end)}{end.line}\n")
+            self.console.flush()
+        self.exit_fn(end.code)
+
+
+def _prefix(end: JobEnd) -> str:
+    return "" if end.kind == "signal" else "error: "
+
+
+def _parse(raw: Any) -> JobEnd | None:
+    try:
+        text = bytes(raw).decode() if not isinstance(raw, str) else raw
+        return JobEnd(**json.loads(text)) if text else None
+    except (ValueError, TypeError):
+        return None
+
+
+def _job_store() -> Any:
+    """A client of the job's store (torchrun's, at MASTER_ADDR:MASTER_PORT), under this attempt's prefix."""
+    host, port = store_address()
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return dist.PrefixStore(f"isthmus/watch/{run}/{attempt}/", store)
