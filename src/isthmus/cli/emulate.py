@@ -1,4 +1,5 @@
-"""`isthmus emulate --topology FILE -- train ...`: a training run across emulated datacenters.
+"""`isthmus emulate --topology FILE -- train ...`: a training run across emulated datacenters
+(`isthmus emulate --hosts N -- train ...`, a run across emulated hosts: `isthmus.cli.emulate_hosts`).
 
 The topology file is the planner's: its datacenters become network namespaces of ``devices``
 ranks each, its WAN links become ``tc``-shaped links delayed by their ``latency_us`` each way
@@ -19,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from isthmus.checkpoint.manifest import resume_note
+from isthmus.cli.emulate_hosts import run_hosts
 from isthmus.cli.train import config_name, find_config, parse_train_command, train_config
 from isthmus.config import JobConfig, build_config, parse_overrides
 from isthmus.errors import ConfigError, Interrupted, IsthmusError, RunFailed
@@ -45,10 +47,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Build one network namespace per datacenter of the topology, shape the WAN links with tc, "
         "run the train command after `--` with each datacenter's ranks inside its namespace, and remove it all "
         "on exit. A link's latency (the topology's latency_us one way, or --wan-rtt-ms) is emulated by a user-space "
-        "delay line (tc netem is unavailable on this kernel).",
+        "delay line (tc netem is unavailable on this kernel). With --hosts N: N emulated hosts instead, each "
+        "running one torchrun of an N-node job, as a cluster's nodes do.",
+    )
+    p.add_argument("--topology", default=None, help="topology preset name or TOML file (default: emulated-2dc)")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="instead of datacenters: N emulated hosts named host0..hostN-1, each running "
+        "`torchrun --nnodes N --rdzv-endpoint host0:29400 -m isthmus train ...` as a real node would",
     )
     p.add_argument(
-        "--topology", default="emulated-2dc", help="topology preset name or TOML file (default: emulated-2dc)"
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="K",
+        help="with --hosts: ranks per host, torchrun's --nproc-per-node (default: 1)",
     )
     p.add_argument("--wan-mbit", type=float, default=None, help="override every WAN link's rate, in Mbit/s")
     p.add_argument(
@@ -194,6 +210,13 @@ def topology_window_kib(topo: Topology) -> int:
 
 
 def run(ns: argparse.Namespace, rest: list[str]) -> int:
+    if ns.hosts is not None:
+        return run_hosts(ns, rest)
+    if ns.nproc_per_node != 1:
+        raise ConfigError(
+            "--nproc-per-node", ns.nproc_per_node, "is for --hosts; a topology sets each datacenter's ranks"
+        )
+    ns.topology = ns.topology or "emulated-2dc"
     topo = load_topology(ns.topology)
     if len(topo.datacenters) < 2:
         raise ConfigError("--topology", ns.topology, "needs at least 2 datacenters to emulate")

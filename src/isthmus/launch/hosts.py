@@ -26,7 +26,9 @@ The API::
         hosts.kill(1)                           # host 1 dies: SIGKILL to everything on it
     # every namespace, veth, hosts file and /dev/shm file of the run is gone here
 
-:func:`torchrun_argv` is the command one host runs to join an N-node job, as on a real node.
+:func:`torchrun_argv` is the command one host runs to join an N-node job, as on a real node;
+:func:`run_torchrun_job` runs it on every host and watches the job to its end (what
+``isthmus emulate --hosts N`` does).
 
 Everything is removed on leaving the block (an exception and Ctrl-C included; with
 ``handle_signals``, SIGTERM and SIGHUP too), and by the run's reaper (:mod:`isthmus.launch.reaper`)
@@ -38,18 +40,23 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import IO, Any
 
+from isthmus.errors import IsthmusError
 from isthmus.launch import netns
 from isthmus.launch.emulate.network import bridge_namespace, build_bridge, member_address
-from isthmus.launch.emulate.processes import signals_ignored, signals_raise, stop_process_groups
+from isthmus.launch.emulate.processes import how_it_ended, signals_ignored, signals_raise, stop_process_groups
 from isthmus.launch.reaper import dismiss_reaper, start_reaper
 
 MAX_HOSTS = 154
@@ -62,6 +69,15 @@ RDZV_PORT = 29400
 # execs the command (util-linux's unshare sets no hostname; Python < 3.12 has no os.unshare).
 _SET_HOSTNAME = "import os, socket, sys; socket.sethostname(sys.argv[1]); os.execvp(sys.argv[2], sys.argv[2:])"
 _RUN_ID = re.compile(r"^[0-9a-f]{6}$")
+
+
+def require_root() -> None:
+    """Fail with one line unless this process can make namespaces and name hosts."""
+    if os.geteuid() != 0:
+        raise IsthmusError("emulated hosts need root (ip netns, veth, unshare --uts): run it as root")
+    for tool in ("ip", "unshare"):
+        if shutil.which(tool) is None:
+            raise IsthmusError(f"emulated hosts need `{tool}` on PATH (iproute2, util-linux)")
 
 
 class EmulatedHosts:
@@ -111,7 +127,7 @@ class EmulatedHosts:
         return i
 
     def __enter__(self) -> EmulatedHosts:
-        netns.require_root()
+        require_root()
         if self._clean_stale:
             netns.cleanup_stale()
         stack = ExitStack()
@@ -195,6 +211,11 @@ class EmulatedHosts:
         with signals_ignored():
             self._shm |= netns.shared_memory_files(self.prefix)
             stop_process_groups(self._children, grace_s=3.0)
+            # What is left on the hosts outlived the processes started here, which were given their
+            # chance to stop: it goes as with the host's power (a rank server waits out SIGTERM).
+            if netns.list_namespaces(self.prefix):
+                for i in range(self.n):
+                    self.kill(i)
             netns.delete_prefix(self.prefix, self._shm)
             netns.unregister_run(self.run_id)
             if self._reaper is not None:
@@ -237,3 +258,97 @@ def torchrun_argv(
         str(max_restarts),
         *target,
     ]
+
+
+@dataclass(frozen=True)
+class JobEnd:
+    """How a job on the emulated hosts ended."""
+
+    code: int
+    """0; the first failed host's agent's exit code (its first failed rank's); 128 + N when stopped
+    by signal N (Ctrl-C: 130); 124 past the time limit."""
+    host: int | None = None
+    """The host whose agent failed first; None when none did."""
+    how: str = ""
+    """How that agent ended (``exit code 3``, ``killed by SIGKILL``)."""
+
+
+def run_torchrun_job(
+    hosts: EmulatedHosts,
+    nproc_per_node: int,
+    target: Sequence[str],
+    *,
+    env: dict[str, str] | None = None,
+    out: IO[str] | None = None,
+    timeout_s: float | None = None,
+    grace_s: float = 10.0,
+    port: int = RDZV_PORT,
+) -> JobEnd:
+    """Run ``target`` as one job of ``hosts.n`` nodes x ``nproc_per_node`` ranks: one torchrun per host
+    (:func:`torchrun_argv`), meeting at ``host0:port``. Waits for every agent; the first that fails,
+    Ctrl-C, SIGTERM or ``timeout_s`` stops the others (SIGTERM to each host's agent and its ranks,
+    SIGKILL after ``grace_s``), as a cluster's scheduler would.
+
+    ``out``: each line the agents and their ranks print, as ``host<i>| line`` (default: discarded;
+    the ranks' own logs stay in the run directory). ``env`` adds to every host's environment.
+    """
+    rdzv_id = f"isthmus-{hosts.run_id}-{netns.new_run_id()}"  # one per job: jobs may follow each other
+    argv = torchrun_argv(hosts.n, nproc_per_node, f"{hosts.name(0)}:{port}", rdzv_id, target)
+    # What torchrun would set (announcing it in a banner) when it is not set.
+    base = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+    lock = threading.Lock()
+    procs: list[subprocess.Popen[str]] = []
+    readers: list[threading.Thread] = []
+    for i in range(hosts.n):
+        p = hosts.popen(i, argv, env=base, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.append(p)
+        readers.append(threading.Thread(target=_relay, args=(p, f"{hosts.name(i)}| ", out, lock), daemon=True))
+        readers[-1].start()
+    end = _watch(procs, timeout_s, grace_s)
+    # What the agents and ranks printed is in the pipes by now; a rank server the agent started may
+    # hold them open a few seconds longer as it exits, with nothing more to say.
+    deadline = time.monotonic() + 1.0
+    for r in readers:
+        r.join(timeout=max(0.0, deadline - time.monotonic()))
+    return end
+
+
+def _relay(proc: subprocess.Popen[str], prefix: str, out: IO[str] | None, lock: threading.Lock) -> None:
+    """Copy ``proc``'s output to ``out``, each line after ``prefix``, until it closes."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if out is not None:
+            with lock:
+                out.write(prefix + line)
+                out.flush()
+
+
+def _watch(procs: list[subprocess.Popen[str]], timeout_s: float | None, grace_s: float) -> JobEnd:
+    """Wait until every agent exits (0), the first fails, Ctrl-C or SIGTERM, or ``timeout_s``; then
+    stop whatever still runs."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    end = JobEnd(0)
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next((i for i, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed is not None:
+                code = codes[failed]
+                assert code is not None
+                # An agent killed by a signal has no code of its own: the job failed (exit 3, as
+                # isthmus's RunFailed), not the signal the watcher would have been stopped by.
+                end = JobEnd(code if code > 0 else 3, failed, how_it_ended(code))
+                break
+            if all(c == 0 for c in codes):
+                return end
+            if deadline is not None and time.monotonic() > deadline:
+                end = JobEnd(124)
+                break
+            time.sleep(0.1)
+    except KeyboardInterrupt:
+        end = JobEnd(128 + signal.SIGINT)
+    except SystemExit as e:  # SIGTERM / SIGHUP, raised by EmulatedHosts(handle_signals=True)
+        end = JobEnd(e.code if isinstance(e.code, int) else 1)
+    with signals_ignored():
+        stop_process_groups(procs, grace_s)
+    return end
