@@ -159,3 +159,16 @@ def no_room() -> bool:
 
 def test_no_room_in_dev_shm_falls_back_to_gloo_on_every_rank() -> None:
     assert run_ranks(no_room, 2) == [True, True]
+
+
+def test_ranks_on_one_host_agree_and_another_dev_shm_is_another_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One hostname and one boot do not make one host: a container with a /dev/shm of its own (here,
+    a directory on another file system standing in for it) cannot open the files this one creates."""
+    here = shm_collectives._host_id()
+    assert shm_collectives._host_id() == here
+    if tmp_path.stat().st_dev == shm_collectives.SHM_DIR.stat().st_dev:
+        pytest.skip("the temporary directory is on the /dev/shm file system itself")
+    monkeypatch.setattr(shm_collectives, "SHM_DIR", tmp_path)
+    assert shm_collectives._host_id() != here

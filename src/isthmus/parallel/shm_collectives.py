@@ -94,12 +94,21 @@ def build_collectives(group: dist.ProcessGroup, timeout_s: float) -> BackendColl
 
 
 def _host_id() -> str:
-    """Hostname and boot: ranks that agree on both see the same /dev/shm (network namespaces share it)."""
+    """Hostname, boot and the /dev/shm file system: ranks that agree on all three share its files.
+
+    The file system's device number tells apart containers of one machine that share a hostname and
+    the kernel's boot but each have a /dev/shm of their own (a file one creates, the other cannot
+    open); network namespaces share it, and so do the ranks of one host.
+    """
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         boot = ""
-    return f"{socket.gethostname()}/{boot}"
+    try:
+        shm = str(SHM_DIR.stat().st_dev)
+    except OSError:
+        shm = ""
+    return f"{socket.gethostname()}/{boot}/{shm}"
 
 
 def _rank_order_sum(parts: list[Tensor], out: Tensor) -> Tensor:
