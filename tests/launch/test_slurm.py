@@ -3,9 +3,9 @@ slurmd on an emulated host (:mod:`isthmus.launch.hosts`), so the job's two nodes
 their own addresses and hostnames, as on a cluster; and the script's own checks, with Slurm's
 commands stood in for.
 
-Everything the cluster needs is made under the test's temporary folder (config, munge key and
-socket, state, spool, logs) and stopped at the end; the daemons listen inside the hosts' network
-namespaces, so Slurm's default ports cannot collide with anything on the machine.
+Everything the cluster needs is made in a temporary folder of its own (config, munge key and
+socket, state, spool, logs), stopped and removed at the end; the daemons listen inside the hosts'
+network namespaces, so Slurm's default ports cannot collide with anything on the machine.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -112,7 +113,7 @@ class SlurmCluster:
     def start(self) -> None:
         d, hosts = self.dir, self.hosts
         for sub in ("state", *(f"spool/{hosts.name(i)}" for i in range(hosts.n))):
-            (d / sub).mkdir(parents=True)
+            (d / sub).mkdir(parents=True, exist_ok=True)
         (d / "plugstack.conf").touch()
         # On a host with cgroup v2 alone, slurmd would ask systemd (over dbus) for a scope of its own;
         # there may be no systemd, and nothing here needs it (proctrack/linuxproc, task/none).
@@ -190,13 +191,19 @@ def slurm(tmp_path: Path) -> Iterator[SlurmCluster]:
     missing = _slurm_missing()
     if missing:
         pytest.skip(missing)
-    with EmulatedHosts(2) as hosts:
-        cluster = SlurmCluster(hosts, tmp_path / "slurm", _env(tmp_path))
-        try:
-            cluster.start()
-            yield cluster
-        finally:
-            cluster.stop()
+    # A short folder: munged's and slurmd's sockets live in it, and a socket's path has at most 107
+    # bytes (pytest's tmp_path can be long).
+    folder = Path(tempfile.mkdtemp(prefix="slurm-"))
+    try:
+        with EmulatedHosts(2) as hosts:
+            cluster = SlurmCluster(hosts, folder, _env(tmp_path))
+            try:
+                cluster.start()
+                yield cluster
+            finally:
+                cluster.stop()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.slow
