@@ -165,7 +165,7 @@ class SharedMemoryWatch:
     on (the file is unlinked once every rank has mapped it, but stays mapped for the whole run)."""
 
     def __init__(self) -> None:
-        self.seen: dict[str, set[str]] = {}
+        self._seen: dict[str, set[str]] = {}  # namespace -> files
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -177,11 +177,14 @@ class SharedMemoryWatch:
         self._stop.set()
         self._thread.join()
 
+    def of_run(self, prefix: str) -> dict[str, set[str]]:
+        """The files seen on each host (``host0``, ...) of the run whose namespaces start with ``prefix``
+        (other tests' hosts may run beside these)."""
+        return {ns[len(prefix) :]: files for ns, files in self._seen.items() if ns.startswith(prefix)}
+
     def _loop(self) -> None:
         while not self._stop.wait(0.2):
             for name in netns.list_namespaces():
-                if "-host" not in name:
-                    continue
                 for pid in netns.namespace_pids(name):
                     try:
                         maps = Path(f"/proc/{pid}/maps").read_text()
@@ -189,7 +192,7 @@ class SharedMemoryWatch:
                         continue
                     files = set(re.findall(r"/dev/shm/isthmus-allreduce-[0-9a-f]+", maps))
                     if files:
-                        self.seen.setdefault(name.rsplit("-", 1)[1], set()).update(files)
+                        self._seen.setdefault(name, set()).update(files)
 
 
 def test_cli_fsdp_across_hosts_tp_inside_equals_one_process(workdir: Path, reference: Reference) -> None:
@@ -202,8 +205,11 @@ def test_cli_fsdp_across_hosts_tp_inside_equals_one_process(workdir: Path, refer
     assert "Traceback" not in done.stdout + done.stderr
     _assert_equals_one_process(workdir / "fsdp_tp", reference)
     # tp inside each host through shared memory: one file per host, mapped by both of its ranks.
-    assert sorted(shm.seen) == ["host0", "host1"] and all(len(f) == 1 for f in shm.seen.values()), shm.seen
-    assert shm.seen["host0"] != shm.seen["host1"]
+    prefix = re.search(r"in namespaces (ist-[0-9a-f]{6}-)\*", done.stdout + done.stderr)
+    assert prefix, done.stderr
+    seen = shm.of_run(prefix.group(1))
+    assert sorted(seen) == ["host0", "host1"] and all(len(f) == 1 for f in seen.values()), seen
+    assert seen["host0"] != seen["host1"]
 
 
 def test_pp_across_hosts_dp_inside_equals_one_process(
@@ -228,7 +234,7 @@ def test_tp_across_hosts_equals_one_process_through_gloo(
         end = run_torchrun_job(hosts, 1, ["-m", "isthmus", *train], timeout_s=240)
     assert end.code == 0, end
     _assert_equals_one_process(workdir / "tp_across", reference)
-    assert shm.seen == {}  # the hosts' names differ: their ranks do not share memory, gloo carries tp
+    assert shm.of_run(hosts.prefix) == {}  # the hosts' names differ: no shared memory between them, gloo carries tp
 
 
 def _listeners(pid: int, namespace: str) -> set[str]:
