@@ -1,7 +1,7 @@
-"""torchrun's elastic agent for one emulated datacenter, with its exit said as an exit code.
+"""torchrun's elastic agent for one emulated datacenter or host, with its exit said as an exit code.
 
 `isthmus emulate` runs ``python -m isthmus.launch.agent <torchrun arguments>`` in each datacenter's
-namespace: the same agent as ``python -m torch.distributed.run`` (same arguments, same
+namespace (``--hosts``: on each emulated host, `isthmus.launch.hosts`): the same agent as ``python -m torch.distributed.run`` (same arguments, same
 rendezvous, same workers), but its own ends are not tracebacks. torchrun turns a worker that failed
 into a ``ChildFailedError`` traceback and the emulator's stop (SIGTERM) into a ``SignalException``
 traceback, each after its own log lines; the workers' output says what failed, and the emulator
