@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -235,7 +236,7 @@ def _host_rank_exit(
                 rank,
                 watch.host,
                 EXIT_RUN_FAILED,
-                f"{here} lost the job's other ranks ({_first_line(str(e)) or type(e).__name__}); "
+                f"{here} lost the job's other ranks ({_transport_words(e)}); "
                 f"see {Path(cfg.train.run_dir) / 'logs'} on each host",
             )
         )
@@ -249,6 +250,13 @@ def _host_rank_exit(
     error = IsthmusError(end.line)
     error.exit_code = end.code
     return error
+
+
+def _transport_words(e: BaseException) -> str:
+    """What gloo says went away, without its source path and advice: ``Connection closed by peer
+    [10.213.0.101]:56488``."""
+    text = re.sub(r"^\[[^\]]*\]\s*", "", _first_line(str(e)))
+    return text.split(". ")[0].rstrip(".") or type(e).__name__
 
 
 def write_rank_error(directory: Path, rank: int, e: IsthmusError) -> None:
@@ -470,7 +478,8 @@ def _claim_on_each_host(cfg: JobConfig, world: int, token: str) -> RunDirClaim |
                 ConfigError(
                     key,
                     value,
-                    f"{', '.join(apart)} do not see the checkpoint folder {root} of rank 0 on {answers[0][0]} (a "
+                    f"{', '.join(apart)} {'does' if len(apart) == 1 else 'do'} not see the checkpoint folder {root} "
+                    f"of rank 0 on {answers[0][0]} (a "
                     "folder local to each host); a job on several hosts keeps its checkpoints in one folder "
                     "every host mounts: set train.run_dir or checkpoint.dir there, or checkpoint.every = 0",
                 )
