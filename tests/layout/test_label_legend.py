@@ -7,7 +7,15 @@ import itertools
 import re
 from pathlib import Path
 
-from isthmus.layout.choices import ACTIVATION_CHECKPOINTS, CP_IMPLS, PP_SCHEDULES, SYNC_KINDS, WAN_SCHEDULES
+from isthmus.layout.choices import (
+    ACTIVATION_CHECKPOINTS,
+    CP_IMPLS,
+    OUTER_DTYPES,
+    PP_COMPRESSIONS,
+    PP_SCHEDULES,
+    SYNC_KINDS,
+    WAN_SCHEDULES,
+)
 from isthmus.layout.spec import LABEL_LEGEND, LayoutSpec, label_parts, legend_for
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "planning.md"
@@ -46,6 +54,10 @@ def _layouts() -> list[LayoutSpec]:
                 sync=sync,
             )
         )
+    pipe = LayoutSpec(pp=2, microbatches=4, datacenters=2, dc_axis="pp")
+    out += [pipe.with_(pp_compression=method) for method in PP_COMPRESSIONS]
+    diloco = LayoutSpec(dp_replicate=2, datacenters=2, dc_axis="dp", sync="diloco")
+    out += [diloco.with_(outer_dtype=dtype) for dtype in OUTER_DTYPES]
     out.append(LayoutSpec(dp_shard=8, zero_stage=2, grad_accum=4, micro_batch=2))
     return out
 

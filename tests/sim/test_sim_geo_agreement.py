@@ -82,3 +82,28 @@ def test_simulate_says_which_step_to_trust_when_they_differ() -> None:
     assert "trust" not in format_result(res, topo.name)
     off = replace(res, planner=replace(res.planner, step_time_s=res.step_time_s / 2))
     assert "the steps differ by +100%: trust the simulated one" in format_result(off, topo.name)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "lowrank"])
+def test_compressed_boundaries_simulate_as_planned(method: str) -> None:
+    """At 0.3 GB/s, 60 ms round trips, time-shared: the compressed boundary's bytes and encoding on both
+    sides, and a step that both the cost model and the simulator find faster than exact boundaries."""
+    topo = _two_datacenters(30_000).with_wan(bandwidth_gb_s=0.3)
+    work = Workload(get_flavor("llama3-8b"), 16, 4096, "bf16")
+    exact = LayoutSpec(
+        tp=8,
+        sequence_parallel=True,
+        pp=4,
+        micro_batch=1,
+        microbatches=16,
+        datacenters=2,
+        dc_axis="pp",
+        wan_schedule="time_shared",
+    )
+    sim = simulate(work, topo, exact.with_(pp_compression=method), CURRENT)
+    assert sim.step_time_s == pytest.approx(sim.planner.step_time_s, rel=BOUND)
+    assert sim.wan_bytes_per_step == pytest.approx(sim.planner.wan_bytes_per_step)
+    assert sim.breakdown["compression"] == pytest.approx(sim.planner.breakdown["compression"], rel=BOUND)
+    plain = simulate(work, topo, exact, CURRENT)
+    assert sim.step_time_s < plain.step_time_s and sim.planner.step_time_s < plain.planner.step_time_s
+    assert sim.wan_bytes_per_step < plain.wan_bytes_per_step

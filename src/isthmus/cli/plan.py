@@ -27,7 +27,7 @@ from isthmus.layout.choices import DILOCO_SYNCS, GEO_SYNCS, WAN_SCHEDULES
 from isthmus.layout.spec import LABEL_LEGEND, LayoutSpec, legend_for
 from isthmus.layout.syncs import MIN_SYNCS, sparse_syncs
 from isthmus.models.resolve import resolve_model_args
-from isthmus.planner.explain import explain, format_table, result_json
+from isthmus.planner.explain import explain, format_table, result_json, trades
 from isthmus.planner.search import CHOICE_LISTS, DEFAULT_BATCH_TOKENS, SETTINGS, SearchSpace, flag_of, search
 from isthmus.planner.topology import Topology, load_topology
 from isthmus.planner.workload import DEFAULT_GPU_RUNTIME, FEATURES, PLANNED_DTYPES, RUNTIMES, Runtime
@@ -293,6 +293,8 @@ def check_arguments(ns: argparse.Namespace) -> None:
         raise ConfigError("--expert-imbalance", ns.expert_imbalance, "must be at least 1 (1 = balanced experts)")
     if ns.zero_stage not in (None, 1, 2, 3):
         raise ConfigError(flag_of("zero_stage"), ns.zero_stage, "must be 1, 2 or 3")
+    if ns.outer_density is not None and not 0 < ns.outer_density <= 1:
+        raise ConfigError(flag_of("outer_density"), ns.outer_density, "must be in (0, 1]")
     if ns.wan_bandwidth is not None and not ns.wan_bandwidth > 0:
         raise ConfigError("--wan-bandwidth", ns.wan_bandwidth, "must be positive (GB/s)")
 
@@ -374,4 +376,7 @@ def run(ns: argparse.Namespace, rest: list[str] | None = None) -> int:
     shown = [est.layout.label() for est in result.ranked[: ns.top] + result.what_ifs[: ns.top]]
     sys.stdout.write(legend_line(shown) + "\n" + (f"{note}\n" if note else "") + "\n")
     sys.stdout.write(textwrap.fill(explain(result, topo), width=100, break_on_hyphens=False) + "\n")
+    lines = trades(result, topo)
+    if lines:
+        sys.stdout.write("\n" + "\n".join(lines) + "\n")
     return 0

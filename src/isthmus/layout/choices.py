@@ -27,3 +27,10 @@ WAN_SCHEDULES: tuple[WanSchedule, ...] = ("fair", "time_shared")
 """How the pipelines that cross one WAN link at a stage boundary share it: all at once at a fair share
 of its bandwidth (what the runtime's sends do), or in turn, each transfer with the whole link, the
 pipelines' starts staggered by one transfer slot (Atlas, arXiv 2411.14458)."""
+PpCompression = Literal["none", "int8", "int4", "lowrank"]
+PP_COMPRESSIONS: tuple[PpCompression, ...] = ("none", "int8", "int4", "lowrank")
+"""How activations and their gradients cross a pipeline boundary between datacenters: exact, per-token
+int8 or int4, or a rank-r projection (``isthmus.parallel.boundary_codec``)."""
+OuterDtype = Literal["auto", "fp32", "bf16", "int8", "int4", "topk2"]
+OUTER_DTYPES: tuple[OuterDtype, ...] = ("auto", "fp32", "bf16", "int8", "int4", "topk2")
+"""What DiLoCo's outer gradients cross the WAN as; auto: fp32 for diloco, int4 for streaming_diloco."""

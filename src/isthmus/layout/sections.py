@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from isthmus.layout.choices import ActivationCheckpoint, CpImpl, DcAxis, PpSchedule, SyncKind, WanSchedule
+from isthmus.layout.choices import (
+    ActivationCheckpoint,
+    CpImpl,
+    DcAxis,
+    OuterDtype,
+    PpCompression,
+    PpSchedule,
+    SyncKind,
+    WanSchedule,
+)
 
 
 class ParallelSection(Protocol):
@@ -76,6 +85,14 @@ class GeoSection(Protocol):
     def wan_schedule(self) -> WanSchedule: ...
     @property
     def wan_streams(self) -> int: ...
+    @property
+    def pp_compression(self) -> PpCompression: ...
+    @property
+    def pp_compression_rank(self) -> int: ...
+    @property
+    def outer_dtype(self) -> OuterDtype: ...
+    @property
+    def outer_density(self) -> float: ...
     @property
     def fault_tolerant(self) -> bool: ...
 

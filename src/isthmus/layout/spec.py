@@ -35,6 +35,8 @@ from isthmus.layout.choices import (
     ActivationCheckpoint,
     CpImpl,
     DcAxis,
+    OuterDtype,
+    PpCompression,
     PpSchedule,
     SyncKind,
     WanSchedule,
@@ -108,6 +110,16 @@ class LayoutSpec:
     """dc_axis == 'pp': how the pipelines crossing one WAN link share it (fair: at once; time_shared: in turn)."""
     wan_streams: int = _key("geo", 1)
     """TCP connections one cross-datacenter transfer is split over (each carries at most window / RTT)."""
+    pp_compression: PpCompression = _key("geo", "none")
+    """How activations and their gradients cross a pipeline boundary between datacenters (none: exact);
+    boundaries inside a datacenter stay exact."""
+    pp_compression_rank: int = _key("geo", 32, when=lambda s: s.pp_compression == "lowrank")
+    """pp_compression lowrank: the rank r of the projection each boundary message is sent in."""
+    outer_dtype: OuterDtype = _key("geo", "auto")
+    """diloco / streaming_diloco: the outer gradients' dtype on the WAN (auto: fp32 for diloco, int4 for
+    streaming_diloco; topk2: SparseLoCo's top-k of each chunk at 2 bits)."""
+    outer_density: float = _key("geo", 0.02, when=lambda s: s.outer_dtype == "topk2")
+    """outer_dtype topk2: the fraction of each chunk's entries sent."""
     micro_batch: int = _key(None, 1)
     """Derived, no config key: sequences per microbatch (train.batch_size / (dp x microbatches x grad_accum))."""
 
@@ -288,6 +300,7 @@ class LayoutSpec:
                 + " "
                 + sched.get(self.pp_schedule, self.pp_schedule)
                 + (" ts" if self.wan_schedule == "time_shared" else "")
+                + _compression_token(self)
             )
         dp = f"dp{self.dp}"
         # The split shows whenever replicas and sharding meet, sharding over cp alone (dp_shard 1)
@@ -301,6 +314,8 @@ class LayoutSpec:
                 "diloco": f"diloco H{self.inner_steps}",
                 "streaming_diloco": f"sdiloco H{self.inner_steps} F{self.fragments} t{self.overlap_steps}",
             }.get(self.sync, self.sync)
+            if self.sync in DILOCO_SYNCS and self.outer_dtype != "auto":
+                dp += f" out-{self.outer_dtype}"
         parts.append(dp)
         parts.append(f"mb{self.micro_batch}x{self.microbatches_per_step}")
         if self.activation_checkpoint != "none":
@@ -309,6 +324,14 @@ class LayoutSpec:
 
 
 _FIELDS: dict[str, Field[Any]] = {f.name: f for f in fields(LayoutSpec)}
+
+
+def _compression_token(spec: LayoutSpec) -> str:
+    """The label's word for compressed boundaries across datacenters (`` pc-int8``), or nothing."""
+    if spec.pp_compression == "none" or spec.dc_axis != "pp":
+        return ""
+    rank = spec.pp_compression_rank if spec.pp_compression == "lowrank" else ""
+    return f" pc-{spec.pp_compression}{rank}"
 
 
 @dataclass(frozen=True)
@@ -348,6 +371,24 @@ LABEL_LEGEND: tuple[LabelPart, ...] = (
     LabelPart("vN", "stages per rank", "N virtual pipeline stages per rank", "parallel.pp_virtual_stages"),
     LabelPart("ts", "time-shared WAN", "the pipelines crossing one WAN link take it in turn", "geo.wan_schedule"),
     LabelPart(
+        "pc-int8",
+        "int8 boundaries",
+        "activations and their gradients cross the datacenters' stage boundaries in per-token int8",
+        "geo.pp_compression",
+    ),
+    LabelPart(
+        "pc-int4",
+        "int4 boundaries",
+        "activations and their gradients cross the datacenters' stage boundaries in per-token int4",
+        "geo.pp_compression",
+    ),
+    LabelPart(
+        "pc-lowrankN",
+        "low-rank boundaries",
+        "activations and their gradients cross the datacenters' stage boundaries projected to rank N",
+        "geo.pp_compression, geo.pp_compression_rank",
+    ),
+    LabelPart(
         "dpN", "data parallel", "data parallelism of degree N over the whole layout, every datacenter included", ""
     ),
     LabelPart(
@@ -375,6 +416,26 @@ LABEL_LEGEND: tuple[LabelPart, ...] = (
     LabelPart(
         "tN", "overlap steps", "steps a fragment's transfer overlaps before it is applied (tau)", "geo.overlap_steps"
     ),
+    LabelPart("out-fp32", "fp32 outer gradients", "DiLoCo's outer gradients cross the WAN in fp32", "geo.outer_dtype"),
+    LabelPart("out-bf16", "bf16 outer gradients", "DiLoCo's outer gradients cross the WAN in bf16", "geo.outer_dtype"),
+    LabelPart(
+        "out-int8",
+        "int8 outer gradients",
+        "DiLoCo's outer gradients cross the WAN in int8 with per-block scales",
+        "geo.outer_dtype",
+    ),
+    LabelPart(
+        "out-int4",
+        "int4 outer gradients",
+        "DiLoCo's outer gradients cross the WAN in int4 with per-block scales",
+        "geo.outer_dtype",
+    ),
+    LabelPart(
+        "out-topk2",
+        "sparse outer gradients",
+        "DiLoCo's outer gradients cross the WAN as the top outer_density of each chunk at 2 bits (SparseLoCo)",
+        "geo.outer_dtype, geo.outer_density",
+    ),
     LabelPart(
         "mbNxN",
         "microbatch x count",
@@ -398,7 +459,7 @@ LABEL_LEGEND: tuple[LabelPart, ...] = (
 """What every token of :meth:`LayoutSpec.label` means (`isthmus plan --legend`, docs/planning.md); a
 test checks that each token a label can print is here."""
 
-_WORDS = {"1f1b", "i1f1b"}
+_WORDS = {"1f1b", "i1f1b", "pc-int8", "pc-int4", "out-fp32", "out-bf16", "out-int8", "out-int4", "out-topk2"}
 """Tokens whose digits are part of the word."""
 
 

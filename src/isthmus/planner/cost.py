@@ -18,6 +18,7 @@ from isthmus.layout.spec import LayoutSpec
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import flops_per_token
 from isthmus.planner import comm
+from isthmus.planner.compression import boundary_message, codec_seconds, compressed
 from isthmus.planner.compute import (
     FP8_RECIPES,
     OVERLAP_GEMM_SLOWDOWN,
@@ -272,13 +273,14 @@ def stage_costs(work: Workload, layout: LayoutSpec, runtime: Runtime, pl: Placem
         layers = partition_layers(work.args.n_layers, per_layer, extra, min_layers=v)
     act = layout.micro_batch * work.seq_len / layout.cp * work.args.dim * e
     msg = act / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
+    wan_msg = boundary_message(work, layout, runtime, wan=True)
     memo: dict[tuple[object, ...], StageCost] = {}
     out = []
     for r in range(p):
         near = tuple(pl.boundary_links[j] for j in (r - 1, r) if 0 <= j < p - 1)
         key = (layers[r], r == 0, r == p - 1, pl.stage_sites[r], near)
         if key not in memo:  # interior ranks of a uniform pipeline are all alike
-            memo[key] = _stage_cost(work, layout, runtime, blocks[r], layers[r], r, near, act, msg)
+            memo[key] = _stage_cost(work, layout, runtime, blocks[r], layers[r], r, near, act, msg, wan_msg)
         out.append(memo[key])
     return out
 
@@ -293,6 +295,7 @@ def _stage_cost(
     near: tuple[tuple[Link, int, bool], ...],
     act: float,
     msg: float,
+    wan_msg: float,
 ) -> StageCost:
     v = layout.pp_virtual_stages
     worst: StageCost | None = None
@@ -305,7 +308,7 @@ def _stage_cost(
                 v
                 * (
                     pipeline_transfer(
-                        msg, link, share, layout.wan_schedule if wan else "fair", layout.wan_streams
+                        wan_msg if wan else msg, link, share, layout.wan_schedule if wan else "fair", layout.wan_streams
                     ).seconds
                     + gather
                 )
@@ -317,17 +320,20 @@ def _stage_cost(
         compute = (
             n * (bc.compute.fwd + r_compute + bc.compute.backward) + emb.fwd + emb.backward + head.fwd + head.backward
         )
+        # Compressed boundaries between datacenters: this end's half of encoding and decoding the
+        # activation it sends or receives (forward) and of its gradient (backward), per virtual stage.
+        codec = v * sum(1 for _, _, wan in near if wan) * codec_seconds(site.dc.kind, work, layout, runtime)
         parts = (
             ("compute", compute),
             ("tp comm", n * (bc.tp + bc.tp_bwd + r_tp)),
             ("cp comm", n * (bc.cp_fwd + r_cp * _share(bc.cp_fwd, bc.ep) + bc.cp_bwd)),
             ("ep comm", 2 * n * bc.ep + n * r_cp * _share(bc.ep, bc.cp_fwd)),
             ("pp p2p", p2p),
-        )
+        ) + ((("compression", 2 * codec),) if codec > 0 else ())
         cost = StageCost(
             layers=n,
-            fwd=n * bc.fwd + emb.fwd + head.fwd + p2p / 2,
-            bwd=n * (bc.bwd + r_compute + r_tp + r_cp) + emb.backward + head.backward + p2p / 2,
+            fwd=n * bc.fwd + emb.fwd + head.fwd + p2p / 2 + codec,
+            bwd=n * (bc.bwd + r_compute + r_tp + r_cp) + emb.backward + head.backward + p2p / 2 + codec,
             wgrad=n * bc.compute.wgrad + head.wgrad,
             parts=parts,
         )
@@ -443,16 +449,14 @@ def pipeline_links(
     p, v = layout.pp, layout.pp_virtual_stages
     if p == 1 or not runtime.p2p_async:
         return []
-    msg = (
-        layout.micro_batch
-        * work.seq_len
-        / layout.cp
-        * work.args.dim
-        * act_bytes(work.dtype)
-        / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
-    )
     xfers = [
-        pipeline_transfer(msg, link, share, layout.wan_schedule if wan else "fair", layout.wan_streams)
+        pipeline_transfer(
+            boundary_message(work, layout, runtime, wan),
+            link,
+            share,
+            layout.wan_schedule if wan else "fair",
+            layout.wan_streams,
+        )
         for link, share, wan in pl.boundary_links
     ]
     # Time slots start the pipelines one slot apart, and the same offsets serve every boundary:
@@ -648,9 +652,15 @@ def estimate(
     wan_cuts = sum(1 for _, _, wan in pl.boundary_links if wan) * v
     if layout.pp_schedule == "interleaved_1f1b" and pl.stage_sites[0] != pl.stage_sites[-1]:
         wan_cuts += v - 1
-    wan_bytes = sum(sy.wan_bytes for sy in syncs) + wan_cuts * 2 * work.tokens_per_step * a.dim * e * (
-        1 if runtime.scatter_gather or layout.sequence_parallel else layout.tp
-    )
+    if compressed(layout):
+        # Every device of a pipeline rank (dp x cp x tp) sends its own message per microbatch.
+        senders = layout.dp * layout.cp * layout.tp * m
+        boundary_bytes = senders * boundary_message(work, layout, runtime, wan=True)
+    else:
+        boundary_bytes = (
+            work.tokens_per_step * a.dim * e * (1 if runtime.scatter_gather or layout.sequence_parallel else layout.tp)
+        )
+    wan_bytes = sum(sy.wan_bytes for sy in syncs) + wan_cuts * 2 * boundary_bytes
     heavy = max(range(p), key=lambda r: busy[r])
     breakdown = {k: m * val for k, val in stages[heavy].parts}
     # What the WAN boundaries add to the pipeline phase (their pacing, latency and slots) is WAN time,

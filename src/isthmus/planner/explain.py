@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from isthmus.layout.choices import DILOCO_SYNCS
+from isthmus.layout.choices import DILOCO_SYNCS, PP_COMPRESSIONS
+from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flops import count_params
 from isthmus.planner.comm import Span
+from isthmus.planner.compression import QUALITY_FILE, loss_words, not_chosen, outer_wire, quality_table
 from isthmus.planner.cost import Estimate, estimate
 from isthmus.planner.placement import place, runnable
 from isthmus.planner.search import SearchResult
@@ -238,7 +240,7 @@ def _wan_sentences(result: SearchResult, topo: Topology) -> list[str]:
             "compressed": "compressed gradient shards",
             "diloco": f"DiLoCo outer steps every {lay.inner_steps} steps",
             "streaming_diloco": f"Streaming DiLoCo ({lay.fragments} fragments in turn over {lay.inner_steps} steps, "
-            f"each transfer overlapping {lay.overlap_steps} step(s), int4)",
+            f"each transfer overlapping {lay.overlap_steps} step(s), {outer_wire(lay)})",
         }[lay.sync]
         s = (
             f"Data-parallel replicas span the datacenters and synchronise over the WAN ({links}) by {how}: "
@@ -356,4 +358,54 @@ def result_json(result: SearchResult, topo: Topology, top: int) -> dict[str, obj
             for est in result.ranked[:top] + result.what_ifs[:top]
         ],
         "explanation": explain(result, topo),
+        "trades": trades(result, topo),
     }
+
+
+def trades(result: SearchResult, topo: Topology) -> list[str]:
+    """What each lossy WAN encoding trades at this topology's WAN figures, one line each: WAN bytes
+    and step time against exact, and the loss measured at equal tokens. For the best pipeline across
+    datacenters, every boundary compression; for the best DiLoCo layout, its outer dtype against
+    topk2 (or auto, where it is topk2)."""
+    runtime, lines = result.runtime, []
+    best = result.best
+    pp = best if best.layout.dc_axis == "pp" else result.alternatives.get("dc_axis=pp")
+    if pp is not None and pp.layout.pp > 1:
+        exact = estimate(pp.work, topo, pp.layout.with_(pp_compression="none"), runtime)
+        for method in PP_COMPRESSIONS[1:]:
+            est = estimate(pp.work, topo, pp.layout.with_(pp_compression=method), runtime)
+            name = f"{method} (rank {est.layout.pp_compression_rank})" if method == "lowrank" else method
+            lines.append(
+                f"{name} boundaries: {_fewer(exact, est)}, step {est.step_time_s:.3g} s vs "
+                f"{exact.step_time_s:.3g} s exact; {loss_words('pp_compression', method)}{_status(est.layout)}"
+            )
+    syncs = [e for k, e in result.alternatives.items() if k in (f"sync={s}" for s in DILOCO_SYNCS)]
+    dp = best if best.layout.sync in DILOCO_SYNCS else max(syncs, key=lambda e: e.effective_tokens_per_s, default=None)
+    if dp is not None and dp.layout.dc_axis == "dp":
+        other = "topk2" if dp.layout.outer_dtype != "topk2" else "auto"
+        base = dp if other == "topk2" else estimate(dp.work, topo, dp.layout.with_(outer_dtype=other), runtime)
+        sparse = estimate(dp.work, topo, base.layout.with_(outer_dtype="topk2"), runtime)
+        lines.append(
+            f"topk2 outer gradients ({dp.layout.sync}): {_fewer(base, sparse)} than {outer_wire(base.layout)}, "
+            f"step {sparse.step_time_s:.3g} s vs {base.step_time_s:.3g} s; "
+            f"{loss_words('outer_dtype', 'topk2')}{_status(sparse.layout)}"
+        )
+    if not lines:
+        return []
+    tol = quality_table().tolerance
+    head = f"WAN trades (loss from {QUALITY_FILE.name}; chosen only within {100 * tol:g}% of exact):"
+    return [head, *(f"  {line}" for line in lines)]
+
+
+def _fewer(base: Estimate, est: Estimate) -> str:
+    if est.wan_bytes_per_step <= 0:
+        return "no WAN bytes"
+    return f"{base.wan_bytes_per_step / est.wan_bytes_per_step:.1f}x fewer WAN bytes"
+
+
+def _status(layout: LayoutSpec) -> str:
+    """Whether the planner may choose the layout's lossy encoding, in a few words."""
+    why = not_chosen(layout)
+    if why is None:
+        return ": within tolerance"
+    return ": shown, not chosen" if why.endswith("unmeasured") else ": over tolerance, not chosen"

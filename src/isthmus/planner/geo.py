@@ -35,17 +35,13 @@ from dataclasses import dataclass
 from isthmus.layout.spec import LayoutSpec
 from isthmus.planner import comm
 from isthmus.planner.comm import Span
+from isthmus.planner.compression import outer_equivalent
 from isthmus.planner.placement import SiteSpans
 from isthmus.planner.topology import Link
 from isthmus.planner.workload import Runtime
 
 INITIAL_WINDOW_BYTES = 10 * 1448
 """A new or long-idle TCP flow's first window: 10 segments (RFC 6928, Linux's default)."""
-DILOCO_DELTA_BYTES = 4
-"""DiLoCo's outer gradients (parameter deltas) are exchanged in fp32."""
-STREAMING_BYTES_PER_PARAM = 0.5 + 4 / 256
-"""Streaming DiLoCo's outer gradients on the wire: int4 with one fp32 scale per 256 elements (the
-trainer's defaults, ``geo.outer_dtype = auto``, ``geo.block_size = 256``)."""
 
 
 @dataclass(frozen=True)
@@ -141,7 +137,7 @@ def cross_dc_all_reduce(nbytes: float, span: Span, layout: LayoutSpec, runtime: 
         total = comm.all_reduce(nbytes, span, "ring")
         return total, max(0.0, total - inside), comm.wan_bytes_all_reduce(nbytes, span, "ring")
     if layout.sync == "diloco":
-        delta = nbytes / runtime.grad_bytes * DILOCO_DELTA_BYTES
+        delta = outer_equivalent(nbytes, span.dcs, layout, runtime)
         h = max(1, layout.inner_steps)
         wan = _wan_phase(delta, span) / h
         return inside + wan, wan, comm.wan_bytes_all_reduce(delta, span) / h
@@ -149,28 +145,29 @@ def cross_dc_all_reduce(nbytes: float, span: Span, layout: LayoutSpec, runtime: 
         return (
             inside,
             0.0,
-            comm.wan_bytes_all_reduce(streaming_equivalent(nbytes, span, runtime), span) / max(1, layout.inner_steps),
+            comm.wan_bytes_all_reduce(streaming_equivalent(nbytes, span, layout, runtime), span)
+            / max(1, layout.inner_steps),
         )
     ratio = runtime.compress_ratio if layout.sync == "compressed" else 1.0
     wan = _wan_phase(nbytes * ratio, span)
     return inside + wan, wan, comm.wan_bytes_all_reduce(nbytes * ratio, span)
 
 
-def streaming_equivalent(nbytes: float, span: Span, runtime: Runtime) -> float:
-    """The all-reduce size whose WAN phase moves what Streaming DiLoCo's all-gather moves.
+def streaming_equivalent(nbytes: float, span: Span, layout: LayoutSpec, runtime: Runtime) -> float:
+    """The all-reduce size whose WAN phase moves what Streaming DiLoCo's exchange moves.
 
     Each of k datacenters all-gathers its payload P (int4 outer gradients of ``nbytes`` worth of
-    fp32 gradients): (k - 1) P leave each datacenter, as in the WAN phase of an all-reduce of k P / 2.
+    fp32 gradients by default; ``geo.outer_dtype``: :func:`~isthmus.planner.compression.outer_equivalent`):
+    (k - 1) P leave each datacenter, as in the WAN phase of an all-reduce of k P / 2.
     """
-    payload = nbytes / runtime.grad_bytes * STREAMING_BYTES_PER_PARAM
-    return payload * span.dcs / 2
+    return outer_equivalent(nbytes, span.dcs, layout, runtime)
 
 
 def streaming_fragment(nbytes: float, span: Span, layout: LayoutSpec, runtime: Runtime) -> float:
     """WAN seconds of one fragment's exchange (1 / fragments of the parameters); 0 for other strategies."""
     if layout.sync != "streaming_diloco":
         return 0.0
-    return _wan_phase(streaming_equivalent(nbytes, span, runtime) / max(1, layout.fragments), span)
+    return _wan_phase(streaming_equivalent(nbytes, span, layout, runtime) / max(1, layout.fragments), span)
 
 
 def streaming_exposed(fragment_s: float, step_s: float, layout: LayoutSpec) -> float:

@@ -23,13 +23,14 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from isthmus.errors import ConfigError
-from isthmus.layout.choices import GEO_SYNCS, WAN_SCHEDULES
+from isthmus.layout.choices import GEO_SYNCS, PP_COMPRESSIONS, WAN_SCHEDULES
 from isthmus.layout.rules import expert_parallel, zero_stage, zero_stages
 from isthmus.layout.spec import LayoutSpec
 from isthmus.layout.syncs import inner_steps_cap
 from isthmus.models.args import ModelArgs
 from isthmus.models.flops import count_params
 from isthmus.planner import comm
+from isthmus.planner.compression import not_chosen
 from isthmus.planner.compute import BlockShape, act_bytes, layer_times
 from isthmus.planner.cost import (
     Estimate,
@@ -62,7 +63,15 @@ MIN_CP_TOKENS = 2048
 """Context parallelism only splits sequences into pieces of at least this many tokens."""
 
 
-SETTINGS: dict[str, object] = {"inner_steps": 100, "fragments": 4, "overlap_steps": 1, "wan_streams": 1}
+SETTINGS: dict[str, object] = {
+    "inner_steps": 100,
+    "fragments": 4,
+    "overlap_steps": 1,
+    "wan_streams": 1,
+    "pp_compression_rank": 32,
+    "outer_dtype": "auto",
+    "outer_density": 0.02,
+}
 """Layout fields the search never chooses but sets on every layout, at these values unless fixed
 (inner_steps: the planner's 100, where the config's default is 50; for a run of ``train.steps``,
 at most what syncs ``isthmus.layout.syncs.MIN_SYNCS`` times, see :meth:`SearchSpace.setting`)."""
@@ -105,7 +114,7 @@ class SearchSpace:
         """A field of :data:`SETTINGS`: as fixed, else its planning value. For a run of ``steps``,
         inner_steps syncs at least :data:`~isthmus.layout.syncs.MIN_SYNCS` times (:func:`inner_steps_cap`), and
         Streaming DiLoCo's fragments and overlap steps fit in it."""
-        if name in self.fixed or self.steps is None or name == "wan_streams":
+        if name in self.fixed or self.steps is None or name not in ("inner_steps", "fragments", "overlap_steps"):
             return self.fixed.get(name, SETTINGS[name])
         planned: dict[str, int] = {k: v for k, v in SETTINGS.items() if isinstance(v, int)}
         inner = self.fixed.get("inner_steps", min(planned["inner_steps"], inner_steps_cap(self.steps)))
@@ -499,6 +508,8 @@ class _Core:
     usable: float
     stages: list[StageCost] | None = None
     placement: Placement | None = None
+    compressed_stages: dict[str, list[StageCost]] = field(default_factory=dict)
+    """Stage costs of the core with each lossy ``pp_compression`` the search tries (dc_axis = pp)."""
 
 
 def _prepare(
@@ -579,18 +590,25 @@ def _tighten(cand: _Core, placed: PlacementCache, runtime: Runtime, space: Searc
     core, work = cand.core, cand.work
     cand.placement = placed(core)
     cand.stages = stage_costs(work, core, runtime, cand.placement)
+    for method in _compressions(core, space)[1:]:
+        cand.compressed_stages[method] = stage_costs(
+            work, core.with_(**_compression_fields(method, space)), runtime, cand.placement
+        )
     if work.args.is_moe:
         # These stages are ep 1's; a wider ep may run faster (larger expert GEMMs), so the compute
         # bound of `_prepare` stays the bound.
         return
-    busy = [s.total for s in cand.stages]
-    t_floor, _ = pipeline_time(
-        busy,
-        [s.wgrad for s in cand.stages],
-        core.microbatches_per_step,
-        core.pp_virtual_stages,
-        core.pp_schedule,
-        pipeline_links(work, core, runtime, cand.placement, busy),
+    # Compressed boundaries trade encoding time for WAN time: the bound is the fastest of them.
+    t_floor = min(
+        pipeline_time(
+            [s.total for s in stages],
+            [s.wgrad for s in stages],
+            core.microbatches_per_step,
+            core.pp_virtual_stages,
+            core.pp_schedule,
+            pipeline_links(work, lay, runtime, cand.placement, [s.total for s in stages]),
+        )[0]
+        for lay, stages in _compressed_cores(cand, space)
     )
     cand.bound = min(
         cand.bound, work.tokens_per_step / t_floor * max(runtime.quality_of(g) for g in _geos(core, space))
@@ -610,6 +628,32 @@ def _hopeless(cand: _Core, heap: _Ranking, result: SearchResult, n: int) -> bool
         if rival is None or cand.bound >= rival.effective_tokens_per_s:
             return False
     return True
+
+
+def _compressions(core: LayoutSpec, space: SearchSpace) -> list[str]:
+    """The pipeline-boundary compressions to try, exact first: where stage boundaries cross
+    datacenters, the lossy methods whose measured loss the quality table accepts
+    (:func:`~isthmus.planner.compression.not_chosen`), or the one fixed; exact elsewhere. The others
+    are what-ifs, priced for the best pipeline across datacenters only (``explain.trades``): trying
+    them all would multiply the layouts the search evaluates (a looser bound on every such core)."""
+    fixed = space.pin("pp_compression")
+    if fixed is not None or core.dc_axis != "pp" or core.pp == 1:
+        return [fixed or "none"]
+    fields = _compression_fields("none", space)
+    accepted = [m for m in PP_COMPRESSIONS[1:] if not_chosen(core.with_(**{**fields, "pp_compression": m})) is None]
+    return ["none", *accepted]
+
+
+def _compression_fields(method: str, space: SearchSpace) -> dict[str, Any]:
+    return {"pp_compression": method, "pp_compression_rank": space.setting("pp_compression_rank")}
+
+
+def _compressed_cores(cand: _Core, space: SearchSpace) -> Iterator[tuple[LayoutSpec, list[StageCost]]]:
+    """(the core with each compression the search tries, its stage costs)."""
+    assert cand.stages is not None
+    for method in _compressions(cand.core, space):
+        stages = cand.compressed_stages.get(method, cand.stages)
+        yield cand.core.with_(**_compression_fields(method, space)), stages
 
 
 def _geos(core: LayoutSpec, space: SearchSpace) -> list[str]:
@@ -658,10 +702,13 @@ def _variants(
             if len(schedules) > 1 and max((n for _, n, wan in pl.boundary_links if wan), default=1) == 1:
                 schedules = schedules[:1]
             fair_step: float | None = None
+            fair_steps: dict[tuple[str, str], float] = {}
             # Memory depends on neither the strategy nor the WAN schedule: once one of them does not
             # fit, none does, and the rest are counted as refused without timing them.
             refused: MemoryBreakdown | None = None
-            for geo, wan_schedule in ((g, w) for g in _geos(core, space) for w in schedules):
+            for geo, wan_schedule, method in (
+                (g, w, c) for g in _geos(core, space) for w in schedules for c in _compressions(core, space)
+            ):
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
                 if geo != "none" and zero_stage(zero, shard, core.tp, core.pp, core.cp, core.replicas, True):
@@ -684,18 +731,22 @@ def _variants(
                     overlap_steps=space.setting("overlap_steps"),
                     wan_schedule=wan_schedule,  # type: ignore[arg-type]
                     wan_streams=space.setting("wan_streams"),
+                    outer_dtype=space.setting("outer_dtype"),
+                    outer_density=space.setting("outer_density"),
+                    **_compression_fields(method, space),
                 )
                 # Blocking sends (Megatron) put the WAN schedule into the stage costs.
                 same = (runtime.p2p_async or wan_schedule == core.wan_schedule) and ep == core.ep
-                est = estimate(work, topo, lay, runtime, pl, cand.stages if same else None)
+                stages = cand.compressed_stages.get(method, cand.stages)
+                est = estimate(work, topo, lay, runtime, pl, stages if same else None)
                 result.considered += 1
                 if not est.fits:
                     result.over_memory(est.memory)
                     refused = est.memory
                     continue
                 if wan_schedule == schedules[0]:
-                    fair_step = est.step_time_s
-                elif fair_step is not None and est.step_time_s >= fair_step:
+                    fair_step = fair_steps[(geo, method)] = est.step_time_s
+                elif est.step_time_s >= fair_steps.get((geo, method), float("inf")):
                     continue
                 counter += 1
                 _remember(result, est)
@@ -731,6 +782,7 @@ def _zero_choices(core: LayoutSpec, shard: int, space: SearchSpace) -> list[int]
 
 
 def _remember(result: SearchResult, est: Estimate) -> None:
+    """Keep ``est`` as the best of each family it belongs to."""
     lay = est.layout
     keys = [
         f"dc_axis={lay.dc_axis}",
@@ -744,11 +796,16 @@ def _remember(result: SearchResult, est: Estimate) -> None:
         f"cp={lay.cp}",
         f"zero={lay.zero_stage if lay.shard_degree > 1 else 0}",
         f"ep={lay.ep}",
+        f"pp_compression={lay.pp_compression}",
     ]
     for key in keys:
-        old = result.alternatives.get(key)
-        if old is None or est.effective_tokens_per_s > old.effective_tokens_per_s:
-            result.alternatives[key] = est
+        _keep(result, key, est)
+
+
+def _keep(result: SearchResult, key: str, est: Estimate) -> None:
+    old = result.alternatives.get(key)
+    if old is None or est.effective_tokens_per_s > old.effective_tokens_per_s:
+        result.alternatives[key] = est
 
 
 def usable_bytes(topo: Topology) -> float:

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from isthmus.layout.spec import LayoutSpec
 from isthmus.planner import comm
 from isthmus.planner.comm import Span
+from isthmus.planner.compression import outer_equivalent
 from isthmus.planner.compute import BlockShape, PhaseTimes, act_bytes, ends_times, layer_ops
 from isthmus.planner.cost import BlockCost, block_cost
-from isthmus.planner.geo import DILOCO_DELTA_BYTES, _inside, streaming_equivalent
+from isthmus.planner.geo import _inside, streaming_equivalent
 from isthmus.planner.memory import held_layer_params
 from isthmus.planner.placement import SiteSpans
 from isthmus.planner.topology import DeviceKind
@@ -268,7 +269,7 @@ def cross_dc_all_reduce(
     k, bw, lat = span.tiers()[-1]
     local = span.per_node * span.nodes
     if layout.sync == "diloco":
-        delta = nbytes / runtime.grad_bytes * DILOCO_DELTA_BYTES
+        delta = outer_equivalent(nbytes, k, layout, runtime)
         h = max(1, layout.inner_steps)
         wan = PhaseSpec("wan", 2 * (k - 1) * lat / h, 2 * (k - 1) / k * delta / local / bw / h, bw)
         return all_reduce(nbytes, inside), [wan]
@@ -291,7 +292,7 @@ def streaming_phases(nbytes: float, span: Span, layout: LayoutSpec, runtime: Run
         return []
     k, bw, lat = span.tiers()[-1]
     local = span.per_node * span.nodes
-    eq = streaming_equivalent(nbytes, span, runtime) / max(1, layout.fragments)
+    eq = streaming_equivalent(nbytes, span, layout, runtime) / max(1, layout.fragments)
     tau = max(1, layout.overlap_steps)
     # Latency once per fragment (all parameters share one transfer), seconds per parameter.
     return [PhaseSpec("wan", 2 * (k - 1) * lat / tau, 2 * (k - 1) / k * eq / local / bw / tau, bw)]

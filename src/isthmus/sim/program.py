@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from isthmus.layout.spec import LayoutSpec
+from isthmus.planner.compression import boundary_message, codec_seconds
 from isthmus.planner.compute import BlockShape, ends_times, optimizer_time, shard_overhead
 from isthmus.planner.cost import block_cost, recomputed, stage_costs
 from isthmus.planner.geo import dp_sync, pipeline_transfer
@@ -115,9 +116,13 @@ class Simulation:
             self.first_layer.append(first)
             first += self.ranks[self.stage_rank[s]].stages[s].layers
         self.msg = costs.p2p_message(work, layout, runtime)
+        self.wan_msg = boundary_message(work, layout, runtime, wan=True)
+        """Bytes of one message across datacenters: ``msg``, or its compressed form (geo.pp_compression)."""
+        self.codec = [codec_seconds(plan.kind, work, layout, runtime) for plan in self.ranks]
+        """Per rank, seconds of its half of one compressed message's encode and decode (0: exact)."""
         self.stagger = max(
             [
-                pipeline_transfer(self.msg, link, share, layout.wan_schedule, layout.wan_streams).stagger
+                pipeline_transfer(self.wan_msg, link, share, layout.wan_schedule, layout.wan_streams).stagger
                 for link, share, wan in self.placement.boundary_links
                 if wan
             ]
@@ -223,11 +228,12 @@ class Simulation:
                 tier = "intra" if link == self.ranks[r].site.dc.intra_node else "fabric"
                 res = self._link(f"stage{r}.{tier}", tier)
             schedule = "time_shared" if slotted else "fair"
-            timing = pipeline_transfer(self.msg, link, share, schedule, self.layout.wan_streams if crosses else 1)
+            msg = self.wan_msg if crosses else self.msg
+            timing = pipeline_transfer(msg, link, share, schedule, self.layout.wan_streams if crosses else 1)
             seconds = timing.seconds - link.latency
             # A message stands for all dp x cp x tp devices' messages on a WAN boundary (share):
             # shared, it takes them all at once; in slots, its own and then the others' turns.
-            wan_bytes = self.msg * share if crosses else 0.0
+            wan_bytes = msg * share if crosses else 0.0
             hold = timing.occupancy - seconds if slotted else 0.0
             phase = self._routes[(r, peer)] = Phase(res, link.latency, seconds, 1.0, 0.0, wan_bytes, hold)
         name = f"{'act' if forward else 'grad'} mb{mb} s{src}->s{dst}" if self.engine.record else ""
@@ -380,6 +386,7 @@ class Simulation:
             tok = table[(it, dst, mb)]
             tok.done, tok.time = True, self.engine.now
             return
+        yield from self._codec(r, self.stage_rank[dst], f"encode mb{mb}", st)
         yield ("start", xf)
         if blocking:
             t = self.engine.now
@@ -391,6 +398,7 @@ class Simulation:
         too (DeepSpeed's blocking p2p.recv), then scatter/gather's all-gather over tp."""
         if peer == r:
             return
+        yield from self._codec(r, peer, f"decode mb{mb}", st)
         hold = 0.0
         if self.runtime.p2p_rendezvous and not self.runtime.p2p_async:
             phase = self._routes[(peer, r)]
@@ -398,6 +406,12 @@ class Simulation:
         if hold + gather_tp > 0:
             st.p2p_block += hold + gather_tp
             yield ("compute", hold + gather_tp, f"recv mb{mb}", "p2p", None)
+
+    def _codec(self, r: int, peer: int, name: str, st: RankStats) -> Iterator[tuple[Any, ...]]:
+        """Rank r's half of a compressed message's encode and decode, on a boundary between datacenters."""
+        if self.codec[r] > 0 and self._boundary(r, peer)[2]:
+            st.op_busy += self.codec[r]
+            yield ("compute", self.codec[r], name if self.engine.record else "codec", "compression", None)
 
     def _rank_done(self, it: int) -> None:
         self._left -= 1

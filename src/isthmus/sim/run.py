@@ -120,6 +120,8 @@ def simulate(
         "bubble": max(0.0, idle - pipe_wan),
         "optimizer": mean(s.optimizer for s in s_slow),
     }
+    if per_step.get("compression", 0.0) > 0:  # compressed boundaries' encode and decode (geo.pp_compression)
+        breakdown["compression"] = per_step["compression"]
     # Each WAN phase carries the bytes of every device it stands for (all replicas included).
     wan_bytes = sum(link.wan_bytes for link in sim.links.values()) / iterations
     est = estimate(work, topo, layout, runtime)
