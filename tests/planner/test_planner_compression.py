@@ -129,3 +129,18 @@ def test_the_flag_reaches_the_planner(capsys: pytest.CaptureFixture[str]) -> Non
     assert any(line.strip().startswith("int4 boundaries") for line in out["trades"])
     with pytest.raises(ConfigError, match="geo.outer_density"):
         plan([*common, "--geo.outer_density", "0"])
+
+
+@pytest.mark.parametrize(("topk2", "chosen"), [(0.0258, "auto"), (0.004, "topk2")])
+def test_the_search_tries_topk2_outer_gradients_only_within_the_tolerance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, topk2: float, chosen: str
+) -> None:
+    path = tmp_path / "compression.toml"
+    path.write_text(f'tolerance = 0.01\n[outer_dtype.topk2]\nloss_penalty = {topk2}\ncommand = "python x.py"\n')
+    monkeypatch.setattr(compression, "QUALITY_FILE", path)
+    fixed = {"dc_axis": "dp", "tp": 1, "micro_batch": 4, "inner_steps": 10, "dp_shard": 1}
+    space = SearchSpace(fixed, batch_size=16, seq_len=256, sync=("diloco",))
+    res = search(WORK.args, WAN_100M, space, RT, top=3, dtype="fp32")
+    assert res.best.layout.outer_dtype == chosen
+    line = next(line for line in trades(res, WAN_100M) if "topk2 outer gradients" in line)
+    assert ("within tolerance" if chosen == "topk2" else "over tolerance") in line, line

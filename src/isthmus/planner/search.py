@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from isthmus.errors import ConfigError
-from isthmus.layout.choices import GEO_SYNCS, PP_COMPRESSIONS, WAN_SCHEDULES
+from isthmus.layout.choices import DILOCO_SYNCS, GEO_SYNCS, PP_COMPRESSIONS, WAN_SCHEDULES
 from isthmus.layout.rules import expert_parallel, zero_stage, zero_stages
 from isthmus.layout.spec import LayoutSpec
 from isthmus.layout.syncs import inner_steps_cap
@@ -656,6 +656,17 @@ def _compressed_cores(cand: _Core, space: SearchSpace) -> Iterator[tuple[LayoutS
         yield cand.core.with_(**_compression_fields(method, space)), stages
 
 
+def _outer_dtypes(geo: str, space: SearchSpace) -> list[str]:
+    """DiLoCo's outer dtypes to try: as set (auto by default), and topk2 besides where the quality
+    table accepts its measured loss (:func:`~isthmus.planner.compression.not_chosen`)."""
+    setting = space.setting("outer_dtype")
+    if space.pin("outer_dtype") is not None or geo not in DILOCO_SYNCS:
+        return [setting]
+    sparse = LayoutSpec(datacenters=2, dc_axis="dp", sync=geo, outer_dtype="topk2")
+    sparse = sparse.with_(outer_density=space.setting("outer_density"))
+    return [setting, "topk2"] if not_chosen(sparse) is None else [setting]
+
+
 def _geos(core: LayoutSpec, space: SearchSpace) -> list[str]:
     return [g for g in space.sync if g in GEO_SYNCS] if core.dc_axis == "dp" else ["none"]
 
@@ -702,12 +713,16 @@ def _variants(
             if len(schedules) > 1 and max((n for _, n, wan in pl.boundary_links if wan), default=1) == 1:
                 schedules = schedules[:1]
             fair_step: float | None = None
-            fair_steps: dict[tuple[str, str], float] = {}
+            fair_steps: dict[tuple[str, str, str], float] = {}
             # Memory depends on neither the strategy nor the WAN schedule: once one of them does not
             # fit, none does, and the rest are counted as refused without timing them.
             refused: MemoryBreakdown | None = None
-            for geo, wan_schedule, method in (
-                (g, w, c) for g in _geos(core, space) for w in schedules for c in _compressions(core, space)
+            for geo, wan_schedule, method, outer in (
+                (g, w, c, o)
+                for g in _geos(core, space)
+                for w in schedules
+                for c in _compressions(core, space)
+                for o in _outer_dtypes(g, space)
             ):
                 if geo == "flat" and probe.shard_degree > 1:
                     continue  # with a shard group inside each datacenter, 'flat' is 'hierarchical'
@@ -731,7 +746,7 @@ def _variants(
                     overlap_steps=space.setting("overlap_steps"),
                     wan_schedule=wan_schedule,  # type: ignore[arg-type]
                     wan_streams=space.setting("wan_streams"),
-                    outer_dtype=space.setting("outer_dtype"),
+                    outer_dtype=outer,  # type: ignore[arg-type]
                     outer_density=space.setting("outer_density"),
                     **_compression_fields(method, space),
                 )
@@ -745,8 +760,8 @@ def _variants(
                     refused = est.memory
                     continue
                 if wan_schedule == schedules[0]:
-                    fair_step = fair_steps[(geo, method)] = est.step_time_s
-                elif est.step_time_s >= fair_steps.get((geo, method), float("inf")):
+                    fair_step = fair_steps[(geo, method, outer)] = est.step_time_s
+                elif est.step_time_s >= fair_steps.get((geo, method, outer), float("inf")):
                     continue
                 counter += 1
                 _remember(result, est)
