@@ -24,6 +24,7 @@ from typing import IO
 import pytest
 
 import isthmus
+from isthmus.launch import netns
 from isthmus.launch.hosts import EmulatedHosts
 from procs import isthmus_argv
 
@@ -104,17 +105,35 @@ class SlurmCluster:
     def on_host(self, i: int, argv: list[str]) -> list[str]:
         """``argv`` on host ``i`` with /sys left as it is: slurmd 22.05 needs the cgroup hierarchy it
         finds there, which ``ip netns exec`` (the hosts' own way in) hides by mounting a fresh /sys.
-        So: the host's network namespace, a mount namespace of its own with the host's hosts file
-        over /etc/hosts (what ``ip netns exec`` does), and its hostname."""
-        ns, name = self.hosts.namespace(i), self.hosts.name(i)
-        setup = f'mount --bind /etc/netns/{ns}/hosts /etc/hosts && hostname {name} && exec "$@"'
-        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--uts", "sh", "-c", setup, "sh", *argv]
+        So: the host's network namespace, a mount namespace of its own with a hosts file over
+        /etc/hosts (what ``ip netns exec`` does), and its hostname."""
+        name = self.hosts.name(i)
+        setup = f'mount --bind {self.dir}/hosts-{name} /etc/hosts && hostname {name} && exec "$@"'
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.hosts.namespace(i)}",
+            "unshare",
+            "--mount",
+            "--uts",
+            "sh",
+            "-c",
+            setup,
+            "sh",
+            *argv,
+        ]
 
     def start(self) -> None:
         d, hosts = self.dir, self.hosts
         for sub in ("state", *(f"spool/{hosts.name(i)}" for i in range(hosts.n))):
             (d / sub).mkdir(parents=True, exist_ok=True)
         (d / "plugstack.conf").touch()
+        # The hosts' own hosts files, except that only the head node knows its name, as in a container
+        # that knows only itself: the job must reach it by address.
+        for i in range(hosts.n):
+            lines = (netns.NETNS_ETC / hosts.namespace(i) / "hosts").read_text().splitlines()
+            if i > 0:
+                lines = [line for line in lines if line.split()[-1:] != [hosts.name(0)]]
+            (d / f"hosts-{hosts.name(i)}").write_text("\n".join(lines) + "\n")
         # On a host with cgroup v2 alone, slurmd would ask systemd (over dbus) for a scope of its own;
         # there may be no systemd, and nothing here needs it (proctrack/linuxproc, task/none).
         (d / "cgroup.conf").write_text("CgroupPlugin=autodetect\nIgnoreSystemd=yes\n")
@@ -238,19 +257,24 @@ def test_sbatch_on_two_nodes_trains_as_isthmus_train(slurm: SlurmCluster, tmp_pa
 
 
 def _script(tmp_path: Path, nodes: list[str], **env: str) -> subprocess.CompletedProcess[str]:
-    """The batch script as Slurm runs it on the head node, with scontrol and srun stood in for:
-    scontrol lists ``nodes``, srun prints the command it was given."""
+    """The batch script as Slurm runs it on the head node, with Slurm's commands and torchrun stood in
+    for: scontrol lists ``nodes``, srun runs its command once (the task of the node SLURMD_NODENAME,
+    the head unless ``env`` says), torchrun prints its arguments."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "scontrol").write_text("#!/bin/sh\nprintf '%s\\n' " + " ".join(nodes) + "\n")
-    (bin_dir / "srun").write_text('#!/bin/sh\necho srun "$@"\n')
-    for tool in ("scontrol", "srun"):
+    fakes = {
+        "scontrol": "printf '%s\\n' " + " ".join(nodes),
+        "srun": 'while [[ "$1" == --* ]]; do shift; done; exec "$@"',
+        "torchrun": 'echo torchrun "$@"',
+    }
+    for tool, body in fakes.items():
+        (bin_dir / tool).write_text(f"#!/bin/bash\n{body}\n")
         (bin_dir / tool).chmod(0o755)
     slurm = {"SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_JOB_NUM_NODES": str(len(nodes)), "SLURM_JOB_ID": "77"}
-    keep = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "ISTHMUS_"))}
+    keep = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM", "ISTHMUS_"))}
     return subprocess.run(
         ["bash", str(SCRIPT), "--train.steps", "5", "--parallel.tp", "2"],
-        env={**keep, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **slurm, **env},
+        env={**keep, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", **slurm, "SLURMD_NODENAME": nodes[0], **env},
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
 
@@ -259,12 +283,11 @@ def _script(tmp_path: Path, nodes: list[str], **env: str) -> subprocess.Complete
 def test_script_starts_one_torchrun_per_node_at_the_head_nodes_address(tmp_path: Path) -> None:
     proc = _script(tmp_path, ["localhost"], SLURM_GPUS_ON_NODE="4")
     assert proc.returncode == 0, proc.stderr
-    argv = proc.stdout.split()
-    assert argv[:2] == ["srun", "--kill-on-bad-exit=1"]
-    assert " ".join(argv[2:]) == (
-        "torchrun --nnodes 1 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500 "
-        "--rdzv-id 77 -m isthmus train --train.steps 5 --parallel.tp 2"
-    )
+    assert proc.stdout.split() == [
+        *("torchrun", "--local-addr", "127.0.0.1", "--nnodes", "1", "--nproc-per-node", "4"),
+        *("--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-id", "77"),
+        *("-m", "isthmus", "train", "--train.steps", "5", "--parallel.tp", "2"),
+    ]
     # CPUs per task when there are no GPUs, and the overrides.
     cpu = _script(tmp_path, ["localhost"], SLURM_CPUS_PER_TASK="3", ISTHMUS_RDZV_PORT="29999").stdout
     assert "--nproc-per-node 3 " in cpu and "--rdzv-endpoint 127.0.0.1:29999 " in cpu
@@ -272,16 +295,22 @@ def test_script_starts_one_torchrun_per_node_at_the_head_nodes_address(tmp_path:
 
 
 @pytest.mark.slow
-def test_script_stops_when_the_head_node_cannot_be_reached(tmp_path: Path) -> None:
-    # A name that resolves nowhere: one line, exit 1, and no torchrun started.
+def test_script_stops_when_a_node_cannot_be_reached(tmp_path: Path) -> None:
+    # A head node whose name resolves nowhere: one line, exit 1, and no torchrun started.
     unknown = _script(tmp_path, ["no-such-node.invalid", "node1.invalid"])
     assert unknown.returncode == 1 and unknown.stdout == ""
     assert unknown.stderr.splitlines() == [
-        "train.sbatch: cannot resolve the head node no-such-node.invalid to an IPv4 address (getent ahostsv4)"
+        "train.sbatch: cannot resolve the node no-such-node.invalid to an IPv4 address (getent ahostsv4)"
     ]
     # Loopback on a job of 2 nodes: each node would reach only itself, a world of one that hangs.
     loop = _script(tmp_path, ["localhost", "node1.invalid"])
     assert loop.returncode == 1 and loop.stdout == ""
     assert loop.stderr.splitlines() == [
-        "train.sbatch: the head node localhost resolves to loopback 127.0.0.1, which other nodes cannot reach; fix /etc/hosts"
+        "train.sbatch: the node localhost resolves to loopback 127.0.0.1, which other nodes cannot reach; fix /etc/hosts"
+    ]
+    # A node that cannot resolve its own name stops the same way before its torchrun starts.
+    own = _script(tmp_path, ["localhost"], SLURMD_NODENAME="node1.invalid")
+    assert own.returncode == 1 and own.stdout == ""
+    assert own.stderr.splitlines() == [
+        "train.sbatch: cannot resolve the node node1.invalid to an IPv4 address (getent ahostsv4)"
     ]
