@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from isthmus.config import build_config
+from isthmus.launch.environ import spans_hosts
 from isthmus.launch.hosts import EmulatedHosts, torchrun_argv
-from isthmus.launch.jobwatch import spans_hosts
 from isthmus.launch.rundir import lock_host_dir
 from isthmus.models.flops import flops_per_token
 from isthmus.models.resolve import resolve_model_args

@@ -13,7 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from isthmus.launch import jobwatch
-from isthmus.launch.jobwatch import JobEnd, JobWatch, spans_hosts
+from isthmus.launch.environ import spans_hosts
+from isthmus.launch.jobwatch import JobEnd, JobWatch
 
 
 @pytest.fixture

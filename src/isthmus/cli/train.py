@@ -14,8 +14,8 @@ from rich.table import Table
 from isthmus.cli.common import subcommand_parser
 from isthmus.cli.config_keys import help_text
 from isthmus.config import JobConfig, build_config, parse_overrides
-from isthmus.errors import ConfigError
-from isthmus.launch.environ import launcher_world
+from isthmus.errors import ConfigError, IsthmusError
+from isthmus.launch.environ import launcher_world, said_once_per_host
 from isthmus.launch.preflight import preflight
 from isthmus.launch.warm import start_rank_server, starts_local_ranks
 from isthmus.layout.choices import DILOCO_SYNCS
@@ -102,7 +102,10 @@ def parse_train_command(argv: list[str]) -> tuple[argparse.Namespace, list[str]]
 
 
 def run(ns: argparse.Namespace, rest: list[str]) -> int:
-    cfg = train_config(ns.config, rest, print_config=ns.print_config)
+    try:
+        cfg = train_config(ns.config, rest, print_config=ns.print_config)
+    except IsthmusError as e:  # under torchrun on several hosts: once per host, naming it
+        raise said_once_per_host(e, named=False) from None
     if ns.print_config:
         sys.stdout.write(cfg.to_toml())
         return 0

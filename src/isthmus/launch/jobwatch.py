@@ -36,6 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from isthmus.launch.environ import where
 from isthmus.launch.heartbeat import beat_interval
 from isthmus.parallel.rendezvous import store_address
 
@@ -58,19 +59,6 @@ class JobEnd:
     """The exit code every rank ends with (`isthmus.errors`; 128 + N for signal N)."""
     line: str
     """What happened, naming the rank and host (``rank 3 on host1 stopped answering for 31 s ...``)."""
-
-
-def spans_hosts() -> bool:
-    """Whether this process is a rank of an external launch (torchrun) whose ranks run on more than one host."""
-    try:
-        return int(os.environ["WORLD_SIZE"]) > int(os.environ["LOCAL_WORLD_SIZE"]) and "RANK" in os.environ
-    except (KeyError, ValueError):
-        return False
-
-
-def where(rank: int, host: str | None = None) -> str:
-    """``rank 3 on host1``: how a line names a rank of a job on several hosts."""
-    return f"rank {rank} on {host or socket.gethostname()}"
 
 
 class JobWatch:

@@ -52,9 +52,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 from isthmus.checkpoint.manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.config import JobConfig
 from isthmus.errors import EXIT_RUN_FAILED, EXIT_USAGE, ConfigError, Interrupted, IsthmusError, RunFailed, full_disk_as
-from isthmus.launch.environ import environ, launcher_world
+from isthmus.launch.environ import environ, launcher_world, said_once_per_host, spans_hosts, where
 from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
-from isthmus.launch.jobwatch import JobEnd, JobWatch, spans_hosts, where
+from isthmus.launch.jobwatch import JobEnd, JobWatch
 from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir, lock_host_dir, mark_job, shares_job_dir
 from isthmus.launch.stop import STOP_SIGNALS, Stopped, StopState, interrupted_line, stop_on_signals
 from isthmus.launch.warm import (
@@ -377,7 +377,10 @@ def launch(cfg: JobConfig, config_name: str = "default") -> TrainResult:
     """
     if launched_externally():
         world = int(os.environ["WORLD_SIZE"])
-        check_external_launch(cfg, world)
+        try:
+            check_external_launch(cfg, world)
+        except IsthmusError as e:
+            raise said_once_per_host(e, named=False) from None
         cfg.parallel.nproc = world
         try:
             claim = _claim_under_launcher(cfg, config_name)
@@ -426,18 +429,11 @@ def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | Non
     if world > 1:
         dist.broadcast_object_list(answer, src=0)
     if answer[1] is not None:
-        raise _said_once_per_host(IsthmusError(answer[1]))
+        raise said_once_per_host(IsthmusError(answer[1]))
     cfg.train.run_dir = str(answer[0])
     if several_hosts:
         claim = _claim_on_each_host(cfg, world, str(answer[2])) or claim
     return claim
-
-
-def _said_once_per_host(e: IsthmusError) -> BaseException:
-    """A refusal every rank of a job on several hosts raises: each host's local rank 0 says it."""
-    if spans_hosts() and int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        return SystemExit(e.exit_code)
-    return e
 
 
 def _claim_on_each_host(cfg: JobConfig, world: int, token: str) -> RunDirClaim | None:
@@ -489,7 +485,7 @@ def _claim_on_each_host(cfg: JobConfig, world: int, token: str) -> RunDirClaim |
         if claim is not None:
             claim.release()
         error = IsthmusError(refusals[0])
-        raise _said_once_per_host(error)
+        raise said_once_per_host(error)
     return claim
 
 
