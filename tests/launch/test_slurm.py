@@ -243,8 +243,9 @@ def test_sbatch_on_two_nodes_trains_as_isthmus_train(slurm: SlurmCluster, tmp_pa
         state = slurm.wait(submit.stdout.strip().split(";")[0], timeout_s=180)
         _, own_err = own.communicate(timeout=180)
     finally:
-        own.kill()
-        own.wait()
+        if own.poll() is None:  # the test failed first: stop the run and its ranks as a user would
+            own.terminate()
+            own.wait(timeout=30)
     assert own.returncode == 0, own_err[-3000:]
     log = out.read_text() if out.exists() else "(no output)"
     assert state["JobState"] == "COMPLETED" and state["ExitCode"] == "0:0", f"{state}\n{log[-4000:]}"
