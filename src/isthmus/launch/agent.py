@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 from isthmus.launch.warm import START_METHOD, run_module, start_rank_server, unbuffered_ranks
@@ -53,11 +54,31 @@ def main(argv: list[str]) -> int:
             entry, entry_argv = run_module, [args.training_script, list(args.training_script_args)]
         elastic_launch(config, entry)(*entry_argv)
     except ChildFailedError as e:
+        _keep_store_up(args.nnodes, args.rdzv_conf)
         first = e.failures[min(e.failures)]
         return first.exitcode if first.exitcode > 0 else 1
     except SignalException as e:
+        _keep_store_up(args.nnodes, args.rdzv_conf)
         return 128 + int(e.sigval)
     return 0
+
+
+STORE_GRACE_S = 3.0
+"""How long a failed job's agent stays, when the job has several nodes, before it exits."""
+
+
+def _keep_store_up(nnodes: str, rdzv_conf: str) -> None:
+    """A job of several nodes failed: stay a moment before exiting. The c10d store may live in this
+    agent (the rendezvous host's; not when the store is someone else's, ``is_host=0``), kept alive
+    while the failure is handled here; another node's agent that finds it gone before its own ranks
+    have ended fails with a traceback of its own and stops them before they say why they ended
+    (`isthmus.launch.jobwatch`). A signal cuts the wait short."""
+    if nnodes.split(":")[-1] == "1" or "is_host=0" in rdzv_conf.replace(" ", ""):
+        return
+    try:
+        time.sleep(STORE_GRACE_S)
+    except BaseException:  # torch's handlers turn a signal into an exception; the exit code stands
+        pass
 
 
 if __name__ == "__main__":
