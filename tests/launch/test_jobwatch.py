@@ -1,9 +1,11 @@
-"""The watch that ranks of a job on several hosts keep on each other through the job's store (a real TCPStore)."""
+"""The watch that ranks of a job on several hosts keep on each other through the job's store (a real TCPStore),
+and how their lines are said once per host."""
 
 from __future__ import annotations
 
 import io
 import re
+import socket
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -12,9 +14,11 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from isthmus.launch import jobwatch
-from isthmus.launch.environ import spans_hosts
+from isthmus.errors import ConfigError, IsthmusError, RunFailed
+from isthmus.launch import environ, jobwatch
+from isthmus.launch.environ import said_once_per_host, spans_hosts
 from isthmus.launch.jobwatch import JobEnd, JobWatch
+from isthmus.launch.local import _transport_words
 
 
 @pytest.fixture
@@ -88,3 +92,28 @@ def test_the_first_reason_posted_stands_for_every_rank(port: int) -> None:
     assert w1.post(first) == first
     assert w0.wait_for_end(1.0) == first
     assert w0.post(JobEnd("lost", 0, "host0", 3, "rank 0 on host0 lost the job's other ranks")) == first
+
+
+def test_an_error_every_rank_meets_is_said_once_per_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each host's local rank 0 says it, naming itself; the others exit quietly with its code."""
+    monkeypatch.setattr(environ, "QUIET_EXIT_DELAY_S", 0.0)
+    for key, value in {"RANK": "2", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    said = said_once_per_host(ConfigError("train.seq_len", -5, "must be at least 1"), named=False)
+    assert isinstance(said, IsthmusError) and said.exit_code == 2
+    assert str(said) == f"train.seq_len = -5: must be at least 1 (rank 2 on {socket.gethostname()})"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    quiet = said_once_per_host(RunFailed("x"))
+    assert isinstance(quiet, SystemExit) and quiet.code == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one host: the error as it is
+    error = ConfigError("train.seq_len", -5, "must be at least 1")
+    assert said_once_per_host(error, named=False) is error
+
+
+def test_a_lost_connection_keeps_what_gloo_says_went_away() -> None:
+    gloo = (
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+        "[10.213.0.101]:56488. This is typically caused by a remote worker crashing. Check the logs"
+    )
+    assert _transport_words(RuntimeError(gloo)) == "Connection closed by peer [10.213.0.101]:56488"
+    assert _transport_words(RuntimeError("")) == "RuntimeError"
