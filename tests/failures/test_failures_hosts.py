@@ -77,7 +77,7 @@ def test_two_hosts_count_their_own_peaks_keep_local_folders_and_stop_together(tm
             env = {"ISTHMUS_CACHE": str(cache), "ISTHMUS_REPROBE_PEAK": "0"}
             procs.append(hosts.popen(i, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         deadline = time.monotonic() + 120
-        while len(_metrics(run_dir / "metrics.jsonl")) < 3 and time.monotonic() < deadline:
+        while len(_metrics(run_dir / "metrics.jsonl")) < 2 and time.monotonic() < deadline:
             assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
             time.sleep(0.2)
         os.kill(procs[1].pid, signal.SIGTERM)  # host 1's torchrun agent (the commands above exec it)
@@ -98,7 +98,7 @@ def test_two_hosts_count_their_own_peaks_keep_local_folders_and_stop_together(tm
     cfg = build_config(resources.files("isthmus") / "configs" / "tiny.toml", [("train.seq_len", "32")])
     per_token = flops_per_token(resolve_model_args(cfg.model, 256), 32)
     records = _metrics(run_dir / "metrics.jsonl")
-    assert len(records) >= 3
+    assert len(records) >= 2
     for r in records:
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * per_token / 4e12, rel=1e-9)
     # Host 1 had a folder of its own: its rank's log went there, not to host 0's.

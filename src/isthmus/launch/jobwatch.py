@@ -41,8 +41,9 @@ from isthmus.launch.heartbeat import beat_interval
 from isthmus.parallel.rendezvous import store_address
 
 END_KEY = "end"
-POLL_S = 0.1
-"""How often a rank reads ``end``: it must know the reason before the host that posted it is gone."""
+POLL_S = 0.5
+"""How often a rank reads ``end``: it must know the reason before the store is gone (the rendezvous
+host's agent, `isthmus.launch.agent`, stays 3 s after a failure)."""
 STUCK_GRACE_S = 5.0
 """How long a rank has, after the job's end was posted, to unwind by itself before its thread ends it."""
 
@@ -130,7 +131,7 @@ class JobWatch:
         interval = beat_interval(self.timeout_s)
         next_beat = time.monotonic() + interval
         ended_at: float | None = None
-        while not self._stop.wait(POLL_S):
+        while not self._stop.wait(min(POLL_S, interval)):
             try:
                 if self.end is None:
                     self._read_end()
@@ -165,8 +166,8 @@ class JobWatch:
 
     def _look_for_stalls(self, now: float) -> None:
         keys = [f"beat/{r}" for r in range(self.world)]
-        with self._lock:
-            present = [k for k in keys if self.store.check([k])]
+        with self._lock:  # one round trip once every rank has beaten
+            present = keys if self.store.check(keys) else [k for k in keys if self.store.check([k])]
             values = self.store.multi_get(present) if present else []
         for key, value in zip(present, values, strict=True):
             rank = int(key.split("/")[1])
