@@ -206,10 +206,15 @@ def _parse(raw: Any) -> JobEnd | None:
         return None
 
 
+JOB_TOKEN_ENV = "ISTHMUS_JOB_TOKEN"
+"""This attempt's token, rank 0's, which every rank learned when the run directory was claimed."""
+
+
 def _job_store() -> Any:
-    """A client of the job's store (torchrun's, at MASTER_ADDR:MASTER_PORT), under this attempt's prefix."""
+    """A client of the job's store (torchrun's, at MASTER_ADDR:MASTER_PORT), under this attempt's prefix:
+    rank 0's token, the same on every host (agents count their restarts each their own way: a host
+    that rejoins an elastic job starts again at 0)."""
     host, port = store_address()
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    return dist.PrefixStore(f"isthmus/watch/{run}/{attempt}/", store)
+    attempt = os.environ.get(JOB_TOKEN_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"isthmus/watch/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/{attempt}/", store)

@@ -54,7 +54,7 @@ from isthmus.config import JobConfig
 from isthmus.errors import EXIT_RUN_FAILED, EXIT_USAGE, ConfigError, Interrupted, IsthmusError, RunFailed, full_disk_as
 from isthmus.launch.environ import environ, launcher_world, said_once_per_host, spans_hosts, where
 from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
-from isthmus.launch.jobwatch import JobEnd, JobWatch
+from isthmus.launch.jobwatch import JOB_TOKEN_ENV, JobEnd, JobWatch
 from isthmus.launch.rundir import CLAIMED_ENV, RunDirClaim, claim_run_dir, lock_host_dir, mark_job, shares_job_dir
 from isthmus.launch.stop import STOP_SIGNALS, Stopped, StopState, interrupted_line, stop_on_signals
 from isthmus.launch.warm import (
@@ -432,6 +432,7 @@ def _claim_under_launcher(cfg: JobConfig, config_name: str) -> RunDirClaim | Non
         raise said_once_per_host(IsthmusError(answer[1]))
     cfg.train.run_dir = str(answer[0])
     if several_hosts:
+        os.environ[JOB_TOKEN_ENV] = str(answer[2])  # this attempt's keys on the job's store (`JobWatch`)
         claim = _claim_on_each_host(cfg, world, str(answer[2])) or claim
     return claim
 
