@@ -4,8 +4,8 @@ Under ``torchrun`` on several nodes no isthmus launcher watches the ranks: each 
 only its own workers, and a rank whose peer on another host went away sees a collective fail (a
 reset connection), or wait for the process-group timeout (a peer that lives but stopped), without
 being told why. So every rank of such a job (``WORLD_SIZE`` > ``LOCAL_WORLD_SIZE``) runs a thread
-on the job's store (torchrun's, on the first host; its own client, so it never waits behind the
-trainer's store calls):
+on the job's store (MASTER_ADDR:MASTER_PORT: the rendezvous host's agent's, or rank 0's when torch
+does not share the agent's; its own client, so it never waits behind the trainer's store calls):
 
 - it beats: ``beat/<rank>`` holds its host, pid, last finished step and a counter it raises every
   beat interval. Only the counter's change is looked at, by the watcher's own clock: the hosts'
@@ -14,7 +14,7 @@ trainer's store calls):
   ``parallel.timeout_s`` stalled (its process stopped, or its host froze) and ends the job.
 - the first rank that knows why the job ends posts it once, as ``end`` (compare-and-set: the first
   reason stands): a signal it got (``SIGTERM to rank 2 on host1``), a stall it found, an error of its
-  own. Every rank reads ``end`` a few times a second, so it still knows after the store's host is gone.
+  own. Every rank reads ``end`` twice a second, so it still knows after the store's host is gone.
 - a rank whose collective failed (the peers left) ends with that reason and its exit code; a rank
   blocked on a stalled peer cannot unwind, so its thread ends it (``os._exit``) with the reason's
   line. Each host's local rank 0 prints the one line, so every host's output says it once.
