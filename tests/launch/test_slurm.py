@@ -230,6 +230,8 @@ def test_sbatch_on_two_nodes_trains_as_isthmus_train(slurm: SlurmCluster, tmp_pa
     def args(run: str) -> list[str]:
         return [*ARGS, "--train.run_dir", str(tmp_path / run), "--data.cache_dir", str(tmp_path / f"{run}-cache")]
 
+    # Host 1 cannot resolve the head's name: the job must reach it by address alone.
+    assert subprocess.run(slurm.on_host(1, ["getent", "hosts", "host0"]), capture_output=True).returncode == 2
     # The same run under `isthmus train`, beside the job: both mostly wait on their ranks' start-up.
     own = subprocess.Popen(
         isthmus_argv("train", *args("own"), "--parallel.nproc", "2"),
