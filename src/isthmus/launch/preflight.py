@@ -30,6 +30,7 @@ from isthmus.planner.compute import BlockShape
 from isthmus.planner.memory import MemoryBreakdown, device_memory
 from isthmus.planner.pipeline import in_flight
 from isthmus.serve.requests import TOKEN_BYTES, RequestLimits, check_synthetic, iter_request_file
+from isthmus.train.membership import cannot_continue
 
 
 def preflight(cfg: JobConfig) -> ModelArgs:
@@ -62,15 +63,21 @@ def preflight(cfg: JobConfig) -> ModelArgs:
         check_config(cfg.geo)
         # Each datacenter is its own job: the layout spans every datacenter's ranks.
         world = layout_world(cfg.geo, world or cfg.parallel.nproc)
-    dims = check_layout(
-        cfg,
-        args.n_heads,
-        args.n_kv_heads,
-        args.n_layers,
-        world_size=world,
-        n_experts=args.n_experts,
-        capacity_factor=args.capacity_factor,
-    )
+    try:
+        dims = check_layout(
+            cfg,
+            args.n_heads,
+            args.n_kv_heads,
+            args.n_layers,
+            world_size=world,
+            n_experts=args.n_experts,
+            capacity_factor=args.capacity_factor,
+        )
+    except ConfigError as e:
+        if world is None:
+            raise
+        # Under torchrun: an elastic job that restarted on fewer hosts than its layout needs.
+        raise cannot_continue(e, Path(cfg.train.run_dir), world) from None
     if cfg.geo.wan_schedule == "time_shared" and (cfg.geo.dc_axis != "pp" or cfg.geo.datacenters == 1):
         # Only pipeline stages in different datacenters have WAN transfers to take turns with.
         raise ConfigError(

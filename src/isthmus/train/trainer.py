@@ -50,6 +50,17 @@ from isthmus.serve.prefill import build_bubble_run
 from isthmus.train.experts import ExpertBalance
 from isthmus.train.grad import clip_grad_norm
 from isthmus.train.hooks import StepHookList
+from isthmus.train.membership import (
+    HOSTS_FILE,
+    HostChange,
+    gather_hosts,
+    host_change,
+    last_logged_step,
+    multi_node,
+    read_hosts,
+    resume_line,
+    write_hosts,
+)
 from isthmus.train.metrics import MetricsLogger, ThroughputModel
 from isthmus.train.optim import build_lr_scheduler, build_optimizer
 from isthmus.train.short_run import max_steps_override
@@ -143,6 +154,8 @@ class Trainer:
         self.run_dir = self.geo_run.run_dir(Path(t.run_dir))
         self.data = self._prepare_data()
         self.model_args = a = resolve_model_args(cfg.model, self.data.tokenizer.vocab_size)
+        # Under torchrun on several nodes, each rank's host, for the line an elastic restart prints.
+        self.hosts = self._gather_hosts()
         self.dims: ParallelDims = check_layout(
             cfg,
             a.n_heads,
@@ -159,6 +172,7 @@ class Trainer:
             cfg.checkpoint, self.run_dir, a, self.layout.manifest(self.dims.world_size), cfg.to_toml(), self.world
         )
         resume = self.checkpointer.find_resume()
+        self._note_hosts(resume)
         # Checked before the model exists too; a resumed run takes its weights from the checkpoint.
         pretrained = None
         if cfg.model.init_from and resume is None:
@@ -228,6 +242,32 @@ class Trainer:
             data = prepare_data(self.cfg.data, seq_len)
         self._barrier()
         return data if self.rank == 0 else prepare_data(self.cfg.data, seq_len)
+
+    def _gather_hosts(self) -> list[str] | None:
+        """Every rank's hostname, in a multi-node run or one that continues such a run (None otherwise)."""
+        record = self.run_dir / "logs" / HOSTS_FILE
+        if not self.geo_run.whole_run or not (multi_node() or record.exists()):
+            return None
+        return gather_hosts(self.world)
+
+    def _host_change(self) -> HostChange | None:
+        """Which hosts left or joined since the run's last start (None: none, or nothing to compare)."""
+        before = read_hosts(self.run_dir / "logs" / HOSTS_FILE) if self.hosts is not None else None
+        if before is None or self.hosts is None:
+            return None
+        return host_change(before, self.hosts) or None
+
+    def _note_hosts(self, resume: ResumePoint | None) -> None:
+        """Rank 0: say which hosts left or joined, what was lost and where the run goes on; record the hosts."""
+        if self.rank != 0 or self.hosts is None:
+            return
+        change = self._host_change()
+        if change is not None:
+            metrics = Path(self.cfg.metrics.jsonl) if self.cfg.metrics.jsonl else self.run_dir / "metrics.jsonl"
+            step = resume.manifest.step if resume is not None else None
+            line = resume_line(change, step, last_logged_step(metrics), self.world, self.dims.dp)
+            self.log.warning("%s", line)
+        write_hosts(self.run_dir / "logs" / HOSTS_FILE, self.hosts)
 
     def _write_run_files(self, resume: ResumePoint | None) -> None:
         """The config and tokenizer into the run folder (rank 0), once the checkpoint to resume
