@@ -93,7 +93,16 @@ TRAIN = [
 ]
 
 
-def run(topology: Path, mbit: float, rtt_ms: float, steps: int, prefill: str, out: Path) -> dict[str, object]:
+def run(
+    topology: Path,
+    mbit: float,
+    rtt_ms: float,
+    steps: int,
+    prefill: str,
+    out: Path,
+    dim: int = 256,
+    check_served: bool = True,
+) -> dict[str, object]:
     """One emulated run: median step time, each rank's median busy fraction, prefill tokens/s, losses."""
     metrics = out / "metrics.jsonl"
     cmd = [
@@ -114,6 +123,8 @@ def run(topology: Path, mbit: float, rtt_ms: float, steps: int, prefill: str, ou
         "--",
         "train",
         *TRAIN,
+        "--model.dim",
+        str(dim),
         "--train.steps",
         str(steps),
         "--train.run_dir",
@@ -141,7 +152,7 @@ def run(topology: Path, mbit: float, rtt_ms: float, steps: int, prefill: str, ou
         "timeline": one_step(out / "timeline.json", timed),
         "step_s": step,
         "wall_step_s": wall,
-        "served_equal_alone": served_equal_alone(out / "run") if prefill else None,
+        "served_equal_alone": served_equal_alone(out / "run") if prefill and check_served else None,
         "busy": busy,
         "prefill_tok_s": tokens,
         "losses": [r["loss"] for r in records],

@@ -19,6 +19,14 @@ by the waiter thread, so a chunk running past it does not inflate it) is measure
 starts only when its measured cost, with a margin, fits in what the slot's shortest recent gap has
 left. Nothing is filled until a slot has two measurements (the first step also builds the schedule).
 
+Even chunks that fit can slow the step: a chunk that overruns its gap, the hand-off from the waiter
+thread back to the schedule, and on few cores the CPU a chunk takes from the transport, the other
+ranks and an emulator's delay line (none of which the gaps show). :class:`FillGuard` backs off from
+all three: a slot whose chunks overran gets a smaller budget, the waiter's observed wake-up latency
+is kept free before each gap's end, and every few steps one step is left unfilled (a probe) so that
+the filled steps' time can be compared with the unfilled ones': where filling made steps slower,
+the share of each gap it may use is halved, down to nothing.
+
 The filler never touches training state: its model is a separate frozen module, it runs under
 ``torch.inference_mode`` with autocast off, and it draws no random numbers.
 """
@@ -52,7 +60,18 @@ COST_HISTORY = 8
 COST_MARGIN = 1.25
 """A chunk's predicted cost is the median of its recent measured costs times this."""
 SLACK_S = 0.0005
-"""Time kept free before a gap's expected end (the waiter thread's wake-up, Python overhead)."""
+"""Time kept free before a gap's expected end (Python overhead), besides the measured wake-up."""
+PROBE_EVERY = 4
+"""Every this many steps one is left unfilled, to compare filled steps' time against."""
+STEP_TOLERANCE = 0.02
+"""Filled steps more than this much slower than the unfilled probes halve the share of gaps filled."""
+STEP_HISTORY = 3
+"""How many recent filled and probe steps the comparison takes the median of."""
+MIN_SCALE = 0.125
+"""Below this share of each gap, fill nothing for the rest of the run."""
+OVERRUN_PENALTY = 2.0
+"""A slot's budget shrinks by this many times each overrun past its gap (halving when none)."""
+WAKE_HISTORY = 16
 
 
 @dataclass
@@ -141,6 +160,74 @@ def prefill(model: nn.Module, tokens: list[int], device: torch.device) -> dict[s
     }
 
 
+class FillGuard:
+    """How much of each gap the filler may use; pure bookkeeping on times it is given.
+
+    Three measured back-offs: a slot's *penalty* (``OVERRUN_PENALTY`` times what its chunks ran past
+    the transfer's completion, halved at each wait that did not overrun); a *wake margin* (the
+    slowest recent hand-off from the waiter thread back to the schedule); and a *scale* on every gap,
+    set by comparing the median time of recent filled steps with that of recent unfilled probe steps
+    (every ``PROBE_EVERY``-th step; all ranks probe the same steps, as they count steps alike)."""
+
+    def __init__(self, probe_every: int = PROBE_EVERY, tolerance: float = STEP_TOLERANCE) -> None:
+        self.probe_every, self.tolerance = probe_every, tolerance
+        self.scale = 1.0
+        self.filling = False
+        """Whether this step may be filled (not a probe, not the first, not given up)."""
+        self.penalty: dict[int, float] = {}
+        self.wakes: deque[float] = deque(maxlen=WAKE_HISTORY)
+        self.filled_steps: deque[float] = deque(maxlen=STEP_HISTORY)
+        self.probe_steps: deque[float] = deque(maxlen=STEP_HISTORY)
+        self._seen = 0
+        self._step_start = 0.0
+
+    def begin_step(self, step: int, now: float, previous_filled: bool) -> None:
+        """Close the previous step's timing, filled or not (this run's first step, which builds the
+        schedule, is not compared); after an unfilled one, compare; decide whether ``step`` may be
+        filled."""
+        if self._seen:
+            if previous_filled:
+                self.filled_steps.append(now - self._step_start)
+            elif self._seen > 1:
+                self.probe_steps.append(now - self._step_start)
+                self._compare()
+        self._seen, self._step_start = self._seen + 1, now
+        self.filling = self.scale > 0 and step % self.probe_every != 0
+
+    def _compare(self) -> None:
+        if not self.filled_steps or not self.probe_steps:
+            return
+        filled, probe = statistics.median(self.filled_steps), statistics.median(self.probe_steps)
+        if filled > probe * (1 + self.tolerance):
+            self.scale /= 2
+            self.filled_steps.clear()  # the next verdict is on steps filled at the new scale
+            if self.scale < MIN_SCALE:
+                self.scale = 0.0
+        else:
+            self.scale = min(1.0, self.scale * 1.5)
+
+    def wake_margin(self) -> float:
+        return max(self.wakes, default=0.0)
+
+    def budget(self, slot: int, expected_gap: float) -> float:
+        """Seconds from the wait's start that chunks may take in ``slot``: 0 when this step is not
+        filled."""
+        if not self.filling:
+            return 0.0
+        usable = (expected_gap - SLACK_S - self.wake_margin()) * self.scale
+        return max(0.0, usable - self.penalty.get(slot, 0.0))
+
+    def record(self, slot: int, overrun: float, wake: float | None) -> None:
+        """After a filled wait: how long its last chunk ran past the transfer's completion, and how
+        long the schedule took to resume once both were done (None where a chunk was still running)."""
+        if overrun > 0:
+            self.penalty[slot] = self.penalty.get(slot, 0.0) + OVERRUN_PENALTY * overrun
+        else:
+            self.penalty[slot] = self.penalty.get(slot, 0.0) / 2
+        if wake is not None:
+            self.wakes.append(wake)
+
+
 class BubbleFiller:
     """Runs this rank's share of the prefill requests in the waits of the pipeline schedule."""
 
@@ -159,6 +246,9 @@ class BubbleFiller:
         self._costs: dict[int, deque[float]] = {}
         self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isthmus-bubble-wait")
         self._low_priority = IdlePriority()
+        self.guard = FillGuard()
+        self._filled_this_step = False
+        self.clock: Callable[[], float] = time.perf_counter
 
     # --- cost model ---------------------------------------------------------------------
     def calibrate(self) -> None:
@@ -191,30 +281,43 @@ class BubbleFiller:
     # --- the hook -----------------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.step, self._slot = step, 0
+        if self.pending:
+            self.guard.begin_step(step, self.clock(), self._filled_this_step)
+        self._filled_this_step = False
 
     def wait(self, work: Any, name: str) -> None:
         """Wait for ``work``, running prefill chunks meanwhile when the slot's gap allows one."""
         slot, self._slot = self._slot, self._slot + 1
-        start = time.perf_counter()
+        start = self.clock()
         expected = self.expected_gap(slot)
-        if expected is None or not self.pending or self._next_fitting(expected - SLACK_S) is None:
+        budget = self.guard.budget(slot, expected) if expected is not None else 0.0
+        chunk_end: float | None = None
+        if not self.pending or self._next_fitting(budget) is None:
             work.wait()
-            done = time.perf_counter()
+            done = self.clock()
+            filled = False
         else:
-            future: Future[float] = self._waiter.submit(_wait_and_stamp, work, self._low_priority.restore)
+            filled = True
+            future: Future[float] = self._waiter.submit(_wait_and_stamp, work, self._low_priority.restore, self.clock)
             while not future.done():
-                left = expected - (time.perf_counter() - start) - SLACK_S
-                request = self._next_fitting(left)
+                # Checked after every chunk: the transfer may have completed, the budget run out.
+                request = self._next_fitting(budget - (self.clock() - start))
                 if request is None:
                     break
-                self._run(request, slot)
+                chunk_end = self._run(request, slot)
             done = future.result()  # re-raises a failed transfer's error here, on the main thread
         self._gaps.setdefault(slot, deque(maxlen=GAP_HISTORY)).append(done - start)
-        end = time.perf_counter()
-        # overrun: how long a chunk kept the rank past the transfer's completion (the delay filling caused).
-        expected_ms = round(expected * 1e3, 3) if expected is not None else None
-        overrun_ms = round(max(0.0, end - done) * 1e3, 3)
-        self.timeline.add(name, "wait", start, end, slot=slot, expected_ms=expected_ms, overrun_ms=overrun_ms)
+        end = self.clock()
+        # overrun: how long a chunk kept the rank past the transfer's completion (the delay filling
+        # caused); wake: from the later of completion and the last chunk's end to the schedule resuming.
+        args: dict[str, Any] = {"slot": slot, "expected_ms": _ms(expected), "gap_ms": _ms(done - start)}
+        args["overrun_ms"] = _ms(max(0.0, end - done))
+        if filled:
+            overrun = max(0.0, chunk_end - done) if chunk_end is not None else 0.0
+            wake = end - max(done, chunk_end or done)
+            self.guard.record(slot, overrun, wake if overrun == 0 else None)
+            args.update(budget_ms=_ms(budget), chunk_overrun_ms=_ms(overrun), wake_ms=_ms(wake))
+        self.timeline.add(name, "wait", start, end, **args)
 
     def _next_fitting(self, seconds: float) -> Request | None:
         # The first pending request that fits (requests are served in order when they fit); each
@@ -230,21 +333,33 @@ class BubbleFiller:
                 return r
         return None
 
-    def _run(self, request: Request, slot: int | None) -> None:
+    def _run(self, request: Request, slot: int | None) -> float:
+        """Serve one request; returns when it ended."""
         assert self.model is not None  # requests come with a model
         self.pending.remove(request)
-        start = time.perf_counter()
+        predicted = self.predicted_cost(len(request.tokens)) if slot is not None else None
+        start = self.clock()
         with self._low_priority if slot is not None else nullcontext():
             out = prefill(self.model, request.tokens, self.device)
-        end = time.perf_counter()
+        end = self.clock()
         self._costs.setdefault(len(request.tokens), deque(maxlen=COST_HISTORY)).append(end - start)
         in_bubble = slot is not None
         self.results.append(
             {"id": request.id, **out, "tokens": len(request.tokens), "step": self.step if in_bubble else None}
         )
         if in_bubble:
+            self._filled_this_step = True
             self.tokens_this_step += len(request.tokens)
-            self.timeline.add(f"prefill {request.id}", "prefill", start, end, tokens=len(request.tokens), slot=slot)
+            self.timeline.add(
+                f"prefill {request.id}",
+                "prefill",
+                start,
+                end,
+                tokens=len(request.tokens),
+                slot=slot,
+                predicted_ms=_ms(predicted),
+            )
+        return end
 
     def flush(self) -> int:
         """Run the requests no bubble had room for (after training); returns how many."""
@@ -291,9 +406,13 @@ class IdlePriority:
             os.setpriority(os.PRIO_PROCESS, self.tid, self.normal)
 
 
-def _wait_and_stamp(work: Any, then: Callable[[], None]) -> float:
+def _ms(seconds: float | None) -> float | None:
+    return round(seconds * 1e3, 3) if seconds is not None else None
+
+
+def _wait_and_stamp(work: Any, then: Callable[[], None], clock: Callable[[], float]) -> float:
     work.wait()
-    done = time.perf_counter()
+    done = clock()
     then()
     return done
 
