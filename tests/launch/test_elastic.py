@@ -122,9 +122,10 @@ def test_a_host_dies_the_run_shrinks_and_grows_back(tmp_path: Path) -> None:
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",
     }
-    # last_call_timeout: how long a rendezvous with fewer than 2 nodes waits for more (torch: 30 s).
+    # last_call_timeout: how long a rendezvous with fewer than 2 nodes waits for more (torch: 30 s):
+    # long enough for both hosts to meet at the start, short for the restart on host 0 alone.
     elastic = ["--checkpoint.resume", "auto"]  # every start continues from the newest checkpoint
-    target = ["--rdzv-conf", "last_call_timeout=3", "-m", "isthmus", "train", *_args(run, cache), *elastic]
+    target = ["--rdzv-conf", "last_call_timeout=5", "-m", "isthmus", "train", *_args(run, cache), *elastic]
     argv = torchrun_argv("1:2", 1, "host0:29400", f"elastic-{os.getpid()}", target, max_restarts=3)
     with EmulatedHosts(2) as hosts:
 
@@ -193,7 +194,7 @@ def test_a_layout_that_cannot_shrink_ends_in_one_line(tmp_path: Path) -> None:
     src = str(Path(isthmus.__file__).resolve().parents[1])
     env = {"PYTHONPATH": src, "ISTHMUS_CACHE": str(cache), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     # Tensor parallel across the two hosts: one host alone cannot hold both halves of each layer.
-    target = ["--rdzv-conf", "last_call_timeout=3", "-m", "isthmus", "train", *_args(run, cache)]
+    target = ["--rdzv-conf", "last_call_timeout=5", "-m", "isthmus", "train", *_args(run, cache)]
     target += ["--checkpoint.resume", "auto", "--parallel.tp", "2"]
     argv = torchrun_argv("1:2", 1, "host0:29400", f"elastic-{os.getpid()}", target, max_restarts=1)
     with EmulatedHosts(2) as hosts:
