@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -90,4 +91,7 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg))
+    """The schedule of ``cfg`` as it is now: a copy, so that capping ``train.steps`` afterwards (the
+    short-run override) shortens the run, not the schedule."""
+    frozen = dataclasses.replace(cfg)
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, frozen))
