@@ -19,7 +19,6 @@ from typing import Any, Literal, get_args, get_origin
 from isthmus.errors import ConfigError
 from isthmus.layout.choices import ActivationCheckpoint, CpImpl, PpSchedule, SyncKind, WanSchedule
 from isthmus.layout.plan import is_plan_file, plan_overrides
-from isthmus.models.flavors import get_flavor
 
 RUN_DIR_PLACEHOLDERS = ("{config}", "{time}")
 """What train.run_dir may hold: the config's name and the run's start time (see isthmus.launch.rundir)."""
@@ -710,14 +709,6 @@ def validate(cfg: JobConfig) -> None:
         g.pp_compression,
         "needs a pipeline boundary between datacenters (geo.dc_axis = pp, geo.datacenters > 1, parallel.pp > 1)",
     )
-    if g.pp_compression == "lowrank" and not m.init_from:
-        dim = m.dim or get_flavor(m.flavor).dim
-        _require(
-            1 <= g.pp_compression_rank <= dim,
-            "geo.pp_compression_rank",
-            g.pp_compression_rank,
-            f"must be between 1 and model.dim = {dim}",
-        )
 
 
 def synthetic_spec(spec: str) -> tuple[int, int] | None:

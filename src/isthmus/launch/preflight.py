@@ -85,6 +85,11 @@ def preflight(cfg: JobConfig) -> ModelArgs:
             cfg.geo.wan_schedule,
             "needs pipeline stages across datacenters (geo.dc_axis = pp, geo.datacenters > 1)",
         )
+    if cfg.geo.pp_compression == "lowrank" and cfg.geo.pp_compression_rank > args.dim:
+        # A rank of dim or more sends more than the tensor (geo.pp_compression_rank >= 1 is in validate_geo).
+        raise ConfigError(
+            "geo.pp_compression_rank", cfg.geo.pp_compression_rank, f"must be between 1 and model.dim = {args.dim}"
+        )
     if cfg.model.tie_embeddings and cfg.parallel.pp > 1:
         raise ConfigError(
             "model.tie_embeddings",
