@@ -123,6 +123,16 @@ def breakdown(trace: Path, first_step: int) -> dict[str, float]:
     return out
 
 
+def filled_vs_unfilled(metrics: Path) -> float:
+    """Within one run with filling: median time of the steps that served prefill over that of the
+    steps (after the first) that served none (the filler's probes, and steps where nothing fit), so
+    that load from outside the run, which drifts between runs, weighs on both alike."""
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    filled = [r["step_time_s"] for r in records[1:] if r.get("prefill_tokens")]
+    unfilled = [r["step_time_s"] for r in records[1:] if not r.get("prefill_tokens")]
+    return statistics.median(filled) / statistics.median(unfilled) if filled and unfilled else float("nan")
+
+
 def measure(
     topology: Path, mbit: float, rtt_ms: float, ns: argparse.Namespace, out: Path, filled: bool, check: bool
 ) -> dict[str, Any]:
@@ -140,6 +150,7 @@ def measure(
     cpu_s, queue_s = probe.totals_s()
     r.pop("timeline")
     r["breakdown"] = breakdown(out / "timeline.json", first_step=3)
+    r["filled_vs_unfilled"] = filled_vs_unfilled(out / "metrics.jsonl") if filled else None
     r["delay_line_cpu_ms_per_step"] = 1e3 * cpu_s / ns.steps
     r["delay_line_queue_ms_per_step"] = 1e3 * queue_s / ns.steps
     r["load"] = Path("/proc/loadavg").read_text().split()[0]
@@ -173,6 +184,7 @@ def point(topology: Path, mbit: float, rtt_ms: float, ns: argparse.Namespace, tm
         "step_on_s": med("on", "step_s"),
         "ratio": med("on", "step_s") / med("off", "step_s"),
         "pair_ratios": pair_ratios,
+        "in_run": med("on", "filled_vs_unfilled"),
         "off_spread": max(off_ratios) - min(off_ratios),
         "busy_off": min(statistics.median(r["busy"][k] for r in got["off"]) for k in range(2)),
         "busy_on": min(statistics.median(r["busy"][k] for r in got["on"]) for k in range(2)),
@@ -248,15 +260,16 @@ def main(argv: list[str] | None = None) -> int:
         Path(ns.json).write_text(json.dumps(rows, indent=1) + "\n")
     print(f"{ns.pairs} pair(s) per point, {ns.steps} steps, {ns.prefill}; ms per step and rank, filled")
     print(
-        "| WAN | RTT | step s without / with | with / without (pairs) | least busy without / with "
+        "| WAN | RTT | step s without / with | with / without (pairs) | filled / unfilled steps "
+        "| least busy without / with "
         "| prefill tok/s | overrun (chunk, wake) ms | compute +ms | delay line queue +ms | load |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         pairs = ", ".join(f"{x:.3f}" for x in r["pair_ratios"])
         print(
             f"| {r['mbit']:g} Mbit/s | {r['rtt_ms']:g} ms | {r['step_off_s']:.3f} / {r['step_on_s']:.3f} "
-            f"| {r['ratio']:.3f} ({pairs}) | {r['busy_off']:.0%} / {r['busy_on']:.0%} | {r['prefill_tok_s']:.0f} "
+            f"| {r['ratio']:.3f} ({pairs}) | {r['in_run']:.3f} | {r['busy_off']:.0%} / {r['busy_on']:.0%} | {r['prefill_tok_s']:.0f} "
             f"| {r['overrun_ms']:.1f} ({r['chunk_overrun_ms']:.1f}, {r['wake_ms']:.1f}) "
             f"| {r['compute_delta_ms']:+.1f} | {r['queue_delta_ms']:+.1f} | {r['load']} |"
         )
