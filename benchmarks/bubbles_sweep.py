@@ -127,7 +127,7 @@ def filled_vs_unfilled(metrics: Path) -> float:
     """Within one run with filling: median time of the steps that served prefill over that of the
     steps (after the first) that served none (the filler's probes, and steps where nothing fit), so
     that load from outside the run, which drifts between runs, weighs on both alike."""
-    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "loss" in r]
+    records = [r for r in map(json.loads, metrics.read_text().splitlines()) if "step_time_s" in r]
     filled = [r["step_time_s"] for r in records[1:] if r.get("prefill_tokens")]
     unfilled = [r["step_time_s"] for r in records[1:] if not r.get("prefill_tokens")]
     return statistics.median(filled) / statistics.median(unfilled) if filled and unfilled else float("nan")
