@@ -24,6 +24,18 @@ def test_quantisation_error_is_within_half_a_step_per_token(method: str, bits: i
     assert torch.equal(_round_trip(BoundaryCodec(method), zero), zero)
 
 
+@pytest.mark.parametrize("method,bits", [("int8", 8), ("int4", 4)])
+def test_stochastic_rounding_is_within_a_step_and_unbiased(method: str, bits: int) -> None:
+    row = torch.linspace(-1, 1, 64)  # absmax 1: the step is 1 / qmax
+    x = row.repeat(4000, 1)
+    out = _round_trip(BoundaryCodec(method, seed=1, stochastic=True), x)
+    step = 1 / (2 ** (bits - 1) - 1)
+    assert ((out - x).abs() <= step * (1 + 1e-5)).all()
+    assert (out.mean(dim=0) - row).abs().max() < 0.1 * step  # to nearest would be off by up to step / 2
+    nearest = _round_trip(BoundaryCodec(method), x)
+    assert (nearest.mean(dim=0) - row).abs().max() > 0.3 * step
+
+
 def test_int4_packs_two_signed_values_a_byte() -> None:
     codes = torch.tensor([[-7, -1, 0, 3, 7], [1, -2, 5, -6, 0]], dtype=torch.int8)
     packed = _pack_int4(codes)

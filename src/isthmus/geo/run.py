@@ -157,7 +157,8 @@ class GeoRun:
             # After striping (the payload is what is striped); its sends count the payload's bytes.
             codec = partial(BoundaryCodec, self.cfg.pp_compression, self.cfg.pp_compression_rank)
             for st in local_stages(schedule):
-                compress_stage(st, lambda seed: codec(seed=seed), self._crosses(st.group_rank, pp), self.pipeline_wan)
+                make = lambda seed, grads: codec(seed=seed, stochastic=grads)  # noqa: E731
+                compress_stage(st, make, self._crosses(st.group_rank, pp), self.pipeline_wan)
         if self.cfg.wan_schedule == "time_shared":
             self._time_share(schedule, ranks, pp)
 

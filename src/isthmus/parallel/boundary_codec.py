@@ -8,8 +8,10 @@ them), so the payload's layout follows from the shape alone and no header travel
 
 - ``int8`` / ``int4``: per-token absmax quantisation. Each row gets one fp32 scale (absmax / 127, or
   / 7 for int4: fp32 rather than bf16 costs 2 more bytes a row, under 1% of a row of 256 int8 values,
-  and keeps the scale exact); values round to nearest, int4 packs two values a byte (the row's
-  even columns in the low nibble). Gradients round to nearest too: see dev/LOG.md.
+  and keeps the scale exact); int4 packs two values a byte (the row's even columns in the low
+  nibble). Activations round to nearest; gradients round stochastically (unbiased, from a generator
+  of the codec's own), which trained closer to exact boundaries than rounding them to nearest
+  (dev/LOG.md).
 - ``lowrank``: the rows are projected on an orthonormal basis ``Q`` (dim x r) of their span, found by
   subspace iteration (PowerSGD's one step of ``Q <- orth(X^T X Q)``, warm-started from the basis the
   same boundary and direction used for the previous microbatch); the payload is ``Q`` and
@@ -99,13 +101,19 @@ def payload_numel(method: str, shape: torch.Size | tuple[int, ...], dtype: torch
     return wire_bytes(method, tokens, dim, torch.empty((), dtype=dtype).element_size(), rank)
 
 
-def quantise(x: Tensor, method: str) -> Tensor:
-    """``x`` as its payload: the codes (int8, or int4 packed two a byte) then one fp32 scale a row."""
+def quantise(x: Tensor, method: str, gen: torch.Generator | None = None) -> Tensor:
+    """``x`` as its payload: the codes (int8, or int4 packed two a byte) then one fp32 scale a row.
+    Rounded to nearest, or stochastically (unbiased: up with probability the fraction) with ``gen``."""
     qmax = _QMAX[method]
     rows = _rows(x).float()
     scale = rows.abs().amax(dim=1, keepdim=True) / qmax
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round(rows / safe).clamp_(-qmax, qmax).to(torch.int8)
+    scaled = rows / safe
+    if gen is None:
+        scaled = torch.round(scaled)
+    else:
+        scaled = torch.floor(scaled + torch.rand(scaled.shape, generator=gen).to(scaled.device))
+    codes = scaled.clamp_(-qmax, qmax).to(torch.int8)
     if method == "int4":
         codes = _pack_int4(codes)
     return torch.cat([codes.view(torch.uint8).reshape(-1), scale.reshape(-1).view(torch.uint8)])
@@ -177,11 +185,13 @@ class LowRank:
 class BoundaryCodec:
     """Encode and decode one boundary direction's tensors by ``method`` (``int8``, ``int4``, ``lowrank``)."""
 
-    def __init__(self, method: str, rank: int = 32, seed: int = 0):
+    def __init__(self, method: str, rank: int = 32, seed: int = 0, stochastic: bool = False):
         assert method in METHODS and method != "none", method
         self.method = method
         self.rank = rank
         self._lowrank = LowRank(rank, seed) if method == "lowrank" else None
+        # Its own generator: the training's random state stays what it is without compression.
+        self._gen = torch.Generator(device="cpu").manual_seed(seed) if stochastic and method in _QMAX else None
 
     def payload_bytes(self, like: Tensor) -> int:
         """Bytes of the payload that carries a tensor shaped as ``like``."""
@@ -190,7 +200,7 @@ class BoundaryCodec:
     def encode(self, x: Tensor) -> Tensor:
         """``x`` as a flat contiguous ``uint8`` payload of :meth:`payload_bytes` bytes."""
         with torch.no_grad():
-            out = self._lowrank.encode(x) if self._lowrank is not None else quantise(x, self.method)
+            out = self._lowrank.encode(x) if self._lowrank is not None else quantise(x, self.method, self._gen)
         assert out.numel() == self.payload_bytes(x)
         return out.contiguous()
 
@@ -209,19 +219,21 @@ _FACTORIES = ("get_fwd_send_ops", "get_fwd_recv_ops", "get_bwd_send_ops", "get_b
 
 def compress_stage(
     stage: PipelineStage,
-    make_codec: Callable[[int], BoundaryCodec],
+    make_codec: Callable[[int, bool], BoundaryCodec],
     crosses: Callable[[int], bool],
     counter: dict[str, int],
 ) -> None:
     """Make the P2P ops of ``stage`` toward a peer for which ``crosses(peer group rank)`` holds move
-    encoded payloads: each of the stage's four op kinds gets its own ``make_codec(seed)`` (a sender's
-    low-rank basis is per boundary and direction), and ``counter["wan"]`` adds every payload sent.
+    encoded payloads: each of the stage's four op kinds gets its own ``make_codec(seed, gradients)``
+    (a sender's low-rank basis and random stream are per boundary and direction; ``gradients`` holds
+    for the sends of gradients, which quantise with stochastic rounding), and ``counter["wan"]`` adds
+    every payload sent.
 
     Applied after ``stripe_stage`` (the payload is what is striped) and before the time-shared
     turns and bubble filling, which wrap whatever ``op.op`` this leaves and call it with torch's tensor."""
     for i, name in enumerate(_FACTORIES):
         factory = getattr(stage, name)
-        codec = make_codec(4 * stage.stage_index + i)
+        codec = make_codec(4 * stage.stage_index + i, name == "get_bwd_send_ops")
         sends = "send" in name
 
         def wrapped(
