@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from isthmus.cli import main
-from isthmus.parallel.boundary_codec import wire_bytes
+from isthmus.layout.wire import wire_bytes
 
 BATCH, SEQ, DIM, MICROBATCHES = 8, 64, 64, 2  # the tiny config's batch and seq_len, the tiny flavor's dim
 PIPELINE = ["--parallel.pp", "2", "--parallel.microbatches", str(MICROBATCHES)]

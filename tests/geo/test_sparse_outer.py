@@ -15,9 +15,10 @@ from isthmus.config import GeoConfig, resolved_outer_dtype
 from isthmus.config import validate_geo as validate
 from isthmus.errors import ConfigError
 from isthmus.geo import build_geo_groups, build_geo_sync, compress, sparse
+from isthmus.layout import wire
 from multirank import run_ranks
 
-BS, K = 256, sparse.chunk_k(256, 0.02)
+BS, K = 256, wire.topk2_chunk_k(256, 0.02)
 
 
 def _vector(n: int, seed: int = 0) -> torch.Tensor:
@@ -70,10 +71,10 @@ def test_error_feedback_keeps_what_was_not_sent() -> None:
 
 @pytest.mark.parametrize("bs", [256, 4096])
 def test_at_two_percent_it_sends_over_ten_times_fewer_bytes_than_int4(bs: int) -> None:
-    n, k = 64 * bs + 5, sparse.chunk_k(bs, 0.02)
+    n, k = 64 * bs + 5, wire.topk2_chunk_k(bs, 0.02)
     x = _vector(n)
-    assert sparse.encode(x, bs, k).numel() == sparse.payload_nbytes(n, bs, k)
-    ratio = compress.payload_nbytes(n, "int4", bs) / sparse.payload_nbytes(n, bs, k)
+    assert sparse.encode(x, bs, k).numel() == wire.topk2_payload_nbytes(n, bs, k)
+    ratio = compress.payload_nbytes(n, "int4", bs) / wire.topk2_payload_nbytes(n, bs, k)
     assert ratio >= 10, ratio  # 256: 12.9x (1-byte offsets, k = 5); 4096: 10.9x (2-byte offsets, k = 82)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isthmus.parallel.boundary_codec import METHODS, BoundaryCodec, _pack_int4, _unpack_int4, encode_flops, wire_bytes
+from isthmus.layout.choices import PP_COMPRESSIONS as METHODS
+from isthmus.layout.wire import encode_flops, wire_bytes
+from isthmus.parallel.boundary_codec import BoundaryCodec, _pack_int4, _unpack_int4
 
 
 def _round_trip(codec: BoundaryCodec, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The planner prices the WAN's lossy encodings and chooses them only as the quality table allows.
 
-Compressed pipeline boundaries (``geo.pp_compression``) send ``boundary_codec.wire_bytes`` and pay
-``encode_flops`` at both ends; DiLoCo's topk2 outer gradients send ``sparse.payload_nbytes``; a
+Compressed pipeline boundaries (``geo.pp_compression``) send ``wire.wire_bytes`` and pay
+``encode_flops`` at both ends; DiLoCo's topk2 outer gradients send ``wire.topk2_payload_nbytes``; a
 lossy method is chosen only when ``compression.toml`` holds a measured loss within its tolerance.
 """
 
@@ -15,11 +15,11 @@ import pytest
 from isthmus.cli import plan as plan_cli
 from isthmus.cli.common import ArgumentParser
 from isthmus.errors import ConfigError
-from isthmus.geo import compress, sparse
+from isthmus.geo import compress
+from isthmus.layout import wire
 from isthmus.layout.choices import DILOCO_SYNCS
 from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import get_flavor
-from isthmus.parallel import boundary_codec
 from isthmus.planner import compression
 from isthmus.planner.cost import estimate
 from isthmus.planner.explain import trades
@@ -44,12 +44,12 @@ def test_a_compressed_boundary_sends_the_codecs_bytes_and_pays_its_arithmetic() 
     kind = WAN_100M.datacenters[0].kind
     for method in ("int8", "int4", "lowrank"):
         est = estimate(WORK, WAN_100M, PIPE.with_(pp_compression=method), RT)
-        wire = boundary_codec.wire_bytes(method, tokens, dim, 4, PIPE.pp_compression_rank)
-        assert est.wan_bytes_per_step == pytest.approx(exact.wan_bytes_per_step * wire / (tokens * dim * 4))
+        sent = wire.wire_bytes(method, tokens, dim, 4, PIPE.pp_compression_rank)
+        assert est.wan_bytes_per_step == pytest.approx(exact.wan_bytes_per_step * sent / (tokens * dim * 4))
         assert est.breakdown["wan"] < exact.breakdown["wan"] and est.step_time_s < exact.step_time_s
         # Each end encodes or decodes one message forward and one back per microbatch: its half of
         # encode_flops twice, at the device's GEMM rate.
-        half = boundary_codec.encode_flops(method, tokens, dim, PIPE.pp_compression_rank) / 2
+        half = wire.encode_flops(method, tokens, dim, PIPE.pp_compression_rank) / 2
         per_microbatch = 2 * half / (kind.peak("fp32") * kind.gemm_max_fraction)
         assert est.breakdown["compression"] == pytest.approx(PIPE.microbatches * per_microbatch)
     assert "compression" not in exact.breakdown
@@ -82,8 +82,8 @@ def test_topk2_outer_gradients_are_priced_at_their_payload(sync: str) -> None:
     int4 = estimate(WORK, WAN_100M, lay.with_(outer_dtype="int4"), RT)
     topk2 = estimate(WORK, WAN_100M, lay.with_(outer_dtype="topk2"), RT)
     n = 1024 * 256
-    k = sparse.chunk_k(256, lay.outer_density)
-    ratio = sparse.payload_nbytes(n, 256, k) / compress.payload_nbytes(n, "int4", 256)
+    k = wire.topk2_chunk_k(256, lay.outer_density)
+    ratio = wire.topk2_payload_nbytes(n, 256, k) / compress.payload_nbytes(n, "int4", 256)
     assert topk2.wan_bytes_per_step == pytest.approx(int4.wan_bytes_per_step * ratio)
     assert int4.wan_bytes_per_step / topk2.wan_bytes_per_step == pytest.approx(12.9, abs=0.05)
     sim = simulate(WORK, WAN_100M, topk2.layout, RT)

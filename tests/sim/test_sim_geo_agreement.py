@@ -15,9 +15,9 @@ from dataclasses import replace
 import pytest
 
 from isthmus.cli.simulate import format_result
+from isthmus.layout import wire
 from isthmus.layout.spec import LayoutSpec
 from isthmus.models.flavors import get_flavor
-from isthmus.parallel import boundary_codec
 from isthmus.planner.search import SearchSpace, search
 from isthmus.planner.topology import Topology, load_topology
 from isthmus.planner.workload import RUNTIMES, Workload
@@ -108,5 +108,5 @@ def test_compressed_boundaries_simulate_as_planned(method: str) -> None:
     plain = simulate(work, topo, exact, CURRENT)
     assert sim.step_time_s < plain.step_time_s and sim.planner.step_time_s < plain.planner.step_time_s
     tokens, dim = 4096 // 8, work.args.dim  # one sequence, 1/tp of it under sp
-    wire = boundary_codec.wire_bytes(method, tokens, dim, 2, exact.pp_compression_rank)
-    assert sim.wan_bytes_per_step == pytest.approx(plain.wan_bytes_per_step * wire / (tokens * dim * 2))
+    sent = wire.wire_bytes(method, tokens, dim, 2, exact.pp_compression_rank)
+    assert sim.wan_bytes_per_step == pytest.approx(plain.wan_bytes_per_step * sent / (tokens * dim * 2))

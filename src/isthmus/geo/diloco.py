@@ -66,6 +66,7 @@ from isthmus.geo.buckets import (
 )
 from isthmus.geo.groups import GeoGroups
 from isthmus.geo.strategy import GeoSync, Work, copy_state
+from isthmus.layout.wire import topk2_chunk_k
 
 
 @dataclass
@@ -103,7 +104,7 @@ class DiLoCoSync(GeoSync):
         self.wire = resolved_outer_dtype(cfg, self.kind)
         # Nothing crosses a WAN with one datacenter: keep fp32 and skip the quantisation error.
         self.lossy = self.wire != "fp32" and groups.n_dc > 1
-        self.topk = sparse.chunk_k(cfg.block_size, cfg.outer_density)
+        self.topk = topk2_chunk_k(cfg.block_size, cfg.outer_density)
         """topk2: entries sent per chunk of block_size."""
         k = groups.intra_size
         self.fragments: list[list[Bucket]] = [

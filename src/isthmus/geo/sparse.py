@@ -26,30 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from isthmus.geo.compress import mean_decoded, with_feedback
-
-MAX_CHUNK = 65536
-"""Largest chunk whose offsets fit two bytes."""
-
-
-def chunk_k(block_size: int, density: float) -> int:
-    """Entries sent per chunk of ``block_size`` at ``density``: round(density * block_size), at least 1."""
-    return max(1, min(block_size, round(density * block_size)))
-
-
-def offset_bytes(block_size: int) -> int:
-    """Bytes per offset inside a chunk: 1 up to 256 elements, else 2."""
-    assert block_size <= MAX_CHUNK, f"chunk of {block_size} elements: offsets need more than 2 bytes"
-    return 1 if block_size <= 256 else 2
-
-
-def n_chunks(numel: int, block_size: int) -> int:
-    return -(-numel // block_size)
-
-
-def payload_nbytes(numel: int, block_size: int, k: int) -> int:
-    """Bytes on the wire for ``numel`` elements: offsets, 2-bit codes (4 per byte), two bf16 levels a chunk."""
-    sent = n_chunks(numel, block_size) * k
-    return sent * offset_bytes(block_size) + -(-sent // 4) + 4 * n_chunks(numel, block_size)
+from isthmus.layout.wire import n_chunks, topk2_offset_bytes
 
 
 def encode(x: Tensor, block_size: int, k: int) -> Tensor:
@@ -64,14 +41,14 @@ def encode(x: Tensor, block_size: int, k: int) -> Tensor:
     hi = torch.where(upper.any(dim=1), _group_mean(mag, upper), lo)
     levels = torch.stack([lo, hi], dim=1).to(torch.bfloat16)
     codes = (picked < 0).to(torch.uint8) | (upper.to(torch.uint8) << 1)
-    offsets = idx.to(torch.uint8) if offset_bytes(block_size) == 1 else idx.to(torch.int16).view(torch.uint8)
+    offsets = idx.to(torch.uint8) if topk2_offset_bytes(block_size) == 1 else idx.to(torch.int16).view(torch.uint8)
     return torch.cat([offsets.reshape(-1), _pack2(codes.reshape(-1)), levels.reshape(-1).view(torch.uint8)])
 
 
 def decode(payload: Tensor, numel: int, block_size: int, k: int) -> Tensor:
     """fp32 values of a payload made by :func:`encode` from ``numel`` elements (zeros where nothing was sent)."""
     c = n_chunks(numel, block_size)
-    ob = offset_bytes(block_size)
+    ob = topk2_offset_bytes(block_size)
     off_end, code_end = c * k * ob, c * k * ob + -(-c * k // 4)
     raw = payload[:off_end]
     idx = (raw.to(torch.int64) if ob == 1 else raw.clone().view(torch.int16).to(torch.int64) & 0xFFFF).view(c, k)

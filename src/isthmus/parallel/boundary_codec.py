@@ -48,46 +48,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from isthmus.layout.choices import PP_COMPRESSIONS
+from isthmus.layout.wire import QMAX, SCALE_BYTES, wire_bytes
 from isthmus.parallel.striped import StripedWork
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
-
-METHODS = ("none", "int8", "int4", "lowrank")
-"""``geo.pp_compression`` values: none sends the tensor as it is (bit-identical), the others encode it."""
-
-SCALE_BYTES = 4
-"""One fp32 scale per token (row) for int8 and int4."""
-
-_QMAX = {"int8": 127, "int4": 7}
-
-
-def wire_bytes(method: str, tokens: int, dim: int, elem_bytes: int, rank: int) -> int:
-    """Bytes one ``(tokens, dim)`` boundary tensor of ``elem_bytes`` elements takes on the wire."""
-    if method == "none":
-        return tokens * dim * elem_bytes
-    if method == "int8":
-        return tokens * (dim + SCALE_BYTES)
-    if method == "int4":
-        return tokens * ((dim + 1) // 2 + SCALE_BYTES)
-    if method == "lowrank":
-        return (tokens + dim) * min(rank, dim) * elem_bytes
-    raise ValueError(f"unknown boundary compression {method!r}")
-
-
-def encode_flops(method: str, tokens: int, dim: int, rank: int) -> float:
-    """Arithmetic of encoding and decoding one ``(tokens, dim)`` tensor, for the cost model: a few
-    elementwise passes for quantisation; for lowrank one power iteration (``X Q``, ``X^T (X Q)``),
-    a QR of ``dim x r``, ``C = X Q`` and the receiver's ``C Q^T``."""
-    n = tokens * dim
-    if method == "none":
-        return 0.0
-    if method in _QMAX:
-        return 6.0 * n  # absmax, divide, round, clamp; decode: multiply (and unpack)
-    if method == "lowrank":
-        r = min(rank, dim)
-        return 4.0 * n * r + 2.0 * n * r + 2.0 * n * r + 4.0 * dim * r * r
-    raise ValueError(f"unknown boundary compression {method!r}")
 
 
 def _rows(t: Tensor) -> Tensor:
@@ -104,7 +70,7 @@ def payload_numel(method: str, shape: torch.Size | tuple[int, ...], dtype: torch
 def quantise(x: Tensor, method: str, gen: torch.Generator | None = None) -> Tensor:
     """``x`` as its payload: the codes (int8, or int4 packed two a byte) then one fp32 scale a row.
     Rounded to nearest, or stochastically (unbiased: up with probability the fraction) with ``gen``."""
-    qmax = _QMAX[method]
+    qmax = QMAX[method]
     rows = _rows(x).float()
     scale = rows.abs().amax(dim=1, keepdim=True) / qmax
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -186,12 +152,12 @@ class BoundaryCodec:
     """Encode and decode one boundary direction's tensors by ``method`` (``int8``, ``int4``, ``lowrank``)."""
 
     def __init__(self, method: str, rank: int = 32, seed: int = 0, stochastic: bool = False):
-        assert method in METHODS and method != "none", method
+        assert method in PP_COMPRESSIONS and method != "none", method
         self.method = method
         self.rank = rank
         self._lowrank = LowRank(rank, seed) if method == "lowrank" else None
         # Its own generator: the training's random state stays what it is without compression.
-        self._gen = torch.Generator(device="cpu").manual_seed(seed) if stochastic and method in _QMAX else None
+        self._gen = torch.Generator(device="cpu").manual_seed(seed) if stochastic and method in QMAX else None
 
     def payload_bytes(self, like: Tensor) -> int:
         """Bytes of the payload that carries a tensor shaped as ``like``."""

@@ -2,20 +2,20 @@
 outer gradients of DiLoCo's two kinds.
 
 - A pipeline boundary between datacenters (``geo.pp_compression``) carries each message in
-  ``isthmus.parallel.boundary_codec``'s wire bytes, and both ends pay its encode/decode arithmetic
+  ``isthmus.layout.wire``'s wire bytes (those of ``isthmus.parallel.boundary_codec``), and both ends pay its encode/decode arithmetic
   (``encode_flops``, one message's encode and decode together) at the device's GEMM rate: half on
   the sender, half on the receiver, for every microbatch's activation and its gradient. Boundaries
   inside a datacenter stay exact.
 - DiLoCo's outer gradients (``geo.outer_dtype``) cross the WAN in fp32 as an all-reduce, or, in any
   lossy dtype, as an all-gather of each datacenter's payload (what ``isthmus.geo.diloco`` runs);
-  topk2's bytes are ``isthmus.geo.sparse.payload_nbytes``.
+  topk2's bytes are ``isthmus.layout.wire.topk2_payload_nbytes`` (those of ``isthmus.geo.sparse``).
 - What each lossy method costs in quality is measured, not assumed: ``compression.toml`` beside
   this module holds the loss at equal tokens relative to exact and the command that measured it.
   The planner chooses a lossy method only when its measured penalty is within the file's
   tolerance; an unmeasured one, or one over the tolerance, is shown as a what-if.
 
-The codec modules import torch; they are imported only when a layout uses them, so plans without
-compression stay torch-free.
+The byte and arithmetic counts come from ``isthmus.layout.wire``, the torch-free formulas the
+runtime's codecs use too, so planning stays torch-free.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from isthmus.layout import wire
 from isthmus.layout.spec import LayoutSpec
 from isthmus.planner.compute import act_bytes
 from isthmus.planner.topology import DeviceKind
@@ -58,13 +59,9 @@ def boundary_message(work: Workload, layout: LayoutSpec, runtime: Runtime, wan: 
     exact = act / (layout.tp if runtime.scatter_gather or layout.sequence_parallel else 1)
     if not (wan and compressed(layout)):
         return exact
-    from isthmus.parallel import boundary_codec
-
     tokens = message_tokens(work, layout, runtime)
     elem = max(1, round(act_bytes(work.dtype)))
-    return float(
-        boundary_codec.wire_bytes(layout.pp_compression, tokens, work.args.dim, elem, layout.pp_compression_rank)
-    )
+    return float(wire.wire_bytes(layout.pp_compression, tokens, work.args.dim, elem, layout.pp_compression_rank))
 
 
 def codec_seconds(kind: DeviceKind, work: Workload, layout: LayoutSpec, runtime: Runtime) -> float:
@@ -72,9 +69,7 @@ def codec_seconds(kind: DeviceKind, work: Workload, layout: LayoutSpec, runtime:
     at the device's GEMM rate; 0 without compression."""
     if not compressed(layout):
         return 0.0
-    from isthmus.parallel import boundary_codec
-
-    flops = boundary_codec.encode_flops(
+    flops = wire.encode_flops(
         layout.pp_compression, message_tokens(work, layout, runtime), work.args.dim, layout.pp_compression_rank
     )
     return flops / 2 / (kind.peak(work.dtype) * kind.gemm_max_fraction)
@@ -92,14 +87,12 @@ def outer_wire(layout: LayoutSpec) -> str:
 
 def outer_bytes_per_param(layout: LayoutSpec) -> float:
     """Bytes per parameter of one datacenter's outer-gradient payload."""
-    wire = outer_wire(layout)
-    if wire == "topk2":
-        from isthmus.geo import sparse
-
-        k = sparse.chunk_k(OUTER_BLOCK_SIZE, layout.outer_density)
+    dtype = outer_wire(layout)
+    if dtype == "topk2":
+        k = wire.topk2_chunk_k(OUTER_BLOCK_SIZE, layout.outer_density)
         numel = 4 * OUTER_BLOCK_SIZE  # whole chunks and whole bytes of codes: the per-element rate exactly
-        return sparse.payload_nbytes(numel, OUTER_BLOCK_SIZE, k) / numel
-    return {"fp32": 4, "bf16": 2, "int8": 1 + INT_SCALE_BYTES, "int4": 0.5 + INT_SCALE_BYTES}[wire]
+        return wire.topk2_payload_nbytes(numel, OUTER_BLOCK_SIZE, k) / numel
+    return {"fp32": 4, "bf16": 2, "int8": 1 + INT_SCALE_BYTES, "int4": 0.5 + INT_SCALE_BYTES}[dtype]
 
 
 def outer_equivalent(nbytes: float, dcs: int, layout: LayoutSpec, runtime: Runtime) -> float:
