@@ -67,6 +67,7 @@ from isthmus.launch.warm import (
 from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
 from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_store_environ
 from isthmus.profile.device import resolve_device
+from isthmus.train.membership import last_logged_step
 from isthmus.train.trainer import Progress, TrainResult, init_distributed, train
 
 LAUNCH_DIR_ENV = "ISTHMUS_LAUNCH_DIR"
@@ -334,20 +335,6 @@ def _checkpoint_root(cfg: JobConfig) -> Path:
 
 def _metrics_path(cfg: JobConfig) -> Path:
     return Path(cfg.metrics.jsonl) if cfg.metrics.jsonl else Path(cfg.train.run_dir) / "metrics.jsonl"
-
-
-def last_logged_step(path: Path) -> int:
-    """The last step ``metrics.jsonl`` records (0 if none); a line torn by a killed writer is skipped."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return 0
 
 
 def check_external_launch(cfg: JobConfig, world: int) -> None:
