@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import isthmus
 from isthmus.launch.local import last_logged_step
 
@@ -191,3 +193,10 @@ def last_line(err: str) -> str:
     ]
     assert not noise, noise
     return lines[-1]
+
+
+needs_hosts = pytest.mark.skipif(
+    not hasattr(os, "geteuid") or os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None,
+    reason="emulated hosts need root, iproute2 and unshare",
+)
+"""Mark of a test that runs on :class:`isthmus.launch.hosts.EmulatedHosts`."""

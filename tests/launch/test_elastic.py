@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import time
 from collections import defaultdict
@@ -23,17 +22,11 @@ import pytest
 import isthmus
 from isthmus.launch.hosts import EmulatedHosts, torchrun_argv
 from isthmus.launch.local import last_logged_step
-from procs import run_isthmus, tiny_run
+from procs import needs_hosts, run_isthmus, tiny_run
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not hasattr(os, "geteuid")
-        or os.geteuid() != 0
-        or shutil.which("ip") is None
-        or shutil.which("unshare") is None,
-        reason="emulated hosts need root, iproute2 and unshare",
-    ),
+    needs_hosts,
 ]
 
 STEPS, EVERY, BATCH = 32, 4, 8

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -42,17 +41,11 @@ import torch
 from isthmus.launch import netns
 from isthmus.launch.hosts import EmulatedHosts, run_torchrun_job
 from parallel.test_parallel_equivalence import BASE, PARAM_RTOL, RTOL, _train
-from procs import isthmus_argv, run_isthmus
+from procs import isthmus_argv, needs_hosts, run_isthmus
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(
-        not hasattr(os, "geteuid")
-        or os.geteuid() != 0
-        or shutil.which("ip") is None
-        or shutil.which("unshare") is None,
-        reason="emulated hosts need root, iproute2 and unshare",
-    ),
+    needs_hosts,
 ]
 
 
