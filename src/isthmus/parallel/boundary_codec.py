@@ -64,7 +64,7 @@ def payload_numel(method: str, shape: torch.Size | tuple[int, ...], dtype: torch
     """Bytes of the ``uint8`` payload that carries a tensor of ``shape`` and ``dtype``."""
     dim = shape[-1]
     tokens = math.prod(shape) // dim if dim else 0
-    return wire_bytes(method, tokens, dim, torch.empty((), dtype=dtype).element_size(), rank)
+    return wire_bytes(method, tokens, dim, dtype.itemsize, rank)
 
 
 def quantise(x: Tensor, method: str, gen: torch.Generator | None = None) -> Tensor:
