@@ -54,15 +54,21 @@ BOUND = {
 KNOWN_MISSES = {
     # Rows outside their source's bound, each with what the model lacks (docs/planner-checks.md).
     # A row that comes within its bound fails the test until it leaves this list.
-    "Llama 3.1 8B 8 GPUs seq 128K cp 4": "torch's ring attention of 2024 at cp >= 2 (predicted fast)",
-    "Llama 3.1 405B 512 GPUs seq 64K cp 2": "torch's ring attention of 2024 at cp >= 2 (predicted fast)",
-    "Llama 3.1 405B 512 GPUs seq 128K cp 4": "torch's ring attention of 2024 at cp >= 2 (predicted fast)",
-    "Llama 3.1 405B 512 GPUs seq 256K cp 8": "torch's ring attention of 2024 at cp >= 2 (predicted fast)",
-    "Llama 3.1 8B tensorwise vanilla TP": "FP8 on tp 8's skinny GEMMs of an 8B model (predicted fast)",
-    "Llama 3.1 8B tensorwise async TP": "FP8 on tp 8's skinny GEMMs of an 8B model (predicted fast)",
-    "Llama 3.1 8B rowwise vanilla TP": "FP8 on tp 8's skinny GEMMs of an 8B model (predicted fast)",
-    "Llama 3.1 8B rowwise async TP": "FP8 on tp 8's skinny GEMMs of an 8B model (predicted fast)",
-    "GPT-3 175B 512 GPUs|nemo2025-h100": "NeMo 25.02's GPT-3 is 5% faster than 24.07's on the same layout",
+    # torchtitan 2024's ring attention: its hops cost more than the fused kernel's rate gives their work at
+    # cp 4 and 8 and less at the 8B's cp 2 (in bound), so no cost per hop fits both (docs/h100-checks.md).
+    "Llama 3.1 8B 8 GPUs seq 128K cp 4": "ring hops of torch 2024 dearer than the fused kernel (8B cp 2 says cheaper)",
+    "Llama 3.1 405B 512 GPUs seq 64K cp 2": "ring hops of torch 2024 dearer than the fused kernel (8B cp 2 says cheaper)",
+    "Llama 3.1 405B 512 GPUs seq 128K cp 4": "ring hops of torch 2024 dearer than the fused kernel (8B cp 2 says cheaper)",
+    "Llama 3.1 405B 512 GPUs seq 256K cp 8": "ring hops of torch 2024 dearer than the fused kernel (8B cp 2 says cheaper)",
+    # The layout is predicted fast in bf16 too, and a steeper FP8 curve that brings these in takes FP8 rows
+    # at tp 4 out of bound the other way (docs/h100-checks.md).
+    "Llama 3.1 8B tensorwise vanilla TP": "8B at tp 8 predicted fast in bf16 too, and FP8's gain over it high",
+    "Llama 3.1 8B tensorwise async TP": "8B at tp 8 predicted fast in bf16 too, and FP8's gain over it high",
+    "Llama 3.1 8B rowwise vanilla TP": "8B at tp 8 predicted fast in bf16 too, and rowwise's loss to it small",
+    "Llama 3.1 8B rowwise async TP": "8B at tp 8 predicted fast in bf16 too, and rowwise's async gain high",
+    # NeMo 25.02's script adds vboost (a clock setting), bf16 gradient reduction and an FP8 buffer for the
+    # projection's reduce-scatter; which of these 24.07 lacked is not published.
+    "GPT-3 175B 512 GPUs|nemo2025-h100": "25.02 faster than 24.07 on the same layout; no priced feature tells them apart",
 }
 MISS_BOUND = 0.30
 
