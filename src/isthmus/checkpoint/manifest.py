@@ -63,6 +63,9 @@ class Manifest:
     """The LR scheduler's ``state_dict()``."""
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
     """File name -> {"bytes": size, "sha256": hex digest} for every file but the manifest."""
+    hosts: list[str] = field(default_factory=list)
+    """A checkpoint in per-host folders (`isthmus.checkpoint.hostlocal`): the host of each rank that
+    saved it, and ``files`` lists this host's files only; empty (and not written) for one folder."""
 
 
 def step_dir_name(step: int) -> str:
@@ -143,17 +146,29 @@ def write_manifest(directory: Path, manifest: Manifest, key: bytes | None = None
             size, sha = file_digest(path)
             manifest.files[path.name] = {"bytes": size, "sha256": sha}
     assert DCP_METADATA_FILE in manifest.files, f"{directory}: DCP wrote no {DCP_METADATA_FILE}"
+    write_file_synced(directory / MANIFEST_FILE, manifest_text(manifest, key).encode())
+
+
+def manifest_text(manifest: Manifest, key: bytes | None = None) -> str:
+    """The manifest as its file holds it, ``files`` as given; signed with ``key`` if given."""
     body = {"format": FORMAT_VERSION, **asdict(manifest)}
+    if not manifest.hosts:
+        del body["hosts"]  # a checkpoint in one folder: its manifest as before the field existed
     signature = sign(key, body) if key is not None else None
     body["manifest_sha256"] = hashlib.sha256(_canonical(body)).hexdigest()
     if signature is not None:
         body[_SIGNATURE] = signature
-    tmp = directory / (MANIFEST_FILE + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(body, f, indent=1)
+    return json.dumps(body, indent=1)
+
+
+def write_file_synced(path: Path, data: bytes) -> None:
+    """``path`` holding ``data``, written aside, fsynced and renamed: a reader sees it whole or not at all."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    tmp.replace(directory / MANIFEST_FILE)
+    tmp.replace(path)
 
 
 def read_manifest(directory: Path, key: bytes | None = None) -> Manifest:
@@ -191,7 +206,7 @@ def read_manifest(directory: Path, key: bytes | None = None) -> Manifest:
 
 
 _FIELD_TYPES: dict[str, type] = {"step": int, "model": dict, "layout": dict, "config": str, "sampler": dict}
-_FIELD_TYPES.update(scheduler=dict, files=dict)
+_FIELD_TYPES.update(scheduler=dict, files=dict, hosts=list)
 
 
 def _check_fields(path: Path, manifest: Manifest) -> None:
@@ -218,7 +233,7 @@ def _check_fields(path: Path, manifest: Manifest) -> None:
             )
 
 
-_KIND_NAMES = {int: "whole number", dict: "JSON object", str: "string"}
+_KIND_NAMES = {int: "whole number", dict: "JSON object", str: "string", list: "JSON array"}
 
 
 def _short(value: Any, most: int = 60) -> str:

@@ -102,8 +102,9 @@ class MetadataUnpickler(pickle.Unpickler):
         raise UnsafeCheckpoint(f"{self.source}: refuses a persistent reference (a checkpoint holds data only)")
 
 
-def _check_metadata(metadata: Any, source: Path) -> Metadata:
-    """What the pickle built must be DCP metadata of tensors whose data lies in this directory."""
+def _check_metadata(metadata: Any, source: Path, host_local: bool = False) -> Metadata:
+    """What the pickle built must be DCP metadata of tensors whose data lies in this directory
+    (``host_local``: the part of it on this host, `isthmus.checkpoint.hostlocal`)."""
     if not isinstance(metadata, Metadata):
         raise UnsafeCheckpoint(f"{source}: holds a {type(metadata).__name__}, not DCP metadata")
     if not isinstance(metadata.state_dict_metadata, dict) or not isinstance(metadata.storage_data, dict):
@@ -123,7 +124,7 @@ def _check_metadata(metadata: Any, source: Path) -> Metadata:
             raise UnsafeCheckpoint(
                 f"{source}: data file {name} is read through {info.transform_descriptors!r}; isthmus saves none"
             )
-    _check_sizes(metadata, source)
+    _check_sizes(metadata, source, host_local)
     return metadata
 
 
@@ -140,8 +141,11 @@ def _damaged(source: Path, what: str) -> CheckpointError:
     return CheckpointError(f"{source}: {what}; the checkpoint was altered or damaged")
 
 
-def _check_sizes(metadata: Metadata, source: Path) -> None:
-    """Every tensor is covered by chunks whose bytes fit their storages, and every storage lies in its file."""
+def _check_sizes(metadata: Metadata, source: Path, host_local: bool = False) -> None:
+    """Every tensor is covered by chunks whose bytes fit their storages, and every storage lies in its file.
+
+    ``host_local``: a checkpoint in per-host folders, whose metadata here lists only the storages of
+    this host's files; a chunk without one is another host's (reading it is refused before any read)."""
     file_bytes: dict[str, int] = {}
     storage: dict[MetadataIndex, int] = {}
     for index, info in metadata.storage_data.items():
@@ -184,9 +188,9 @@ def _check_sizes(metadata: Metadata, source: Path) -> None:
                 raise _damaged(source, f"entry {key!r} has a chunk at {offsets} of {sizes}, outside its shape {size}")
             elements = math.prod(sizes)
             stored = storage.get(MetadataIndex(key, offsets))
-            if elements and stored is None:
+            if elements and stored is None and not host_local:
                 raise _damaged(source, f"entry {key!r} has a chunk at {offsets} that no data file holds")
-            if elements * properties.dtype.itemsize > (stored or 0):
+            if not (stored is None and host_local) and elements * properties.dtype.itemsize > (stored or 0):
                 raise _damaged(
                     source,
                     f"entry {key!r} has a chunk of {elements:,} {properties.dtype} elements in a storage of "
@@ -197,7 +201,7 @@ def _check_sizes(metadata: Metadata, source: Path) -> None:
             raise _damaged(source, f"entry {key!r} claims shape {size} but its chunks hold {covered:,} elements")
 
 
-def read_metadata_file(source: Path, stream: Any) -> Metadata:
+def read_metadata_file(source: Path, stream: Any, host_local: bool = False) -> Metadata:
     """DCP metadata unpickled from ``stream`` (the file ``source``) by `MetadataUnpickler`, then checked."""
     try:
         metadata = MetadataUnpickler(stream, source).load()
@@ -206,12 +210,16 @@ def read_metadata_file(source: Path, stream: Any) -> Metadata:
     except Exception as e:  # a damaged pickle raises whatever its opcodes lead to
         first = (str(e).strip().splitlines() or [""])[0]
         raise UnsafeCheckpoint(f"{source}: not readable DCP metadata ({type(e).__name__}: {first})") from None
-    return _check_metadata(metadata, source)
+    return _check_metadata(metadata, source, host_local)
 
 
 class DataOnlyReader(FileSystemReader):
     """DCP's FileSystemReader, reading ``.metadata`` with `MetadataUnpickler` instead of plain pickle, and
-    each data file's failure as one line naming the file."""
+    each data file's failure as one line naming the file. ``host_local``: see `_check_sizes`."""
+
+    def __init__(self, path: str, host_local: bool = False) -> None:
+        super().__init__(path)
+        self.host_local = host_local
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         by_file: dict[str, list[Any]] = {}
@@ -240,7 +248,7 @@ class DataOnlyReader(FileSystemReader):
         # As FileSystemReader.read_metadata, whose only unpickling step is the one replaced here.
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as stream:
-            metadata = read_metadata_file(Path(path), stream)
+            metadata = read_metadata_file(Path(path), stream, self.host_local)
         storage = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage.load_id = self.load_id
         metadata.storage_meta = storage
@@ -256,14 +264,14 @@ class DataOnlyLoadPlanner(DefaultLoadPlanner):
         )
 
 
-def read_metadata(directory: Path) -> Metadata:
+def read_metadata(directory: Path, host_local: bool = False) -> Metadata:
     """The DCP metadata of the checkpoint ``directory``, read by `DataOnlyReader`."""
-    return DataOnlyReader(str(directory)).read_metadata()
+    return DataOnlyReader(str(directory), host_local).read_metadata()
 
 
-def load_kwargs(directory: Path) -> dict[str, Any]:
+def load_kwargs(directory: Path, host_local: bool = False) -> dict[str, Any]:
     """The ``storage_reader`` and ``planner`` every ``dcp.load`` of ``directory`` uses."""
-    return {"storage_reader": DataOnlyReader(str(directory)), "planner": DataOnlyLoadPlanner()}
+    return {"storage_reader": DataOnlyReader(str(directory), host_local), "planner": DataOnlyLoadPlanner()}
 
 
 def _first_line(e: BaseException) -> str:
@@ -271,7 +279,11 @@ def _first_line(e: BaseException) -> str:
 
 
 def load_data_only(
-    tree: dict[str, Any], directory: Path, group: dist.ProcessGroup | None = None, no_dist: bool = True
+    tree: dict[str, Any],
+    directory: Path,
+    group: dist.ProcessGroup | None = None,
+    no_dist: bool = True,
+    host_local: bool = False,
 ) -> None:
     """``dcp.load`` of ``tree`` from ``directory`` in place, with `load_kwargs`; any failure is one line.
 
@@ -280,7 +292,13 @@ def load_data_only(
     becomes a CheckpointError naming the checkpoint.
     """
     try:
-        dcp.load(tree, checkpoint_id=str(directory), process_group=group, no_dist=no_dist, **load_kwargs(directory))
+        dcp.load(
+            tree,
+            checkpoint_id=str(directory),
+            process_group=group,
+            no_dist=no_dist,
+            **load_kwargs(directory, host_local),
+        )
     except CheckpointException as e:
         errors = [failure[0] for failure in e.failures.values()]
         interrupt = next((err for err in errors if not isinstance(err, Exception)), None)

@@ -42,6 +42,7 @@ import base64
 import json
 import random
 import shutil
+import socket
 import time
 import warnings
 from collections.abc import Iterator
@@ -61,6 +62,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from isthmus.checkpoint.hostlocal import (
+    HostFolders,
+    HostLocalPlanner,
+    HostLocalWriter,
+    commit_on_hosts,
+    find_host_folders,
+    missing_here,
+    spans_hosts,
+)
 from isthmus.checkpoint.manifest import (
     MANIFEST_FILE,
     PARTIAL_SUFFIX,
@@ -70,6 +80,7 @@ from isthmus.checkpoint.manifest import (
     committed_checkpoints,
     find_latest_good,
     prune,
+    read_manifest,
     remove_partials,
     step_dir_name,
     verify_checkpoint,
@@ -110,9 +121,20 @@ class ResumePoint:
     manifest: Manifest
 
     @cached_property
+    def metadata(self) -> Any:
+        """DCP's metadata (read once: `load` and `load_geo` both need it); this host's, for a checkpoint
+        in per-host folders."""
+        return read_metadata(self.path, self.host_local)
+
+    @property
     def saved(self) -> dict[str, Any]:
-        """DCP's metadata of every entry (read once: `load` and `load_geo` both need it)."""
-        return read_metadata(self.path).state_dict_metadata
+        """DCP's metadata of every entry."""
+        return cast(dict[str, Any], self.metadata.state_dict_metadata)
+
+    @property
+    def host_local(self) -> bool:
+        """Saved in per-host folders (`isthmus.checkpoint.hostlocal`)."""
+        return bool(self.manifest.hosts)
 
 
 # --- model and optimizer state, keyed by canonical names -------------------------------------------
@@ -291,6 +313,13 @@ class Checkpointer:
         # A CPU group of its own: DCP's collectives may run in a background thread (async save),
         # and on CUDA the training group is NCCL, which DCP's object collectives should not use.
         self.group = dist.new_group(backend="gloo") if world > 1 and self.enabled else None
+        self.folders: HostFolders | None = None
+        """Set when the checkpoint folder is local to each host of a job on several hosts."""
+        if self.group is not None and spans_hosts():
+            folders = find_host_folders(self.root, self.rank, world, self.group)
+            self.folders = folders if folders.local else None
+        if self.folders is not None and self.folders.leader(self.rank):
+            self.key = checkpoint_key(cfg.key_file)  # each folder's first rank verifies its own folder
         self._executor: ThreadPoolExecutor | None = None
         self._pending: tuple[int, Future[None]] | None = None
         self._abandoned = False
@@ -313,12 +342,30 @@ class Checkpointer:
                 verdict[:2] = self._choose()
             except CheckpointError as e:
                 verdict[2] = str(e)
+        elif self.folders is not None and self.folders.leader(self.rank):
+            remove_partials(self.root)
         if self.world > 1:
             dist.broadcast_object_list(verdict, src=0, group=self.group)
         path, manifest, error = verdict
+        if error is None and path is not None and self.folders is not None:
+            error = self._verify_on_hosts(Path(path))
         if error is not None:
             raise CheckpointError(error)
         return ResumePoint(Path(path), manifest) if path is not None else None
+
+    def _verify_on_hosts(self, path: Path) -> str | None:
+        """Per-host folders: each other folder's first rank verifies its own copy of the checkpoint rank 0
+        chose; the first refusal, for every rank (a collective)."""
+        assert self.folders is not None
+        error = None
+        if self.rank != 0 and self.folders.leader(self.rank):
+            try:
+                verify_checkpoint(path, self.model, self.key)
+            except CheckpointError as e:
+                error = f"{e} (on {socket.gethostname()}, whose checkpoint folder is its own)"
+        errors: list[Any] = [None] * self.world
+        dist.all_gather_object(errors, error, group=self.group)
+        return next((e for e in errors if e is not None), None)
 
     def _choose(self) -> tuple[str | None, Manifest | None]:
         mode = self.cfg.resume
@@ -343,7 +390,7 @@ class Checkpointer:
             manifest = verify_checkpoint(path, self.model, self.key)
         # Refuse metadata that would run code here, once and before any rank reads it, so every
         # rank stops with the same line (`UnsafeCheckpoint` is never skipped like a damaged file).
-        read_metadata(path)
+        read_metadata(path, bool(manifest.hosts))
         _check_geo_layout(path, manifest.layout, self.layout)
         differ = settings_that_differ(manifest.config, self.config_toml)
         if differ and mode == "auto":
@@ -383,7 +430,9 @@ class Checkpointer:
         if rng_meta is not None:
             tree["rng"] = {rng_key: torch.empty(tuple(rng_meta.size), dtype=torch.uint8)}
         _check_shapes(path, saved, tree)
-        load_data_only(tree, path, self.group, no_dist=self.world == 1)
+        if point.host_local:
+            self._refuse_other_hosts_pieces(point, tree)
+        load_data_only(tree, path, self.group, no_dist=self.world == 1, host_local=point.host_local)
 
         for m, part in zip(state.modules, parts, strict=True):
             set_model_state_dict(m, {k: model[k] for k in part})
@@ -413,6 +462,29 @@ class Checkpointer:
         self.log.info("checkpoint: loaded step %d in %.1f s", manifest.step, time.perf_counter() - start)
         return manifest.step
 
+    def _refuse_other_hosts_pieces(self, point: ResumePoint, tree: StateTree) -> None:
+        """A checkpoint in per-host folders holds on each host only what its ranks wrote: a rank that needs
+        a piece of another host's (another layout, fewer hosts) stops every rank, before any read."""
+        missing = (socket.gethostname(), missing_here(tree, point.metadata))
+        answers: list[Any] = [missing]
+        if self.world > 1:
+            answers = [None] * self.world
+            dist.all_gather_object(answers, missing, group=self.group)
+        rank = next((r for r, (_, names) in enumerate(answers) if names), None)
+        if rank is None:
+            return
+        host, names = answers[rank]
+        saved_on = sorted(set(point.manifest.hosts) - {host}) or ["other hosts"]
+        shown = ", ".join(names[:2]) + (f" and {len(names) - 2} more" if len(names) > 2 else "")
+        raise CheckpointError(
+            f"{point.path} on {host} lacks pieces of {shown} that rank {rank} needs, saved on "
+            f"{', '.join(saved_on)}: a checkpoint in per-host folders resumes only on the hosts and layout that "
+            f"saved it ({point.manifest.layout.get('summary')} on {len(point.manifest.hosts)} rank(s), on "
+            f"{', '.join(dict.fromkeys(point.manifest.hosts))}; this run: {self.layout.get('summary')} on "
+            f"{self.world} rank(s)); resume on those hosts at that layout, or keep the checkpoints in a folder "
+            "every host sees"
+        )
+
     def load_geo(self, point: ResumePoint, geo: Any) -> None:
         """Restore the geo strategy's state after `load` (the strategy is built from the loaded model).
 
@@ -426,7 +498,13 @@ class Checkpointer:
             self.log.info("checkpoint: %s holds no geo state; geo.sync starts from the loaded model", point.path)
             return
         tree = {k: torch.empty(tuple(meta.size), dtype=meta.properties.dtype) for k, meta in mine.items()}
-        load_data_only({"geo": {f"rank{self.rank}": tree}}, point.path, self.group, no_dist=self.world == 1)
+        load_data_only(
+            {"geo": {f"rank{self.rank}": tree}},
+            point.path,
+            self.group,
+            no_dist=self.world == 1,
+            host_local=point.host_local,
+        )
         try:
             with _saved_state(point.path, f"geo.rank{self.rank}", "is not a saved geo.sync state"):
                 geo.load_state_dict(geo_state(tree))
@@ -455,35 +533,58 @@ class Checkpointer:
         if state.geo is not None:
             # A collective under streaming DiLoCo: transfers in flight are waited for and saved decoded.
             tree["geo"] = {f"rank{self.rank}": geo_tree(state.geo.state_dict())}
-        writer = dcp.FileSystemWriter(str(partial), single_file_per_rank=True, sync_files=True, thread_count=1)
+        options: dict[str, Any] = {"single_file_per_rank": True, "sync_files": True, "thread_count": 1}
+        writer = dcp.FileSystemWriter(str(partial), **options)
+        planner = None
+        if self.folders is not None:
+            writer = HostLocalWriter(partial, self.folders, **options)
+            planner = HostLocalPlanner(self.folders)
         self._largest_item = _largest_tensor_bytes(tree)
         start = time.perf_counter()
         if not self.cfg.async_save:
             try:
-                dcp.save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
-                self._finish(partial, manifest, start)
+                dcp.save(
+                    tree, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.world == 1
+                )
+                self._finish(partial, manifest, start, writer)
             except (CheckpointException, OSError) as e:
                 raise self._save_failed(e, step, partial) from None
             return
         # DCP copies the tensors aside before returning; training may then change them.
         # Without an async stager DCP returns a plain Future (the other type is its staging response).
         written = cast(
-            Future[Any], dcp.async_save(tree, storage_writer=writer, process_group=self.group, no_dist=self.world == 1)
+            Future[Any],
+            dcp.async_save(
+                tree, storage_writer=writer, planner=planner, process_group=self.group, no_dist=self.world == 1
+            ),
         )
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="isthmus-checkpoint")
-        self._pending = (step, self._executor.submit(self._finish_async, written, partial, manifest, start))
+        self._pending = (step, self._executor.submit(self._finish_async, written, partial, manifest, start, writer))
 
-    def _finish_async(self, written: Future[Any], partial: Path, manifest: Manifest, start: float) -> None:
+    def _finish_async(self, written: Future[Any], partial: Path, manifest: Manifest, start: float, writer: Any) -> None:
         written.result()
-        self._finish(partial, manifest, start)
+        self._finish(partial, manifest, start, writer)
 
-    def _finish(self, partial: Path, manifest: Manifest, start: float) -> None:
-        """Rank 0, after every rank's files are written: manifest with checksums, rename, prune."""
-        if self.rank != 0 or self._abandoned:
+    def _finish(self, partial: Path, manifest: Manifest, start: float, writer: Any) -> None:
+        """Rank 0, after every rank's files are written: manifest with checksums, rename, prune. In
+        per-host folders every rank takes part, and each folder's first rank commits its own."""
+        if self._abandoned:
             return
-        write_manifest(partial, manifest, key=self.key)
-        final = commit(partial)
+        if isinstance(writer, HostLocalWriter):
+            final_here = commit_on_hosts(partial, manifest, writer, self.rank, self.group, self.key)
+            if final_here is not None and self.rank != 0:
+                prune(self.root, self.cfg.keep, protect=final_here)
+            if self.rank != 0:
+                return
+            assert final_here is not None
+            final = final_here
+            manifest = read_manifest(final)
+        elif self.rank != 0:
+            return
+        else:
+            write_manifest(partial, manifest, key=self.key)
+            final = commit(partial)
         size = sum(e["bytes"] for e in manifest.files.values())
         elapsed = time.perf_counter() - start
         self.log.info("checkpoint: saved step %d to %s (%.1f MB, %.1f s)", manifest.step, final, size / 1e6, elapsed)
@@ -636,14 +737,21 @@ def load_model_weights(path: Path, key: bytes | None = None) -> dict[str, torch.
     Verifies the checkpoint first (its signature too, given ``key``). Reads only the model entries,
     whatever layout saved them; meant for export and inspection, not for resuming.
     """
-    verify_checkpoint(path, key=key)
-    saved = read_metadata(path).state_dict_metadata
+    host_local = bool(verify_checkpoint(path, key=key).hosts)
+    metadata = read_metadata(path, host_local)
     model = {
         key[len("model.") :]: torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        for key, meta in saved.items()
+        for key, meta in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
+    missing = missing_here({"model": model}, metadata) if host_local else []
+    if missing:
+        raise CheckpointError(
+            f"{path} holds this host's pieces of a checkpoint in per-host folders; it lacks pieces of {missing[0]}"
+            f"{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}, saved on other hosts: read the model "
+            "from a checkpoint in a folder every host sees"
+        )
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        load_data_only({"model": model}, path)
+        load_data_only({"model": model}, path, host_local=host_local)
     return model

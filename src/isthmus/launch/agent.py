@@ -12,20 +12,47 @@ Ranks that run the ``isthmus`` command are forked from a preloaded interpreter
 command line, run by `run_module` in a fork of the agent's server.
 
 Exit codes: 0 when every worker succeeded; the first failed worker's exit code (1 when it has
-none of its own: killed by a signal); 128 + N when the agent was stopped by signal N.
+none of its own: killed by a signal); 128 + N when the agent was stopped by signal N; the job's
+code when every rank of this host was stopped (SIGSTOP) as the job ended (`jobwatch.HostGuard`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+from isthmus.launch.environ import AGENT_DIR_ENV
 from isthmus.launch.warm import START_METHOD, run_module, start_rank_server, unbuffered_ranks
 
 
 def main(argv: list[str]) -> int:
+    guard = _guard_folder(argv)
+    try:
+        return _run(argv, guard)
+    finally:
+        if guard is not None:
+            shutil.rmtree(guard, ignore_errors=True)
+
+
+def _guard_folder(argv: list[str]) -> Path | None:
+    """A folder for this host's ranks to name themselves in (`HostGuard`), on a job of several nodes;
+    set in the environment before the ranks' server starts, so every rank inherits it."""
+    given = [b for a, b in zip(argv, argv[1:], strict=False) if a == "--nnodes"]
+    nnodes = (given + [a.split("=", 1)[1] for a in argv if a.startswith("--nnodes=")] + ["1"])[0]
+    if nnodes.split(":")[-1] == "1":
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="isthmus-agent-"))
+    os.environ[AGENT_DIR_ENV] = str(folder)
+    return folder
+
+
+def _run(argv: list[str], guard: Path | None) -> int:
     forked = any(a == "-m" and b == "isthmus" for a, b in zip(argv, argv[1:], strict=False))
     if forked:
         # The ranks' server imports torch beside this process's own import (just below), not after it.
@@ -42,6 +69,10 @@ def main(argv: list[str]) -> int:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+    if guard is not None:
+        from isthmus.launch.jobwatch import HostGuard
+
+        HostGuard(guard).start()
     try:
         # torchrun's own steps (torch.distributed.run.run, c10d as the emulator writes it), with an
         # ``-m isthmus`` target run as a function in forks of the server.

@@ -35,6 +35,11 @@ QUIET_EXIT_DELAY_S = 3.0
 """How long a rank that leaves the line to its host's local rank 0 waits before it exits."""
 
 
+AGENT_DIR_ENV = "ISTHMUS_AGENT_DIR"
+"""The folder of a host's agent (`isthmus.launch.agent`) where its ranks say where the job's end is
+posted (`isthmus.launch.jobwatch.HostGuard`)."""
+
+
 def spans_hosts() -> bool:
     """Whether this process is a rank of an external launch (torchrun) whose ranks run on more than one host."""
     try:

@@ -21,22 +21,33 @@ does not share the agent's; its own client, so it never waits behind the trainer
 
 A rank that is gone before it could post (SIGKILL) leaves no reason: the others then say which host's
 connection they lost. torch's agent has no such check (its health check is for the agent itself).
+
+A host whose every rank is stopped (SIGSTOP, a frozen process) runs nothing of ours that could end it;
+its agent would fail much later, when the rendezvous host's store is gone. `HostGuard` runs in the
+emulated hosts' agent (`isthmus.launch.agent`), which knows its ranks from the files they leave in
+``$ISTHMUS_AGENT_DIR``: once the job's end is posted and its ranks are all stopped (on two reads in
+a row), it says the line, SIGKILLs them and exits with the end's code, while the rendezvous host's
+store is still up (its agent stays `STORE_GRACE_S` after its own ranks ended). torchrun's own
+agent has no such hook.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from isthmus.launch.environ import where
+from isthmus.launch.environ import AGENT_DIR_ENV, where
 from isthmus.launch.heartbeat import beat_interval
 from isthmus.parallel.rendezvous import store_address
 
@@ -97,6 +108,7 @@ class JobWatch:
     def start(self) -> None:
         self._beat()
         self._thread.start()
+        _tell_agent(self.rank)
 
     def stop(self, done: bool = True) -> None:
         """Stop beating; ``done``: this rank finished, and no watcher must take its silence for a stall."""
@@ -210,11 +222,101 @@ JOB_TOKEN_ENV = "ISTHMUS_JOB_TOKEN"
 """This attempt's token, rank 0's, which every rank learned when the run directory was claimed."""
 
 
-def _job_store() -> Any:
-    """A client of the job's store (torchrun's, at MASTER_ADDR:MASTER_PORT), under this attempt's prefix:
-    rank 0's token, the same on every host (agents count their restarts each their own way: a host
-    that rejoins an elastic job starts again at 0)."""
+def _job_store_address() -> tuple[str, int, str]:
+    """The job's store (torchrun's, at MASTER_ADDR:MASTER_PORT) and this attempt's prefix there: rank
+    0's token, the same on every host (agents count their restarts each their own way: a host that
+    rejoins an elastic job starts again at 0)."""
     host, port = store_address()
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
     attempt = os.environ.get(JOB_TOKEN_ENV) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"isthmus/watch/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/{attempt}/", store)
+    return host, port, f"isthmus/watch/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/{attempt}/"
+
+
+def _client(host: str, port: int, prefix: str) -> Any:
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
+    return dist.PrefixStore(prefix, store)
+
+
+def _job_store() -> Any:
+    """A client of the job's store, under this attempt's prefix (`_job_store_address`)."""
+    return _client(*_job_store_address())
+
+
+def _tell_agent(rank: int) -> None:
+    """Leave this rank's pid and the job's store in the agent's folder, if the agent has one."""
+    folder = os.environ.get(AGENT_DIR_ENV)
+    if not folder:
+        return
+    host, port, prefix = _job_store_address()
+    body = json.dumps({"pid": os.getpid(), "host": host, "port": port, "prefix": prefix})
+    try:
+        tmp = Path(folder) / f".rank{rank}.{os.getpid()}"
+        tmp.write_text(body)
+        tmp.replace(Path(folder) / f"rank{rank}.json")
+    except OSError:
+        pass  # the agent is gone: nothing to tell
+
+
+def _stopped(pid: int) -> bool | None:
+    """Whether process ``pid`` is stopped (True), runs (False), or is gone (None)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+    return None if state in ("Z", "X") else state in ("T", "t")
+
+
+class HostGuard:
+    """In a host's agent: ends the host when the job ended and every rank of the host is stopped
+    (see the module doc). Its thread reads the ranks' files in ``folder`` and the job's ``end``."""
+
+    def __init__(self, folder: Path, console: Any = None, exit_fn: Any = os._exit, kill: Any = os.kill) -> None:
+        self.folder, self.console, self.exit_fn, self.kill = folder, console or sys.stderr, exit_fn, kill
+        self._thread = threading.Thread(target=self._run, name="isthmus-host-guard", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _ranks(self) -> list[dict[str, Any]]:
+        found = []
+        for path in sorted(self.folder.glob("rank*.json")):
+            try:
+                found.append(json.loads(path.read_text()))
+            except (OSError, ValueError):
+                continue
+        return found
+
+    def _run(self) -> None:
+        stores: dict[tuple[str, int, str], Any] = {}
+        stopped_before = False
+        while True:
+            time.sleep(POLL_S)
+            ranks = [r for r in self._ranks() if _stopped(r["pid"]) is not None]
+            if not ranks:
+                continue
+            where_ = (ranks[0]["host"], ranks[0]["port"], ranks[0]["prefix"])
+            try:
+                if where_ not in stores:
+                    stores[where_] = _client(*where_)
+                store = stores[where_]
+                end = _parse(store.get(END_KEY)) if store.check([END_KEY]) else None
+            except Exception:  # no store yet, or gone: the ranks' own ways out stand
+                continue
+            if end is None:
+                continue
+            # Ranks that run end by themselves (`JobWatch`); stopped ones never will.
+            stopped = all(_stopped(r["pid"]) for r in ranks)
+            if stopped and stopped_before:
+                self._end_host(end, [r["pid"] for r in ranks])
+                return
+            stopped_before = stopped
+
+    def _end_host(self, end: JobEnd, pids: list[int]) -> None:
+        self.console.write(f"isthmus: {_prefix(end)}{end.line}\n")
+        self.console.flush()
+        for pid in pids:
+            try:
+                self.kill(pid, 9)  # SIGKILL: a stopped process takes no other signal before it runs again
+            except OSError:
+                pass
+        shutil.rmtree(self.folder, ignore_errors=True)  # the agent's own cleanup does not run after exit_fn
+        self.exit_fn(end.code)

@@ -51,7 +51,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from isthmus.checkpoint.manifest import MANIFEST_FILE, committed_checkpoints
 from isthmus.config import JobConfig
-from isthmus.errors import EXIT_RUN_FAILED, EXIT_USAGE, ConfigError, Interrupted, IsthmusError, RunFailed, full_disk_as
+from isthmus.errors import EXIT_RUN_FAILED, EXIT_USAGE, Interrupted, IsthmusError, RunFailed, full_disk_as
 from isthmus.launch.environ import environ, launcher_world, said_once_per_host, spans_hosts, where
 from isthmus.launch.heartbeat import Heartbeat, StallMonitor, beat_interval, read_beats
 from isthmus.launch.jobwatch import JOB_TOKEN_ENV, JobEnd, JobWatch
@@ -431,15 +431,12 @@ def _claim_on_each_host(cfg: JobConfig, world: int, token: str) -> RunDirClaim |
     broadcast before this was the barrier), and each host's local rank 0 looks for it. A host that
     finds it shares rank 0's directory, and rank 0's lock covers the job there. A host that does not
     has a folder of its own by that name: its local rank 0 locks it too (a second job on that host
-    is refused there), and it holds that host's logs. Checkpoints need one folder every host sees:
-    a checkpoint's files are written by the ranks that own them, on their own hosts, and only rank
-    0's host would hold the commit and the metadata, so a run that saves or resumes checkpoints in
-    a folder some host does not share is refused before any work. The answers are gathered, so
-    every rank ends the same way.
+    is refused there), and it holds that host's logs and checkpoints (`isthmus.checkpoint.hostlocal`).
+    The answers are gathered, so every rank ends the same way.
     """
     rank, first_here = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")) == 0
-    run_dir, root = Path(cfg.train.run_dir), _checkpoint_root(cfg)
-    claim, seen = None, None  # (host, sees rank 0's run_dir, sees its checkpoint folder, refusal)
+    run_dir = Path(cfg.train.run_dir)
+    claim, seen = None, None  # (host, refusal)
     if first_here:
         shared = rank == 0 or shares_job_dir(run_dir, token)
         refusal = None
@@ -448,27 +445,10 @@ def _claim_on_each_host(cfg: JobConfig, world: int, token: str) -> RunDirClaim |
                 claim = lock_host_dir(run_dir)
             except IsthmusError as e:
                 refusal = f"{e} ({where(rank)})"
-        root_shared = rank == 0 or (shares_job_dir(root, token) if cfg.checkpoint.dir else shared)
-        seen = (socket.gethostname(), shared, root_shared, refusal)
+        seen = (socket.gethostname(), refusal)
     answers: list[Any] = [None] * world
     dist.all_gather_object(answers, seen)
-    refusals = [a[3] for a in answers if a is not None and a[3] is not None]
-    apart = sorted(a[0] for a in answers if a is not None and not a[2])
-    c = cfg.checkpoint
-    if not refusals and apart and (c.every > 0 or c.resume != "none"):
-        key, value = ("checkpoint.every", c.every) if c.every > 0 else ("checkpoint.resume", c.resume)
-        refusals.append(
-            str(
-                ConfigError(
-                    key,
-                    value,
-                    f"{', '.join(apart)} {'does' if len(apart) == 1 else 'do'} not see the checkpoint folder {root} "
-                    f"of rank 0 on {answers[0][0]} (a "
-                    "folder local to each host); a job on several hosts keeps its checkpoints in one folder "
-                    "every host mounts: set train.run_dir or checkpoint.dir there, or checkpoint.every = 0",
-                )
-            )
-        )
+    refusals = [a[1] for a in answers if a is not None and a[1] is not None]
     if refusals:
         if claim is not None:
             claim.release()
