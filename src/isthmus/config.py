@@ -304,6 +304,8 @@ class GeoConfig:
     """Parallel connections per cross-datacenter transfer (pipeline sends and receives across datacenters, geo.sync's inter-datacenter collectives): each transfer is split into this many stripes, one per connection, reassembled exactly. One TCP flow carries at most its window / RTT."""
     fault_tolerant: bool = False
     """diloco / streaming_diloco: each datacenter is its own torch.distributed job and the outer step goes through torchft (a lighthouse at TORCHFT_LIGHTHOUSE): a datacenter that dies is dropped from the quorum, one that restarts rejoins from the current global model."""
+    pp_early_recv: bool = False
+    """dc_axis = pp, wan_schedule fair: post a step's receives from another datacenter when its first one is asked for, so the receiver's notice crosses the WAN while the sender computes (gloo sends a payload only against a posted receive); results are bit-identical."""
 
 
 @dataclass
@@ -713,6 +715,26 @@ def validate(cfg: JobConfig) -> None:
 
 def synthetic_spec(spec: str) -> tuple[int, int] | None:
     """(N, LEN) of ``synthetic:N:LEN``; None for anything else (a file path)."""
+    if g.pp_early_recv:
+        _require(
+            g.dc_axis == "pp" and g.datacenters > 1 and p.pp > 1,
+            "geo.pp_early_recv",
+            g.pp_early_recv,
+            "needs a pipeline boundary between datacenters (geo.dc_axis = pp, geo.datacenters > 1, parallel.pp > 1)",
+        )
+        _require(
+            g.wan_schedule == "fair",
+            "geo.pp_early_recv",
+            g.pp_early_recv,
+            "needs geo.wan_schedule = fair: time_shared posts each receive on its turn, which is how it orders the link",
+        )
+        _require(
+            p.pp_schedule in ("gpipe", "1f1b"),
+            "geo.pp_early_recv",
+            g.pp_early_recv,
+            f"needs one stage per rank (parallel.pp_schedule gpipe or 1f1b, not {p.pp_schedule}): two stages on a rank"
+            " can receive from one peer on one tag, where posting order no longer names the micro-batch",
+        )
     if not spec.startswith("synthetic:"):
         return None
     parts = spec.split(":")

@@ -102,6 +102,22 @@ CASES: list[tuple[str, int, dict[str, Any]]] = [
             "train.seq_len": 32,
         },
     ),
+    (
+        "emulated-2dc",
+        4,
+        {
+            "parallel.nproc": 4,
+            "parallel.dp_replicate": 2,
+            "parallel.pp": 2,
+            "parallel.microbatches": 4,
+            "geo.datacenters": 2,
+            "geo.dc_axis": "pp",
+            "geo.pp_early_recv": True,
+            "geo.pp_compression": "int8",
+            "train.batch_size": 8,
+            "train.seq_len": 32,
+        },
+    ),
 ]
 
 

@@ -36,6 +36,7 @@ from isthmus.layout.choices import DILOCO_SYNCS
 from isthmus.layout.dims import MESH_DIMS, Meshes, ParallelDims
 from isthmus.log import get_logger
 from isthmus.parallel.boundary_codec import BoundaryCodec, compress_stage
+from isthmus.parallel.early_recv import EarlyRecv, early_recv_schedule
 from isthmus.parallel.pipeline import count_cross_dc_sends, crosses_datacenters, local_stages
 from isthmus.parallel.striped import stripe_groups, stripe_stage
 from isthmus.parallel.timeshare import TimeShare, time_share_schedule, turn_groups
@@ -66,6 +67,8 @@ class GeoRun:
         self._pipeline_sent_before: dict[str, int] = {}
         self.time_share: TimeShare | None = None
         """``geo.wan_schedule = time_shared``: this rank's turns on the WAN, once `wire_pipeline` made them."""
+        self.early_recv: EarlyRecv | None = None
+        """``geo.pp_early_recv``: this rank's cross-datacenter receives posted ahead, once `wire_pipeline` made them."""
         self.sums_per_round = False
         """Whether the trainer sums the steps' losses and counters over ranks once per outer round
         (DiLoCo across datacenters: no inner step waits on the WAN) rather than every step."""
@@ -141,7 +144,12 @@ class GeoRun:
         compressed = self.cfg.pp_compression != "none"
         if not compressed:
             count_cross_dc_sends(schedule, pp, self.cfg.datacenters, self.pipeline_wan)
-        if self.cfg.wan_streams == 1 and self.cfg.wan_schedule == "fair" and not compressed:
+        if (
+            self.cfg.wan_streams == 1
+            and self.cfg.wan_schedule == "fair"
+            and not compressed
+            and not self.cfg.pp_early_recv
+        ):
             return
         assert mesh is not None  # pp > 1 has a mesh
         ranks = mesh.root.mesh
@@ -161,6 +169,13 @@ class GeoRun:
                 compress_stage(st, make, self._crosses(st.group_rank, pp), self.pipeline_wan)
         if self.cfg.wan_schedule == "time_shared":
             self._time_share(schedule, ranks, pp)
+        elif self.cfg.pp_early_recv:
+            # Outermost: it posts whatever striping and compression made of each receive.
+            early = EarlyRecv(schedule._n_microbatches)
+            for st in local_stages(schedule):
+                early.wrap_stage(st, self._crosses(st.group_rank, pp))
+            early_recv_schedule(schedule, early)
+            self.early_recv = early
 
     def _crosses(self, group_rank: int, pp: int) -> Any:
         return partial(crosses_datacenters, group_rank, pp=pp, datacenters=self.cfg.datacenters)
@@ -264,6 +279,11 @@ class GeoRun:
                 self.cfg.wan_streams,
                 self.striped["striped"],
                 self.sync.striped if self.sync is not None else 0,
+            )
+        if self.early_recv is not None:
+            get_logger().info(
+                "geo.pp_early_recv: this rank posted %d receive(s) from another datacenter ahead",
+                self.early_recv.posted,
             )
         if self.time_share is not None:
             held = sorted(span for t in self.time_share.turns for span in t.held)

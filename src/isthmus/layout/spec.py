@@ -109,6 +109,9 @@ class LayoutSpec:
     wan_schedule: WanSchedule = _key("geo", "fair", when=lambda s: s.dc_axis == "pp")
     """dc_axis == 'pp': how the pipelines crossing one WAN link share it (fair: at once; time_shared: in turn)."""
     wan_streams: int = _key("geo", 1)
+    pp_early_recv: bool = _key("geo", False, when=lambda s: s.dc_axis == "pp" and s.wan_schedule == "fair")
+    """dc_axis == 'pp', fair sharing: receives from another datacenter posted a step ahead, so no
+    message waits a round trip for its receiver's notice."""
     """TCP connections one cross-datacenter transfer is split over (each carries at most window / RTT)."""
     pp_compression: PpCompression = _key("geo", "none")
     """How activations and their gradients cross a pipeline boundary between datacenters (none: exact);

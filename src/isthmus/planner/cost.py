@@ -308,7 +308,12 @@ def _stage_cost(
                 v
                 * (
                     pipeline_transfer(
-                        wan_msg if wan else msg, link, share, layout.wan_schedule if wan else "fair", layout.wan_streams
+                        wan_msg if wan else msg,
+                        link,
+                        share,
+                        layout.wan_schedule if wan else "fair",
+                        layout.wan_streams,
+                        wan and layout.pp_early_recv,
                     ).seconds
                     + gather
                 )
@@ -456,6 +461,7 @@ def pipeline_links(
             share,
             layout.wan_schedule if wan else "fair",
             layout.wan_streams,
+            wan and layout.pp_early_recv,
         )
         for link, share, wan in pl.boundary_links
     ]

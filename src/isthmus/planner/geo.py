@@ -75,7 +75,9 @@ def tcp_seconds(nbytes: float, link: Link, flows: int) -> float:
     return seconds + (per_flow - sent) * rtt / cap
 
 
-def pipeline_transfer(nbytes: float, link: Link, pipelines: int, schedule: str, streams: int = 1) -> PipelineTransfer:
+def pipeline_transfer(
+    nbytes: float, link: Link, pipelines: int, schedule: str, streams: int = 1, early_recv: bool = False
+) -> PipelineTransfer:
     """``pipelines`` messages of ``nbytes`` crossing ``link`` together, fairly shared or in time
     slots, each split over ``streams`` TCP connections (``geo.wan_streams``), timed by
     `tcp_seconds`: shared, every pipeline's connections run at once; in slots, one pipeline's.
@@ -83,11 +85,13 @@ def pipeline_transfer(nbytes: float, link: Link, pipelines: int, schedule: str, 
     On a link with a TCP window (the flows modelled as TCP runs them) the runtime's handshake
     counts too: gloo writes a message only once its receiver has posted the receive, and the
     receiver posts it when it needs the data (a time-shared one: when it takes its turn), so the
-    sender learns of it one latency later: a round trip per message on top of its bytes. Links
+    sender learns of it one latency later: a round trip per message on top of its bytes, unless the
+    receives were posted ahead (``early_recv``, ``geo.pp_early_recv``; fair sharing only). Links
     without a window keep the alpha-beta figures (one latency per message)."""
     if nbytes <= 0:
         return PipelineTransfer(0.0, 0.0, 0.0)
-    handshake = link.latency if not math.isinf(link.window) else 0.0
+    posted_ahead = early_recv and schedule == "fair"
+    handshake = link.latency if not math.isinf(link.window) and not posted_ahead else 0.0
     if schedule == "time_shared":
         busy = tcp_seconds(nbytes, link, streams)
         # The next turn's bytes arrive a handshake and a latency after this one's last byte.

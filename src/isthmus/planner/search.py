@@ -68,6 +68,7 @@ SETTINGS: dict[str, object] = {
     "fragments": 4,
     "overlap_steps": 1,
     "wan_streams": 1,
+    "pp_early_recv": False,
     "pp_compression_rank": 32,
     "outer_dtype": "auto",
     "outer_density": 0.02,
@@ -464,6 +465,11 @@ def _pipelines(
     return [(p, d) for p, d in pairs if fixed in (None, p)]
 
 
+def _posts_ahead(core: LayoutSpec, wan_schedule: str) -> bool:
+    """Whether the runtime can post this layout's WAN receives ahead (``geo.pp_early_recv``'s rules)."""
+    return core.dc_axis == "pp" and wan_schedule == "fair" and core.pp_schedule in ("gpipe", "1f1b")
+
+
 def _wan_schedules(axis: str, space: SearchSpace) -> list[str]:
     """WAN schedules to try, fair first: only pipeline boundaries (dc_axis = 'pp') have one to choose."""
     if axis != "pp":
@@ -746,6 +752,7 @@ def _variants(
                     overlap_steps=space.setting("overlap_steps"),
                     wan_schedule=wan_schedule,  # type: ignore[arg-type]
                     wan_streams=space.setting("wan_streams"),
+                    pp_early_recv=space.setting("pp_early_recv") and _posts_ahead(core, wan_schedule),
                     outer_dtype=outer,  # type: ignore[arg-type]
                     outer_density=space.setting("outer_density"),
                     **_compression_fields(method, space),

@@ -229,7 +229,8 @@ class Simulation:
                 res = self._link(f"stage{r}.{tier}", tier)
             schedule = "time_shared" if slotted else "fair"
             msg = self.wan_msg if crosses else self.msg
-            timing = pipeline_transfer(msg, link, share, schedule, self.layout.wan_streams if crosses else 1)
+            streams = self.layout.wan_streams if crosses else 1
+            timing = pipeline_transfer(msg, link, share, schedule, streams, crosses and self.layout.pp_early_recv)
             seconds = timing.seconds - link.latency
             # A message stands for all dp x cp x tp devices' messages on a WAN boundary (share):
             # shared, it takes them all at once; in slots, its own and then the others' turns.
