@@ -55,9 +55,11 @@ def method_flags(method: str) -> list[str]:
     return flags + (["--geo.pp_compression_rank", str(RANK)] if method == "lowrank" else [])
 
 
-def train(out: Path, flags: list[str], nproc: int, steps: int, wan: float | None = None) -> list[dict[str, Any]]:
+def train(
+    out: Path, flags: list[str], nproc: int, steps: int, wan: float | None = None, batch: int = BATCH
+) -> list[dict[str, Any]]:
     """One run's metric records with a loss: on loopback (``wan`` None) or under `isthmus emulate`
-    with a ``wan`` Mbit/s, 80 ms link."""
+    with a ``wan`` Mbit/s, 80 ms link; ``batch`` sequences of SEQ tokens a step."""
     metrics = out / "metrics.jsonl"
     cmd = [sys.executable, "-m", "isthmus"]
     if wan is not None:
@@ -65,7 +67,7 @@ def train(out: Path, flags: list[str], nproc: int, steps: int, wan: float | None
         cmd += ["--wan-window-kib", str(WINDOW_KIB), "--timeout", "900", "--log-dir", str(out / "logs"), "--"]
     cmd += ["train", "--model.flavor", FLAVOR, "--parallel.nproc", str(nproc)]
     cmd += ["--parallel.microbatches", str(MICROBATCHES), "--geo.datacenters", "2"]
-    cmd += ["--train.batch_size", str(BATCH), "--train.seq_len", str(SEQ), "--train.steps", str(steps)]
+    cmd += ["--train.batch_size", str(batch), "--train.seq_len", str(SEQ), "--train.steps", str(steps)]
     cmd += ["--train.val_every", "0", "--train.run_dir", str(out / "run"), "--metrics.jsonl", str(metrics)]
     cmd += ["--metrics.progress", "false", *flags]
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

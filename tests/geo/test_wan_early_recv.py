@@ -13,8 +13,10 @@ import re
 from pathlib import Path
 
 import pytest
-from tests.geo.test_wan_timeshare import LAYOUT
 from tests.geo.test_wan_streams import _train
+from tests.geo.test_wan_timeshare import LAYOUT
+
+from isthmus.cli.main import main
 
 
 @pytest.mark.slow
@@ -37,3 +39,37 @@ def test_receives_posted_ahead_train_as_posted_on_use(tmp_path: Path, extra: tup
         # Each rank receives one side's transfers (activations on stage 1, gradients on stage 0):
         # 4 steps x 4 microbatches, all but none posted on use.
         assert int(found.group(1)) == 16
+
+
+@pytest.mark.parametrize(
+    ("flags", "why"),
+    [
+        ((), "needs a pipeline boundary between datacenters (geo.dc_axis = pp, geo.datacenters > 1, parallel.pp > 1)"),
+        (
+            (*LAYOUT, "--geo.wan_schedule", "time_shared"),
+            "needs geo.wan_schedule = fair: time_shared posts each receive on its turn, which is how it orders the link",
+        ),
+        (
+            (*LAYOUT, "--parallel.pp_schedule", "interleaved_1f1b", "--parallel.pp_virtual_stages", "2"),
+            "needs one stage per rank (parallel.pp_schedule gpipe or 1f1b, not interleaved_1f1b)",
+        ),
+    ],
+    ids=["no_boundary", "time_shared", "interleaved"],
+)
+def test_receives_ahead_refused_where_they_cannot_apply(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], why: str
+) -> None:
+    argv = [
+        "train",
+        "--config",
+        "tiny",
+        "--train.run_dir",
+        str(tmp_path / "run"),
+        *flags,
+        "--geo.pp_early_recv",
+        "true",
+    ]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"isthmus: error: geo.pp_early_recv = True: {why}"), err
+    assert not (tmp_path / "run").exists()  # rejected before any work
