@@ -25,9 +25,8 @@ import pytest
 
 from isthmus.launch.hosts import EmulatedHosts, torchrun_argv
 from isthmus.launch.jobwatch import END_KEY, HostGuard, JobEnd
+from isthmus.launch.rundir import lock_host_dir
 from procs import gone, holder_of, needs_hosts
-
-pytestmark = [pytest.mark.slow]
 
 B = ["--config", "tiny", "--train.val_every", "0", "--train.batch_size", "8", "--train.seq_len", "32"]
 B += ["--data.max_bytes", "60000", "--train.threads", "1", "--train.steps", "2000", "--metrics.log_every", "1"]
@@ -74,6 +73,7 @@ def _wait(procs: list[subprocess.Popen[str]], ready: object, timeout: float = 15
     assert ready(), "timed out"  # type: ignore[operator]
 
 
+@pytest.mark.slow
 @needs_hosts
 def test_per_host_checkpoints_resume_exactly_and_a_stopped_host_ends_in_one_line(tmp_path: Path) -> None:
     runs, own = tmp_path / "runs", tmp_path / "host1-runs"
@@ -132,6 +132,7 @@ def test_per_host_checkpoints_resume_exactly_and_a_stopped_host_ends_in_one_line
     assert _losses(runs / "c/metrics.jsonl") == {}
 
 
+@pytest.mark.slow
 def test_a_host_guard_ends_only_a_host_whose_every_rank_is_stopped(tmp_path: Path) -> None:
     """`HostGuard` (in `isthmus.launch.agent`): a running rank is left to end by itself; once every rank
     of the host is stopped, the line, SIGKILL and the job's code."""
@@ -163,3 +164,15 @@ def test_a_host_guard_ends_only_a_host_whose_every_rank_is_stopped(tmp_path: Pat
         for proc in (running, stopped):
             proc.kill()
             proc.wait()
+
+
+def test_a_hosts_own_checkpoint_folder_is_locked_with_its_run_folder(tmp_path: Path) -> None:
+    """A host's own ``checkpoint.dir`` is locked beside its run folder, in one claim released at once."""
+    claim = lock_host_dir(tmp_path / "run").absorb(lock_host_dir(tmp_path / "ckpt", "checkpoint.dir"))
+    try:
+        with pytest.raises(Exception, match=rf"checkpoint.dir = '{tmp_path}/ckpt': is in use by a live run"):
+            lock_host_dir(tmp_path / "ckpt", "checkpoint.dir")
+    finally:
+        claim.release()
+    lock_host_dir(tmp_path / "ckpt", "checkpoint.dir").release()
+    lock_host_dir(tmp_path / "run").release()

@@ -431,20 +431,26 @@ def _claim_on_each_host(cfg: JobConfig, world: int, token: str) -> RunDirClaim |
     broadcast before this was the barrier), and each host's local rank 0 looks for it. A host that
     finds it shares rank 0's directory, and rank 0's lock covers the job there. A host that does not
     has a folder of its own by that name: its local rank 0 locks it too (a second job on that host
-    is refused there), and it holds that host's logs and checkpoints (`isthmus.checkpoint.hostlocal`).
+    is refused there), and it holds that host's logs and checkpoints (`isthmus.checkpoint.hostlocal`);
+    a ``checkpoint.dir`` of the host's own is locked likewise.
     The answers are gathered, so every rank ends the same way.
     """
     rank, first_here = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0")) == 0
-    run_dir = Path(cfg.train.run_dir)
+    run_dir, root = Path(cfg.train.run_dir), _checkpoint_root(cfg)
     claim, seen = None, None  # (host, refusal)
     if first_here:
-        shared = rank == 0 or shares_job_dir(run_dir, token)
         refusal = None
-        if not shared:
-            try:
+        try:
+            if rank != 0 and not shares_job_dir(run_dir, token):
                 claim = lock_host_dir(run_dir)
-            except IsthmusError as e:
-                refusal = f"{e} ({where(rank)})"
+            if rank != 0 and cfg.checkpoint.dir and not shares_job_dir(root, token):
+                held = lock_host_dir(root, "checkpoint.dir")  # a checkpoint folder of this host's own
+                claim = held if claim is None else claim.absorb(held)
+        except IsthmusError as e:
+            if claim is not None:
+                claim.release()
+                claim = None
+            refusal = f"{e} ({where(rank)})"
         seen = (socket.gethostname(), refusal)
     answers: list[Any] = [None] * world
     dist.all_gather_object(answers, seen)

@@ -58,6 +58,12 @@ class RunDirClaim:
     """True when the run continues an earlier run's files there (checkpoint.resume)."""
     _locks: list[IO[str]] = field(default_factory=list, repr=False)
 
+    def absorb(self, other: RunDirClaim) -> RunDirClaim:
+        """This claim, holding ``other``'s locks too (released with it)."""
+        self._locks += other._locks
+        other._locks = []
+        return self
+
     def release(self) -> None:
         for f in self._locks:
             f.close()  # closing the file drops its flock
@@ -173,10 +179,10 @@ def shares_job_dir(run_dir: Path, token: str) -> bool:
         return False
 
 
-def lock_host_dir(run_dir: Path) -> RunDirClaim:
-    """Lock ``run_dir`` on a host of a job whose rank 0 claimed its own folder of that name elsewhere
-    (a folder local to each host): a second job on this host is refused there."""
-    return RunDirClaim(run_dir, continued=False, _locks=[_lock(run_dir, "train.run_dir")])
+def lock_host_dir(run_dir: Path, key: str = "train.run_dir") -> RunDirClaim:
+    """Lock ``run_dir`` (the folder ``key`` names) on a host of a job whose rank 0 claimed its own folder
+    of that name elsewhere (a folder local to each host): a second job on this host is refused there."""
+    return RunDirClaim(run_dir, continued=False, _locks=[_lock(run_dir, key)])
 
 
 def _remove(paths: list[Path]) -> None:
