@@ -102,7 +102,15 @@ class Strategy:
             return f"compressed ({s.get('wan_dtype', d.wan_dtype)})"
         extra = "".join(
             f", {k}={s[k]}"
-            for k in ("outer_lr", "outer_momentum", "mix_alpha", "eager", "block_size", "outer_density")
+            for k in (
+                "outer_lr",
+                "outer_momentum",
+                "mix_alpha",
+                "eager",
+                "block_size",
+                "outer_density",
+                "feedback_decay",
+            )
             if k in s
         )
         if self.kind == "diloco":

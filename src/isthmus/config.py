@@ -296,6 +296,8 @@ class GeoConfig:
     """diloco / streaming_diloco: outer-gradient dtype on the WAN; auto = fp32 for diloco, int4 for streaming; topk2 = SparseLoCo's top-k of each block_size chunk at 2 bits (outer_density)."""
     outer_density: float = 0.02
     """outer_dtype topk2: fraction of each chunk's entries sent, largest magnitudes first (round(outer_density * block_size) a chunk, at least 1); the rest stay in the error feedback."""
+    feedback_decay: float = 1.0
+    """diloco / streaming_diloco, lossy outer_dtype: the error feedback becomes feedback_decay * residual + outer gradient before each encoding (1 = keep all that was not sent; SparseLoCo's beta, e.g. 0.95, lets it fade)."""
     pp_compression: Literal["none", "int8", "int4", "lowrank"] = "none"
     """dc_axis = pp: what activations and their gradients cross a pipeline boundary between datacenters as: none (exact), int8 or int4 (per-token absmax, one fp32 scale a token) or lowrank (a rank-pp_compression_rank projection, `isthmus.parallel.boundary_codec`); boundaries inside a datacenter stay exact."""
     pp_compression_rank: int = 32
@@ -777,6 +779,8 @@ def validate_geo(cfg: GeoConfig) -> None:
         raise ConfigError("geo.eager", cfg.eager, "does not combine with geo.fault_tolerant (its rounds are blocking)")
     if cfg.pp_compression_rank < 1:
         raise ConfigError("geo.pp_compression_rank", cfg.pp_compression_rank, "must be at least 1")
+    if not 0 < cfg.feedback_decay <= 1:
+        raise ConfigError("geo.feedback_decay", cfg.feedback_decay, "must be in (0, 1]")
     if cfg.outer_dtype == "topk2":
         if not 0 < cfg.outer_density <= 1:
             raise ConfigError("geo.outer_density", cfg.outer_density, "must be in (0, 1]")

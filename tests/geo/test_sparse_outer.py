@@ -111,10 +111,12 @@ def _tiny() -> tuple[nn.Module, list[nn.Parameter]]:
     return model, list(model.parameters())
 
 
-def _streaming(outer_dtype: str, steps: int = 24, checkpoint_at: int | None = 9) -> dict[str, Any]:
+def _streaming(outer_dtype: str, steps: int = 24, checkpoint_at: int | None = 9, **geo: Any) -> dict[str, Any]:
     """H = 8, 4 fragments, tau = 1; each rank fits its own fixed batch (so the loss must fall)."""
     groups, rank = build_geo_groups(2, 1), dist.get_rank()
-    cfg = GeoConfig(sync="streaming_diloco", inner_steps=8, fragments=4, overlap_steps=1, outer_dtype=outer_dtype)
+    cfg = GeoConfig(
+        sync="streaming_diloco", inner_steps=8, fragments=4, overlap_steps=1, outer_dtype=outer_dtype, **geo
+    )
     tokens = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(rank))
 
     def build() -> tuple[nn.Module, list[nn.Parameter], Any, Any]:
@@ -155,7 +157,11 @@ def _streaming(outer_dtype: str, steps: int = 24, checkpoint_at: int | None = 9)
 
 
 def _run() -> dict[str, Any]:
-    return {"topk2": _streaming("topk2"), "int4": _streaming("int4", checkpoint_at=None)}
+    return {
+        "topk2": _streaming("topk2"),
+        "int4": _streaming("int4", checkpoint_at=None),
+        "topk2_decay": _streaming("topk2", checkpoint_at=None, feedback_decay=0.95),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +172,12 @@ def runs() -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_streaming_topk2_trains_and_sends_ten_times_fewer_bytes_than_int4(runs: list[dict[str, Any]]) -> None:
     for r in runs:
-        assert r["topk2"]["loss"][-1] < 0.7 * r["topk2"]["loss"][0]
+        for name in ("topk2", "topk2_decay"):
+            assert r[name]["loss"][-1] < 0.7 * r[name]["loss"][0]
         assert r["int4"]["wan"] >= 10 * r["topk2"]["wan"] > 0
+        # geo.feedback_decay reaches the codec: the same bytes, other values.
+        assert r["topk2_decay"]["wan"] == r["topk2"]["wan"]
+        assert not torch.equal(r["topk2_decay"]["final"], r["topk2"]["final"])
 
 
 @pytest.mark.slow

@@ -102,13 +102,18 @@ def decode(payload: Tensor, dtype: WireDtype, numel: int, block_size: int) -> Te
 
 
 def with_feedback(
-    x: Tensor, residual: Tensor | None, encode_fn: Callable[[Tensor], Tensor], decode_fn: Callable[[Tensor], Tensor]
+    x: Tensor,
+    residual: Tensor | None,
+    encode_fn: Callable[[Tensor], Tensor],
+    decode_fn: Callable[[Tensor], Tensor],
+    decay: float = 1.0,
 ) -> Tensor:
-    """Encode ``x + residual`` with a lossy codec and store what the payload does not carry in
-    ``residual`` (in place): error feedback, whatever the codec."""
+    """Encode ``x + decay * residual`` with a lossy codec and store what the payload does not carry
+    in ``residual`` (in place): error feedback, whatever the codec."""
     if residual is None:
         return encode_fn(x)
-    target = x + residual
+    # decay 1 adds the residual as it is, bit for bit the same as without the knob.
+    target = x + residual if decay == 1.0 else torch.add(x, residual, alpha=decay)
     payload = encode_fn(target)
     residual.copy_(target - decode_fn(payload))
     return payload
@@ -126,10 +131,16 @@ def mean_decoded(gathered: Tensor, n: int, decode_fn: Callable[[Tensor], Tensor]
     return total.div_(n)
 
 
-def encode_with_feedback(x: Tensor, residual: Tensor | None, dtype: WireDtype, block_size: int) -> Tensor:
-    """Encode ``x + residual`` and store the new quantisation error in ``residual`` (in place)."""
+def encode_with_feedback(
+    x: Tensor, residual: Tensor | None, dtype: WireDtype, block_size: int, decay: float = 1.0
+) -> Tensor:
+    """Encode ``x + decay * residual`` and store the new quantisation error in ``residual`` (in place)."""
     return with_feedback(
-        x, residual, lambda t: encode(t, dtype, block_size), lambda p: decode(p, dtype, x.numel(), block_size)
+        x,
+        residual,
+        lambda t: encode(t, dtype, block_size),
+        lambda p: decode(p, dtype, x.numel(), block_size),
+        decay,
     )
 
 

@@ -19,7 +19,8 @@ Streaming DiLoCo (Douillard et al. 2025) adds three things, all here:
 - outer gradients go on the WAN quantised (``outer_dtype``, int4 by default, with error feedback).
 
 ``outer_dtype = "topk2"`` sends SparseLoCo's sparse 2-bit outer gradients instead (isthmus.geo.sparse:
-the largest ``outer_density`` of each chunk, the rest kept in the error feedback), with either kind.
+the largest ``outer_density`` of each chunk, the rest kept in the error feedback, which fades by
+``feedback_decay`` a sync, SparseLoCo's beta), with either kind.
 
 Merge after a delayed sync (our choice, after the paper's mixing): the fragment becomes
 ``alpha * local + (1 - alpha) * global`` where local has moved tau steps since launch. alpha = 0
@@ -245,9 +246,10 @@ class DiLoCoSync(GeoSync):
 
     def _encode(self, x: Tensor, residual: Tensor | None) -> Tensor:
         """The wire form of ``x`` (plus ``residual``, which keeps the new error) in outer_dtype."""
+        decay = self.cfg.feedback_decay
         if self.wire == "topk2":
-            return sparse.encode_with_feedback(x, residual, self.cfg.block_size, self.topk)
-        return compress.encode_with_feedback(x, residual, self.wire, self.cfg.block_size)
+            return sparse.encode_with_feedback(x, residual, self.cfg.block_size, self.topk, decay)
+        return compress.encode_with_feedback(x, residual, self.wire, self.cfg.block_size, decay)
 
     def _decode(self, payload: Tensor, numel: int) -> Tensor:
         if self.wire == "topk2":

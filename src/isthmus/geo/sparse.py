@@ -15,8 +15,16 @@ Every chunk sends the same number of bytes, so a payload's size depends only on 
 length and an all-gather over gloo needs no size exchange. At the defaults (256, 0.02: k = 5) a
 chunk costs 5 + 1.25 + 4 = 10.25 bytes where int4 costs 128 + 4: 12.9x fewer.
 
-With error feedback, ``residual = (x + residual) - decoded``: the entries not sent stay in it
-exactly, and the sent ones leave their quantisation error there.
+With error feedback, ``residual = (x + beta * residual) - decoded``: the entries not sent stay in it
+exactly, and the sent ones leave their quantisation error there. ``beta`` is ``geo.feedback_decay``
+(1 by default; SparseLoCo's 0.95 lets what is never picked fade, its accumulator standing in for
+outer momentum).
+
+Under Streaming DiLoCo's mixing (``mix_alpha`` > 0) a datacenter keeps part of its own progress in
+its parameters, where the next outer gradient finds it again, while the unsent part of it is also
+in the residual: what is not sent counts up to ``1 / (1 - mix_alpha)`` times. Taking that share out
+of the residual trained no better (docs/benchmarks.md), so the double count stays: it acts as the
+outer momentum this kind otherwise lacks.
 """
 
 from __future__ import annotations
@@ -60,9 +68,11 @@ def decode(payload: Tensor, numel: int, block_size: int, k: int) -> Tensor:
     return out.scatter_(1, idx, values).reshape(-1)[:numel]
 
 
-def encode_with_feedback(x: Tensor, residual: Tensor | None, block_size: int, k: int) -> Tensor:
-    """Encode ``x + residual`` and keep what was not sent in ``residual`` (in place)."""
-    return with_feedback(x, residual, lambda t: encode(t, block_size, k), lambda p: decode(p, x.numel(), block_size, k))
+def encode_with_feedback(x: Tensor, residual: Tensor | None, block_size: int, k: int, decay: float = 1.0) -> Tensor:
+    """Encode ``x + decay * residual`` and keep what was not sent in ``residual`` (in place)."""
+    return with_feedback(
+        x, residual, lambda t: encode(t, block_size, k), lambda p: decode(p, x.numel(), block_size, k), decay
+    )
 
 
 def mean_of_payloads(gathered: Tensor, n: int, numel: int, block_size: int, k: int) -> Tensor:
