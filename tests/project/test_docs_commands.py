@@ -9,7 +9,9 @@ that torch's compiled kernels are as warm as a returning user's: see `_reader_ho
 - the README's reader starts from nothing: its first quickstart command makes the copy's virtual
   environment and the shell stays in it (its ``bin`` first on PATH) for every later command;
 - the reader of docs/ has followed the README: that copy's virtual environment gets the project
-  with every extra the README installs along the way, then each document's commands run in turn.
+  with every extra the README installs along the way (their packages hard-linked from the
+  environment running this test, which installed the same ones: see `_preinstall`), then each
+  document's commands run in turn.
 
 The two readers run side by side (a command mostly waits on its ranks' start-up or on an emulated
 WAN, so they share the two cores well; separate copies, homes, caches and virtual environments keep
@@ -184,6 +186,68 @@ def readme_install() -> Command:
     return Command("README.md", readme[0].line, first.replace("-e .", f"-e '.[{','.join(extras)}]'"))
 
 
+VENV = "python3 -m venv .venv && . .venv/bin/activate && "
+
+
+def _preinstall(user: dict[str, object], setup: Command) -> None:
+    """Make the copy's virtual environment and put in it, as hard links, the installed files of pip
+    and of every distribution the setup's ``pip install`` would add, from the environment running
+    this test (copies where a link cannot cross file systems).
+
+    That environment installed them from the same constraints and package indexes (its pip is the
+    one ``python3 -m venv`` bundles), so the setup's pip finds them all satisfied and installs only
+    the project: minutes of unpacking and compiling torch fewer on a loaded machine (the README's
+    reader still installs from nothing). Console scripts (``torchrun``) are copied with their first
+    line naming the copy's python."""
+    from importlib.metadata import Distribution, PackageNotFoundError, distribution
+
+    from packaging.requirements import Requirement
+
+    copy = Path(user["copy"])  # type: ignore[arg-type]
+    prefix = os.path.normpath(Path(distribution("pip").locate_file("")).parents[2])  # lib/python3.X/site-packages
+    venv = copy / ".venv"
+    make = VENV.split(" && ")[0] + " --without-pip"
+    subprocess.run(["bash", "-c", make], cwd=copy, env=user["env"], check=True)  # type: ignore[call-overload]
+    extras = re.findall(r"-e '\.\[([\w,]+)\]'", setup.text)[0].split(",")
+    wanted: dict[str, Distribution] = {}
+    todo = [("pip", "")] + [(r, e) for r in distribution("isthmus").requires or [] for e in ["", *extras]]
+    while todo:
+        text, extra = todo.pop()
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
+            continue
+        try:
+            dist = distribution(req.name)
+        except PackageNotFoundError:
+            continue  # not here: the setup's pip installs it
+        key = f"{dist.metadata['Name'].lower()}[{','.join(sorted(req.extras))}]"
+        if key not in wanted:
+            wanted[key] = dist
+            todo += [(r, e) for r in dist.requires or [] for e in ["", *req.extras]]
+    python = f"#!{venv / 'bin' / 'python'}\n".encode()
+    made: set[str] = set()
+    for dist in wanted.values():
+        for file in dist.files or []:
+            source = os.path.normpath(dist.locate_file(file))
+            if not source.startswith(prefix + os.sep):
+                continue
+            target = str(venv) + source[len(prefix) :]
+            if (folder := os.path.dirname(target)) not in made:
+                os.makedirs(folder, exist_ok=True)
+                made.add(folder)
+            if os.path.dirname(source) == os.path.join(prefix, "bin"):
+                head, _, rest = Path(source).read_bytes().partition(b"\n")
+                Path(target).write_bytes(python + rest if head.startswith(b"#!") else head + b"\n" + rest)
+                os.chmod(target, os.stat(source).st_mode)
+                continue
+            try:
+                os.link(source, target)
+            except FileExistsError:
+                pass  # listed by two distributions' extras
+            except OSError:  # another file system (a tmpfs /tmp): a copy, still without unpacking or compiling
+                shutil.copy2(source, target)
+
+
 Outcome = tuple[list[str], int]  # what went wrong, and how many commands ran
 
 
@@ -210,7 +274,10 @@ def _follow(docs: list[str], user: dict[str, object], setup: Command | None) -> 
     def reader() -> None:
         try:
             if setup is not None:
-                problem = _run(setup, user)
+                _preinstall(user, setup)
+                problem = _run(
+                    Command(setup.doc, setup.line, setup.text.replace(VENV, ". .venv/bin/activate && ")), user
+                )
                 assert problem is None, f"the setup of docs/'s reader failed: {problem}"
         except BaseException as e:  # noqa: BLE001 - handed to the tests that wait on it
             for future in futures.values():
