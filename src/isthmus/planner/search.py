@@ -68,7 +68,7 @@ SETTINGS: dict[str, object] = {
     "fragments": 4,
     "overlap_steps": 1,
     "wan_streams": 1,
-    "pp_early_recv": False,
+    "pp_early_recv": True,
     "pp_compression_rank": 32,
     "outer_dtype": "auto",
     "outer_density": 0.02,
