@@ -36,10 +36,10 @@ from isthmus.layout.choices import DILOCO_SYNCS
 from isthmus.layout.dims import MESH_DIMS, Meshes, ParallelDims
 from isthmus.log import get_logger
 from isthmus.parallel.boundary_codec import BoundaryCodec, compress_stage
-from isthmus.parallel.early_recv import EarlyRecv, early_recv_schedule
-from isthmus.parallel.pipeline import count_cross_dc_sends, crosses_datacenters, local_stages
+from isthmus.parallel.early_recv import EarlyRecv
+from isthmus.parallel.pipeline import after_each_step, count_cross_dc_sends, crosses_datacenters, local_stages
 from isthmus.parallel.striped import stripe_groups, stripe_stage
-from isthmus.parallel.timeshare import TimeShare, time_share_schedule, turn_groups
+from isthmus.parallel.timeshare import TimeShare, turn_groups
 
 
 def build_geo_run(cfg: GeoConfig) -> GeoRun:
@@ -174,7 +174,7 @@ class GeoRun:
             early = EarlyRecv(schedule._n_microbatches)
             for st in local_stages(schedule):
                 early.wrap_stage(st, self._crosses(st.group_rank, pp))
-            early_recv_schedule(schedule, early)
+            after_each_step(schedule, early.check)
             self.early_recv = early
 
     def _crosses(self, group_rank: int, pp: int) -> Any:
@@ -193,7 +193,7 @@ class GeoRun:
         share = TimeShare(group, schedule._n_microbatches)
         for st in local_stages(schedule):
             share.wrap_stage(st, self._crosses(st.group_rank, pp))
-        time_share_schedule(schedule, share)
+        after_each_step(schedule, share.flush)
         self.time_share = share
 
     def join(self, params: list[nn.Parameter]) -> int:

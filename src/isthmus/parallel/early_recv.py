@@ -97,15 +97,3 @@ class EarlyRecv:
     def check(self) -> None:
         """Every receive posted in the step was handed to the schedule (none outlives its step)."""
         assert all(k.idle() for k in self.kinds), "a step ended with receives posted ahead and never used"
-
-
-def early_recv_schedule(schedule: Any, early: EarlyRecv) -> None:
-    """Check ``early`` after every ``schedule.step``."""
-    step = schedule.step
-
-    def step_then_check(*args: Any, **kwargs: Any) -> Any:
-        out = step(*args, **kwargs)
-        early.check()
-        return out
-
-    schedule.step = step_then_check

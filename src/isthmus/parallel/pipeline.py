@@ -194,6 +194,18 @@ def _check_even_split(batch: Tensor | None, microbatches: int) -> None:
         raise ConfigError("parallel.microbatches", microbatches, f"must divide the local batch size {batch.shape[0]}")
 
 
+def after_each_step(schedule: _PipelineSchedule, then: Callable[[], None]) -> None:
+    """Run ``then`` after every ``schedule.step`` (training steps; `pipeline_eval` does not step)."""
+    step = schedule.step
+
+    def step_then(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        then()
+        return out
+
+    schedule.step = step_then  # type: ignore[method-assign]
+
+
 def local_stages(schedule: _PipelineSchedule) -> list[PipelineStage]:
     # torch keeps a rank's stages in `_stage` (single-stage) or `_stages` (multi-stage).
     return list(getattr(schedule, "_stages", None) or [schedule._stage])  # type: ignore[attr-defined]

@@ -169,19 +169,6 @@ class TimeShare:
         assert all(t.count % t.per_step == 0 for t in self.turns), "a step ended between two turns"
 
 
-def time_share_schedule(schedule: Any, share: TimeShare) -> None:
-    """Flush ``share`` after every ``schedule.step`` (training steps; evaluation does not use the
-    stages' P2P factories)."""
-    step = schedule.step
-
-    def step_then_flush(*args: Any, **kwargs: Any) -> Any:
-        out = step(*args, **kwargs)
-        share.flush()
-        return out
-
-    schedule.step = step_then_flush
-
-
 def turn_groups(rank_lists: list[list[int]]) -> dist.ProcessGroup | None:
     """One group per list (a collective: every rank makes every group, in the same order); this
     rank's, or None."""
