@@ -302,12 +302,12 @@ class GeoConfig:
     """dc_axis = pp: what activations and their gradients cross a pipeline boundary between datacenters as: none (exact), int8 or int4 (per-token absmax, one fp32 scale a token) or lowrank (a rank-pp_compression_rank projection, `isthmus.parallel.boundary_codec`); boundaries inside a datacenter stay exact."""
     pp_compression_rank: int = 32
     """pp_compression lowrank: the rank r of the projection, (tokens + dim) * r values a boundary tensor (1 to model.dim)."""
+    pp_early_recv: bool = False
+    """dc_axis = pp, wan_schedule fair: post a step's receives from another datacenter when its first one is asked for, so the receiver's notice crosses the WAN while the sender computes (gloo sends a payload only against a posted receive); results are bit-identical."""
     wan_streams: int = 1
     """Parallel connections per cross-datacenter transfer (pipeline sends and receives across datacenters, geo.sync's inter-datacenter collectives): each transfer is split into this many stripes, one per connection, reassembled exactly. One TCP flow carries at most its window / RTT."""
     fault_tolerant: bool = False
     """diloco / streaming_diloco: each datacenter is its own torch.distributed job and the outer step goes through torchft (a lighthouse at TORCHFT_LIGHTHOUSE): a datacenter that dies is dropped from the quorum, one that restarts rejoins from the current global model."""
-    pp_early_recv: bool = False
-    """dc_axis = pp, wan_schedule fair: post a step's receives from another datacenter when its first one is asked for, so the receiver's notice crosses the WAN while the sender computes (gloo sends a payload only against a posted receive); results are bit-identical."""
 
 
 @dataclass
@@ -713,10 +713,6 @@ def validate(cfg: JobConfig) -> None:
         g.pp_compression,
         "needs a pipeline boundary between datacenters (geo.dc_axis = pp, geo.datacenters > 1, parallel.pp > 1)",
     )
-
-
-def synthetic_spec(spec: str) -> tuple[int, int] | None:
-    """(N, LEN) of ``synthetic:N:LEN``; None for anything else (a file path)."""
     if g.pp_early_recv:
         _require(
             g.dc_axis == "pp" and g.datacenters > 1 and p.pp > 1,
@@ -737,6 +733,10 @@ def synthetic_spec(spec: str) -> tuple[int, int] | None:
             f"needs one stage per rank (parallel.pp_schedule gpipe or 1f1b, not {p.pp_schedule}): two stages on a rank"
             " can receive from one peer on one tag, where posting order no longer names the micro-batch",
         )
+
+
+def synthetic_spec(spec: str) -> tuple[int, int] | None:
+    """(N, LEN) of ``synthetic:N:LEN``; None for anything else (a file path)."""
     if not spec.startswith("synthetic:"):
         return None
     parts = spec.split(":")
