@@ -43,6 +43,8 @@ if os.environ.get("SAMPLES_DIR"):
                "ids": [int(i) for i in ids]}
         with open(os.path.join(os.environ["SAMPLES_DIR"], f"{socket.gethostname()}.{os.getpid()}.jsonl"), "a") as f:
             f.write(json.dumps(row) + "\\n")
+        while os.path.exists(os.path.join(os.environ["SAMPLES_DIR"], "hold")):  # the test holds the ranks
+            time.sleep(0.05)
         return _next(self, global_batch, dp_rank, dp_size)
     loader.BatchSampler.next_batch = next_batch
 """
@@ -132,7 +134,19 @@ def test_a_host_dies_the_run_shrinks_and_grows_back(tmp_path: Path) -> None:
         hosts.kill(1)
         host1.wait(timeout=30)
         _wait_for_step(run, 3 * EVERY + 1, host0)  # past a checkpoint of the run at world 1
+        # Hold every rank at its next batch until the returning host's rank has drawn one: a fast host0
+        # could otherwise finish its steps before host1's agent starts and joins (torch's agent takes a
+        # waiting node in only between its checks), and host1 would find no store.
+        hold = samples / "hold"
+        hold.touch()
+        before = set(samples.glob("host1.*"))
         host1 = start(1, "host1-again")
+        deadline = time.monotonic() + 120
+        while not set(samples.glob("host1.*")) - before:
+            assert host0.poll() is None and host1.poll() is None, "an agent ended before host1 rejoined"
+            assert time.monotonic() < deadline, "host1 drew no batch within 120 s of its return"
+            time.sleep(0.05)
+        hold.unlink()
         assert host0.wait(timeout=180) == 0, (tmp_path / "host0.out").read_text()[-3000:]
         assert host1.wait(timeout=60) == 0, (tmp_path / "host1-again.out").read_text()[-3000:]
     out = (tmp_path / "host0.out").read_text()

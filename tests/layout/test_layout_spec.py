@@ -135,6 +135,7 @@ NOT_LAYOUT = {
         "wan_dtype",
         "block_size",
         "error_feedback",
+        "feedback_decay",
         "bucket_mb",
         "outer_lr",
         "outer_momentum",
