@@ -42,31 +42,27 @@ class _Posted:
         self._factory = factory
         self._microbatches = microbatches
         self._crosses = crosses
-        self._works: dict[int, list[Any]] = {}
+        self._ready: dict[int, list[dist.P2POp]] = {}
         self.posted = 0
         """Receives posted ahead over the run (a test reads it)."""
 
     def ops(self, chunk_id: int) -> list[dist.P2POp]:
-        if not self._works:
+        if not self._ready:
             if chunk_id != 0:  # a schedule that starts elsewhere: leave it alone (posting order = micro-batch order)
                 return self._factory(chunk_id)
             for k in range(self._microbatches):
-                self._works[k] = [self._post(op) for op in self._factory(k)]
-        ops = self._factory(chunk_id)
-        works = self._works.pop(chunk_id)
-        for op, work in zip(ops, works, strict=True):
-            if work is not None:
-                op.op = _handing(work)
-        return ops
+                self._ready[k] = [self._post(op) for op in self._factory(k)]
+        return self._ready.pop(chunk_id)
 
-    def _post(self, op: dist.P2POp) -> Any:
-        if not self._crosses(op.group_peer):
-            return None
-        self.posted += 1
-        return op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer)
+    def _post(self, op: dist.P2POp) -> dist.P2POp:
+        """``op`` started now if it crosses, made to hand its work to the schedule; else as it was."""
+        if self._crosses(op.group_peer):
+            self.posted += 1
+            op.op = _handing(op.op(op.tensor, group=op.group, tag=op.tag, group_src=op.group_peer))
+        return op
 
     def idle(self) -> bool:
-        return not self._works
+        return not self._ready
 
 
 def _handing(work: Any) -> Callable[..., Any]:
