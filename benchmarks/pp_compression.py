@@ -56,15 +56,22 @@ def method_flags(method: str) -> list[str]:
 
 
 def train(
-    out: Path, flags: list[str], nproc: int, steps: int, wan: float | None = None, batch: int = BATCH
+    out: Path,
+    flags: list[str],
+    nproc: int,
+    steps: int,
+    wan: float | None = None,
+    batch: int = BATCH,
+    window_kib: int = WINDOW_KIB,
 ) -> list[dict[str, Any]]:
     """One run's metric records with a loss: on loopback (``wan`` None) or under `isthmus emulate`
-    with a ``wan`` Mbit/s, 80 ms link; ``batch`` sequences of SEQ tokens a step."""
+    with a ``wan`` Mbit/s, 80 ms link whose TCP windows are held to ``window_kib`` (0: the kernel's
+    autotuning); ``batch`` sequences of SEQ tokens a step."""
     metrics = out / "metrics.jsonl"
     cmd = [sys.executable, "-m", "isthmus"]
     if wan is not None:
         cmd += ["emulate", "--topology", "emulated-2dc", "--wan-mbit", f"{wan:g}", "--wan-rtt-ms", f"{RTT_MS:g}"]
-        cmd += ["--wan-window-kib", str(WINDOW_KIB), "--timeout", "900", "--log-dir", str(out / "logs"), "--"]
+        cmd += ["--wan-window-kib", str(window_kib), "--timeout", "900", "--log-dir", str(out / "logs"), "--"]
     cmd += ["train", "--model.flavor", FLAVOR, "--parallel.nproc", str(nproc)]
     cmd += ["--parallel.microbatches", str(MICROBATCHES), "--geo.datacenters", "2"]
     cmd += ["--train.batch_size", str(batch), "--train.seq_len", str(SEQ), "--train.steps", str(steps)]

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # pp_compression.py an
 
 from isthmus.train.short_run import capped  # noqa: E402
 from plots import pyplot, save  # noqa: E402
-from pp_compression import PIPELINE, STREAMS, method_flags, train  # noqa: E402
+from pp_compression import PIPELINE, STREAMS, WINDOW_KIB, method_flags, train  # noqa: E402
 
 VARIANTS: dict[str, tuple[bool, str, list[str]]] = {
     # name: (across the WAN, pp_schedule, flags)
@@ -56,13 +56,19 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(capped(ns.rounds)):
             for batch in [int(b) for b in ns.batches.split(",")]:
-                names = list(VARIANTS) if rnd % 2 == 0 else list(VARIANTS)[::-1]
+                chosen = [n for n in VARIANTS if not ns.variants or n in ns.variants.split(",")]
+                names = chosen if rnd % 2 == 0 else chosen[::-1]
                 for name in names:
                     wan, schedule, extra = VARIANTS[name]
                     out = Path(tmp) / f"{batch}-{name.replace(' ', '_')}-{rnd}"
                     flags = [*PIPELINE, "--geo.wan_streams", str(STREAMS), *method_flags(ns.method), *extra]
                     flags += ["--parallel.pp_schedule", schedule, "--train.val_batches", "1"]
-                    records = [r for r in train(out, flags, 4, steps, ns.mbit if wan else None, batch) if "loss" in r]
+                    flags += ["--parallel.microbatches", str(ns.microbatches)]  # after train()'s own: it wins
+                    records = [
+                        r
+                        for r in train(out, flags, 4, steps, ns.mbit if wan else None, batch, ns.window_kib)
+                        if "loss" in r
+                    ]
                     timed = records[2:] or records[-1:]
                     row = {
                         "step_s": statistics.median(r["step_time_s"] for r in timed),
@@ -71,7 +77,14 @@ def run(ns: argparse.Namespace) -> dict[str, Any]:
                     }
                     got.setdefault(str(batch), {}).setdefault(name, []).append(row)
                     print(f"  batch {batch} {name} round {rnd}: {row['step_s']:.3f} s", file=sys.stderr, flush=True)
-    return {"mbit": ns.mbit, "method": ns.method, "steps": steps, "runs": got}
+    return {
+        "mbit": ns.mbit,
+        "method": ns.method,
+        "window_kib": ns.window_kib,
+        "microbatches": ns.microbatches,
+        "steps": steps,
+        "runs": got,
+    }
 
 
 def joined(raws: list[dict[str, Any]]) -> dict[str, Any]:
@@ -89,6 +102,12 @@ def medians(raw: dict[str, Any]) -> dict[str, dict[str, float]]:
     }
 
 
+def present(raw: dict[str, Any]) -> list[str]:
+    """The WAN variants run at every batch of ``raw``, in VARIANTS' order."""
+    ran = [set(v) for v in raw["runs"].values()]
+    return [n for n in VARIANTS if not n.startswith("lan") and all(n in r for r in ran)]
+
+
 def ratio(med: dict[str, float], name: str) -> float:
     """A variant's step over the LAN step of its schedule."""
     return med[name] / med[f"lan {name.split()[-1]}"]
@@ -96,13 +115,15 @@ def ratio(med: dict[str, float], name: str) -> float:
 
 def table(raw: dict[str, Any]) -> list[str]:
     med = medians(raw)
-    names = [n for n in VARIANTS if not n.startswith("lan")]
-    lines = [f"{raw['method']} boundaries, {raw['mbit']:g} Mbit/s, 80 ms RTT: step s (WAN / LAN of the same schedule)"]
+    names = present(raw)
+    window = raw.get("window_kib", WINDOW_KIB)
+    windows = f"TCP windows {window} KiB" if window else "autotuned TCP windows"
+    lines = [f"{raw['method']} boundaries, {raw['mbit']:g} Mbit/s, 80 ms RTT, {windows}: step s (WAN / LAN)"]
     lines += ["", "| batch x 128 | lan 1f1b | lan gpipe | " + " | ".join(names) + " |", "|" + "---|" * (len(names) + 3)]
     for batch in sorted(med, key=int):
         m = med[batch]
         cells = " | ".join(f"{m[n]:.3f} ({ratio(m, n):.2f})" for n in names)
-        lines.append(f"| {batch} | {m['lan 1f1b']:.3f} | {m['lan gpipe']:.3f} | {cells} |")
+        lines.append(f"| {batch} | {m['lan 1f1b']:.3f} | {m.get('lan gpipe', float('nan')):.3f} | {cells} |")
         losses = {tuple(r["losses"]) for rows in raw["runs"][batch].values() for r in rows}
         assert len(losses) == 1, f"batch {batch}: the variants' losses differ"
     loads = [r["load"] for v in raw["runs"].values() for rows in v.values() for r in rows]
@@ -117,7 +138,7 @@ def plot(raw: dict[str, Any], path: Path) -> None:
     if plt is None:
         return
     med = medians(raw)
-    names = [n for n in VARIANTS if not n.startswith("lan")]
+    names = present(raw)
     batches = sorted(med, key=int)
     fig, ax = plt.subplots(figsize=(6.4, 3.4))
     width = 0.8 / len(batches)
@@ -138,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mbit", type=float, default=100.0, help="WAN rate, Mbit/s (RTT 80 ms)")
     ap.add_argument("--batches", default="16,64", help="global batch sizes, sequences of 128 tokens (comma list)")
     ap.add_argument("--method", default="int8", help="geo.pp_compression of every variant")
+    ap.add_argument(
+        "--window-kib", type=int, default=WINDOW_KIB, help="TCP windows held to this (0: the kernel's autotuning)"
+    )
+    ap.add_argument("--microbatches", type=int, default=4, help="microbatches a step (parallel.microbatches)")
+    ap.add_argument("--variants", default="", help="comma list of the variants to run (default: all)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", type=Path, help="write the raw results here")

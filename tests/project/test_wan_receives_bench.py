@@ -32,3 +32,13 @@ def test_ratios_are_against_the_same_schedule_on_the_lan() -> None:
 def test_unequal_losses_fail_the_table() -> None:
     with pytest.raises(AssertionError, match="losses differ"):
         wan_receives.table(_raw([3.0, 2.6]))
+
+
+def test_a_subset_of_variants_tables_only_those_and_names_the_windows() -> None:
+    raw = _raw([3.0, 2.5])
+    raw["runs"]["16"] = {n: r for n, r in raw["runs"]["16"].items() if n in ("lan 1f1b", "lan gpipe", "ahead gpipe")}
+    lines = wan_receives.table({**raw, "window_kib": 0})
+    assert "autotuned TCP windows" in lines[0]
+    header = next(line for line in lines if line.startswith("| batch"))
+    assert "ahead gpipe" in header and "on_use" not in header and "ahead 1f1b" not in header
+    assert "TCP windows 64 KiB" in wan_receives.table(_raw([3.0, 2.5]))[0]
