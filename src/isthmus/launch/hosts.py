@@ -231,19 +231,21 @@ def torchrun_argv(
     rdzv_id: str,
     target: Sequence[str],
     max_restarts: int = 0,
+    agent: str = "isthmus.launch.agent",
 ) -> list[str]:
     """What one node runs to join a ``nnodes``-node job (``"MIN:MAX"`` for an elastic one): torchrun's
     c10d rendezvous at ``endpoint`` (``host0:29400``), ``nproc_per_node`` ranks of ``target``
     (``["-m", "isthmus", "train", ...]`` or a script and its arguments).
 
     The agent is torchrun's own (:mod:`isthmus.launch.agent`: same arguments, its exit said as an
-    exit code). As on real nodes nothing else is given: no ``--node-rank`` (c10d ignores it; nodes
-    are ordered by hostname), no ``--local-addr`` (the hostname), no store of the launcher's.
+    exit code), or the module ``agent`` names (``torch.distributed.run``: torchrun itself). As on
+    real nodes nothing else is given: no ``--node-rank`` (c10d ignores it; nodes are ordered by
+    hostname), no ``--local-addr`` (the hostname), no store of the launcher's.
     """
     return [
         sys.executable,
         "-m",
-        "isthmus.launch.agent",
+        agent,
         "--nnodes",
         str(nnodes),
         "--nproc-per-node",

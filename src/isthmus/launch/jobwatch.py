@@ -22,55 +22,42 @@ does not share the agent's; its own client, so it never waits behind the trainer
 A rank that is gone before it could post (SIGKILL) leaves no reason: the others then say which host's
 connection they lost. torch's agent has no such check (its health check is for the agent itself).
 
-A host whose every rank is stopped (SIGSTOP, a frozen process) runs nothing of ours that could end it;
-its agent would fail much later, when the rendezvous host's store is gone. `HostGuard` runs in the
-emulated hosts' agent (`isthmus.launch.agent`), which knows its ranks from the files they leave in
-``$ISTHMUS_AGENT_DIR``: once the job's end is posted and its ranks are all stopped (on two reads in
-a row), it says the line, SIGKILLs them and exits with the end's code, while the rendezvous host's
-store is still up (its agent stays `STORE_GRACE_S` after its own ranks ended). torchrun's own
-agent has no such hook.
+A host whose every rank is stopped (SIGSTOP, a frozen process) runs nothing of ours that could end
+it: `isthmus.launch.hostguard` watches such a host from outside its ranks, which name themselves to
+it when their watch starts (`_tell_guard`): the emulated hosts' agent (`isthmus.launch.agent`) runs
+the guard, under torch's own agent each host's local rank 0 starts it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
-import sys
 import threading
 import time
-from dataclasses import asdict, dataclass
-from datetime import timedelta
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
-from isthmus.launch.environ import AGENT_DIR_ENV, where
+from isthmus.launch.environ import AGENT_DIR_ENV, spans_hosts, where
 from isthmus.launch.heartbeat import beat_interval
+from isthmus.launch.hostguard import (
+    END_KEY,
+    POLL_S,
+    HostGuard,
+    JobEnd,
+    end_line,
+    guard_folder,
+    parse_end,
+    start_guard,
+    start_time,
+    store_client,
+)
 from isthmus.parallel.rendezvous import store_address
 
-END_KEY = "end"
-POLL_S = 0.5
-"""How often a rank reads ``end``: it must know the reason before the store is gone (the rendezvous
-host's agent, `isthmus.launch.agent`, stays 3 s after a failure)."""
+__all__ = ["END_KEY", "JOB_TOKEN_ENV", "HostGuard", "JobEnd", "JobWatch"]
 STUCK_GRACE_S = 5.0
 """How long a rank has, after the job's end was posted, to unwind by itself before its thread ends it."""
-
-
-@dataclass(frozen=True)
-class JobEnd:
-    """Why a job on several hosts ends, as the rank that knew it posted it."""
-
-    kind: str
-    """``signal``, ``stall``, ``error`` or ``lost``."""
-    rank: int
-    host: str
-    code: int
-    """The exit code every rank ends with (`isthmus.errors`; 128 + N for signal N)."""
-    line: str
-    """What happened, naming the rank and host (``rank 3 on host1 stopped answering for 31 s ...``)."""
 
 
 class JobWatch:
@@ -108,7 +95,7 @@ class JobWatch:
     def start(self) -> None:
         self._beat()
         self._thread.start()
-        _tell_agent(self.rank)
+        _tell_guard(self.rank)
 
     def stop(self, done: bool = True) -> None:
         """Stop beating; ``done``: this rank finished, and no watcher must take its silence for a stall."""
@@ -123,7 +110,7 @@ class JobWatch:
         try:
             with self._lock:
                 stood = self.store.compare_set(END_KEY, "", body)
-            self.end = _parse(stood) or end
+            self.end = parse_end(stood) or end
         except Exception:  # the store's host is gone: this rank's own reason is what it knows
             self.end = self.end or end
         return self.end
@@ -174,7 +161,7 @@ class JobWatch:
         with self._lock:
             if not self.store.check([END_KEY]):
                 return
-            self.end = _parse(self.store.get(END_KEY))
+            self.end = parse_end(self.store.get(END_KEY))
 
     def _look_for_stalls(self, now: float) -> None:
         keys = [f"beat/{r}" for r in range(self.world)]
@@ -201,21 +188,9 @@ class JobWatch:
     def _end_stuck_rank(self, end: JobEnd) -> None:
         """The job ended and this rank did not: it waits on a peer that cannot answer. Say it and exit."""
         if self.console is not None:
-            self.console.write(f"isthmus: {_prefix(end)}{end.line}\n")
+            self.console.write(end_line(end) + "\n")
             self.console.flush()
         self.exit_fn(end.code)
-
-
-def _prefix(end: JobEnd) -> str:
-    return "" if end.kind == "signal" else "error: "
-
-
-def _parse(raw: Any) -> JobEnd | None:
-    try:
-        text = bytes(raw).decode() if not isinstance(raw, str) else raw
-        return JobEnd(**json.loads(text)) if text else None
-    except (ValueError, TypeError):
-        return None
 
 
 JOB_TOKEN_ENV = "ISTHMUS_JOB_TOKEN"
@@ -231,92 +206,35 @@ def _job_store_address() -> tuple[str, int, str]:
     return host, port, f"isthmus/watch/{os.environ.get('TORCHELASTIC_RUN_ID', 'none')}/{attempt}/"
 
 
-def _client(host: str, port: int, prefix: str) -> Any:
-    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10), wait_for_workers=False)
-    return dist.PrefixStore(prefix, store)
-
-
 def _job_store() -> Any:
     """A client of the job's store, under this attempt's prefix (`_job_store_address`)."""
-    return _client(*_job_store_address())
+    return store_client(*_job_store_address())
 
 
-def _tell_agent(rank: int) -> None:
-    """Leave this rank's pid and the job's store in the agent's folder, if the agent has one."""
-    folder = os.environ.get(AGENT_DIR_ENV)
-    if not folder:
+def _under_torch_agent() -> bool:
+    """Whether this rank's agent is torch's own (torchrun), not the emulated hosts' (`isthmus.launch.agent`)."""
+    return spans_hosts() and "TORCHELASTIC_RUN_ID" in os.environ and not os.environ.get(AGENT_DIR_ENV)
+
+
+def _tell_guard(rank: int) -> None:
+    """Leave this rank's pid and the job's store where its host's guard reads them (`HostGuard`): in
+    the agent's folder if the agent has one; under torch's agent in the host's guard folder, whose
+    guard the host's local rank 0 starts."""
+    given = os.environ.get(AGENT_DIR_ENV)
+    if not given and not _under_torch_agent():
         return
     host, port, prefix = _job_store_address()
-    body = json.dumps({"pid": os.getpid(), "host": host, "port": port, "prefix": prefix})
+    folder = Path(given) if given else guard_folder((host, port, prefix))
+    if folder is None:
+        return
+    body = json.dumps(
+        {"pid": os.getpid(), "start": start_time(os.getpid()), "host": host, "port": port, "prefix": prefix}
+    )
     try:
-        tmp = Path(folder) / f".rank{rank}.{os.getpid()}"
+        tmp = folder / f".rank{rank}.{os.getpid()}"
         tmp.write_text(body)
-        tmp.replace(Path(folder) / f"rank{rank}.json")
+        tmp.replace(folder / f"rank{rank}.json")
     except OSError:
-        pass  # the agent is gone: nothing to tell
-
-
-def _stopped(pid: int) -> bool | None:
-    """Whether process ``pid`` is stopped (True), runs (False), or is gone (None)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
-    return None if state in ("Z", "X") else state in ("T", "t")
-
-
-class HostGuard:
-    """In a host's agent: ends the host when the job ended and every rank of the host is stopped
-    (see the module doc). Its thread reads the ranks' files in ``folder`` and the job's ``end``."""
-
-    def __init__(self, folder: Path, console: Any = None, exit_fn: Any = os._exit, kill: Any = os.kill) -> None:
-        self.folder, self.console, self.exit_fn, self.kill = folder, console or sys.stderr, exit_fn, kill
-        self._thread = threading.Thread(target=self._run, name="isthmus-host-guard", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _ranks(self) -> list[dict[str, Any]]:
-        found = []
-        for path in sorted(self.folder.glob("rank*.json")):
-            try:
-                found.append(json.loads(path.read_text()))
-            except (OSError, ValueError):
-                continue
-        return found
-
-    def _run(self) -> None:
-        stores: dict[tuple[str, int, str], Any] = {}
-        stopped_before = False
-        while True:
-            time.sleep(POLL_S)
-            ranks = [r for r in self._ranks() if _stopped(r["pid"]) is not None]
-            if not ranks:
-                continue
-            where_ = (ranks[0]["host"], ranks[0]["port"], ranks[0]["prefix"])
-            try:
-                if where_ not in stores:
-                    stores[where_] = _client(*where_)
-                store = stores[where_]
-                end = _parse(store.get(END_KEY)) if store.check([END_KEY]) else None
-            except Exception:  # no store yet, or gone: the ranks' own ways out stand
-                continue
-            if end is None:
-                continue
-            # Ranks that run end by themselves (`JobWatch`); stopped ones never will.
-            stopped = all(_stopped(r["pid"]) for r in ranks)
-            if stopped and stopped_before:
-                self._end_host(end, [r["pid"] for r in ranks])
-                return
-            stopped_before = stopped
-
-    def _end_host(self, end: JobEnd, pids: list[int]) -> None:
-        self.console.write(f"isthmus: {_prefix(end)}{end.line}\n")
-        self.console.flush()
-        for pid in pids:
-            try:
-                self.kill(pid, 9)  # SIGKILL: a stopped process takes no other signal before it runs again
-            except OSError:
-                pass
-        shutil.rmtree(self.folder, ignore_errors=True)  # the agent's own cleanup does not run after exit_fn
-        self.exit_fn(end.code)
+        return  # the agent is gone: nothing to tell
+    if not given and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        start_guard(folder)
