@@ -6,11 +6,16 @@ order each document gives them, as its reader would run them. Two readers, each 
 the working tree with a HOME and an isthmus cache of their own (at the same path every session, so
 that torch's compiled kernels are as warm as a returning user's: see `_reader_home`):
 
-- the README's reader starts from nothing: its first quickstart command makes the copy's virtual
-  environment and the shell stays in it (its ``bin`` first on PATH) for every later command;
+- the README's reader runs every command as written, from the first quickstart command on, which
+  makes the copy's virtual environment and installs the project; the shell stays in it (its
+  ``bin`` first on PATH) for every later command. That environment already holds the packages the
+  first command's ``pip install -e .`` adds (torch & co., hard-linked from the environment running
+  this test: see `_preinstall`), so pip finds them satisfied and installs the project alone; the
+  later extras (``.[hf]``) it installs for real. The install from nothing (downloading, unpacking
+  and compiling torch) is what .ci/run does before it runs the suite: it removes ``.venv`` and runs
+  the README's second quickstart command verbatim, which the first test below checks;
 - the reader of docs/ has followed the README: that copy's virtual environment gets the project
-  with every extra the README installs along the way (their packages hard-linked from the
-  environment running this test, which installed the same ones: see `_preinstall`), then each
+  with every extra the README installs along the way (hard-linked the same way), then each
   document's commands run in turn.
 
 The two readers run side by side (a command mostly waits on its ranks' start-up or on an emulated
@@ -134,6 +139,9 @@ def test_the_docs_show_commands_and_every_exception_is_still_there() -> None:
         assert text in texts, f"NOT_HERE lists a command no document shows any more: {text}"
     ci = (ROOT / ".ci" / "run").read_text()
     assert SUITE in ci, "CI must run the README's test command"
+    # ...in an environment made from nothing, the install the README's reader no longer does.
+    fresh = re.search(r"^rm -rf \.venv$", ci, re.MULTILINE)
+    assert fresh and fresh.start() < ci.index(SUITE), "CI must remove .venv before the README's install"
 
 
 def _user(tmp: Path) -> dict[str, object]:
@@ -189,16 +197,15 @@ def readme_install() -> Command:
 VENV = "python3 -m venv .venv && . .venv/bin/activate && "
 
 
-def _preinstall(user: dict[str, object], setup: Command) -> None:
+def _preinstall(user: dict[str, object], extras: list[str]) -> None:
     """Make the copy's virtual environment and put in it, as hard links, the installed files of pip
-    and of every distribution the setup's ``pip install`` would add, from the environment running
-    this test (copies where a link cannot cross file systems).
+    and of every distribution ``pip install -e '.[<extras>]'`` would add, from the environment
+    running this test (copies where a link cannot cross file systems).
 
     That environment installed them from the same constraints and package indexes (its pip is the
-    one ``python3 -m venv`` bundles), so the setup's pip finds them all satisfied and installs only
-    the project: minutes of unpacking and compiling torch fewer on a loaded machine (the README's
-    reader still installs from nothing). Console scripts (``torchrun``) are copied with their first
-    line naming the copy's python."""
+    one ``python3 -m venv`` bundles), so a reader's ``pip install`` finds them all satisfied and
+    installs only the project: minutes of unpacking and compiling torch fewer on a loaded machine.
+    Console scripts (``torchrun``) are copied with their first line naming the copy's python."""
     from importlib.metadata import Distribution, PackageNotFoundError, distribution
 
     from packaging.requirements import Requirement
@@ -208,7 +215,6 @@ def _preinstall(user: dict[str, object], setup: Command) -> None:
     venv = copy / ".venv"
     make = VENV.split(" && ")[0] + " --without-pip"
     subprocess.run(["bash", "-c", make], cwd=copy, env=user["env"], check=True)  # type: ignore[call-overload]
-    extras = re.findall(r"-e '\.\[([\w,]+)\]'", setup.text)[0].split(",")
     wanted: dict[str, Distribution] = {}
     todo = [("pip", "")] + [(r, e) for r in distribution("isthmus").requires or [] for e in ["", *extras]]
     while todo:
@@ -255,9 +261,12 @@ ON_THEIR_OWN = ("benchmarks.md",)
 """Pages whose commands write nothing another page reads: read beside the others, after the setup."""
 
 
-def _follow(docs: list[str], user: dict[str, object], setup: Command | None) -> dict[str, Future[Outcome]]:
-    """Run the setup, then each document's commands in turn (the pages of ON_THEIR_OWN each in a thread
-    of their own, beside the rest); one future per document."""
+def _follow(
+    docs: list[str], user: dict[str, object], extras: list[str], setup: Command | None
+) -> dict[str, Future[Outcome]]:
+    """Preinstall the project's dependencies with ``extras`` (`_preinstall`), run the setup, then each
+    document's commands in turn (the pages of ON_THEIR_OWN each in a thread of their own, beside the
+    rest); one future per document."""
     futures: dict[str, Future[Outcome]] = {doc: Future() for doc in docs}
     apart = [doc for doc in docs if doc in ON_THEIR_OWN]
     lines = [[doc for doc in docs if doc not in ON_THEIR_OWN], *[[doc] for doc in apart]]
@@ -273,8 +282,8 @@ def _follow(docs: list[str], user: dict[str, object], setup: Command | None) -> 
 
     def reader() -> None:
         try:
+            _preinstall(user, extras)
             if setup is not None:
-                _preinstall(user, setup)
                 problem = _run(
                     Command(setup.doc, setup.line, setup.text.replace(VENV, ". .venv/bin/activate && ")), user
                 )
@@ -343,11 +352,13 @@ def outcomes(
     if "README.md" in selected:
         where, lock = _reader_home("readme_reader", tmp_path_factory)
         locks.append(lock)
-        futures |= _follow(["README.md"], _user(where), setup=None)
+        futures |= _follow(["README.md"], _user(where), extras=[], setup=None)
     if others:
         where, lock = _reader_home("docs_reader", tmp_path_factory)
         locks.append(lock)
-        futures |= _follow(others, _user(where), setup=readme_install())
+        setup = readme_install()
+        extras = re.findall(r"-e '\.\[([\w,]+)\]'", setup.text)[0].split(",")
+        futures |= _follow(others, _user(where), extras=extras, setup=setup)
     yield futures
     for lock in filter(None, locks):
         lock.close()
