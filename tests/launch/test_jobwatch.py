@@ -4,7 +4,9 @@ and how their lines are said once per host."""
 from __future__ import annotations
 
 import io
+import os
 import re
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -71,6 +73,40 @@ def test_a_silent_rank_is_named_with_its_host_and_the_others_end_in_its_line(
         r"stopped every rank \(parallel.timeout_s = 0.5\)\n",
         console.getvalue(),
     )
+
+
+@pytest.mark.parametrize("handled", [False, True], ids=["main_thread_blocked", "handler_ran"])
+def test_a_stop_signal_the_main_thread_cannot_take_is_posted_by_the_watch(
+    port: int, monkeypatch: pytest.MonkeyPatch, handled: bool
+) -> None:
+    """SIGTERM reaches a rank whose main thread waits in a collective on a frozen peer (its Python handler
+    cannot run: ``handled`` stays false): its thread reads the signal off the wake-up fd, posts it as
+    the job's end, and ends the rank with 143 and the line. A handler that ran leaves it to the rank."""
+    monkeypatch.setattr(jobwatch, "STUCK_GRACE_S", 0.3)
+    monkeypatch.setattr(jobwatch, "SIGNAL_GRACE_S", 0.2)
+    exits: list[int] = []
+    console = io.StringIO()
+    w0 = JobWatch(
+        0, 2, lambda: 4, 10, watcher=True, store=client(port), host="host0", exit_fn=exits.append, console=console
+    )
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as `stop_on_signals` installs one
+    try:
+        w0.start()
+        w0.take_signals(lambda: handled)
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + (5 if not handled else 1.5)
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
+        w0.stop(done=False)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert signal.set_wakeup_fd(-1) == -1  # the wake-up fd before it is back
+    if handled:
+        assert exits == [] and w0.end is None
+        return
+    assert exits == [143]
+    assert w0.end == JobEnd("signal", 0, "host0", 143, "SIGTERM to rank 0 on host0")
+    assert console.getvalue() == "isthmus: SIGTERM to rank 0 on host0\n"
 
 
 def test_a_finished_rank_is_not_a_stalled_one(port: int) -> None:

@@ -175,3 +175,30 @@ def test_a_frozen_host_under_torchrun_ends_in_one_line(tmp_path: Path) -> None:
         assert _all_gone(hosts) == []  # ranks, guards and agents
         assert list(tmp.glob("isthmus-guard-*")) == []
         assert took < 30, took
+
+        # Host 1 frozen, then SIGTERM to host 0's torchrun (a cancelled job), long before any stall is
+        # found: host 0's rank, blocked in a collective on host 1, cannot run its handler; its thread
+        # posts the signal (`JobWatch.take_signals`), ends it, and host 1's guard says the same line.
+        late = [*target, "--train.steps", "2000", "--train.run_dir", str(runs / "s"), "--parallel.timeout_s", "60"]
+        signalled = _job(hosts, logs, "signalled", late, env)
+        deadline = time.monotonic() + 120
+        while _last_step(runs / "s/metrics.jsonl") < 1:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in signalled), "the run never trained"
+            time.sleep(0.2)
+        rank1 = _holder(hosts, 1, runs / "s/logs/rank1.log")
+        os.kill(rank1, signal.SIGSTOP)
+        time.sleep(1.0)  # host 0's rank is in its next collective by now
+        signalled[0].send_signal(signal.SIGTERM)
+        stopped_at = time.monotonic()
+        codes = [p.wait(90) for p in signalled]
+        took = time.monotonic() - stopped_at
+        for i, code in enumerate(codes):
+            out = (logs / f"signalled-host{i}").read_text()
+            lines = [line for line in out.splitlines() if line.startswith("isthmus:")]
+            # host 0 says it as its rank ends (``interrupted (SIGTERM to rank 0 on host0) at step N; ...``
+            # when the handler ran), host 1's guard as the job's end
+            assert code != 0 and len(lines) == 1 and "SIGTERM to rank 0 on host0" in lines[0], (i, code, out[-3000:])
+        assert gone(rank1)
+        assert _all_gone(hosts) == []
+        assert list(tmp.glob("isthmus-guard-*")) == []
+        assert took < 25, took  # torch's agent alone would wait 30 s, then kill without a line

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -53,11 +55,14 @@ from isthmus.launch.hostguard import (
     start_time,
     store_client,
 )
+from isthmus.launch.stop import STOP_SIGNALS
 from isthmus.parallel.rendezvous import store_address
 
 __all__ = ["END_KEY", "JOB_TOKEN_ENV", "HostGuard", "JobEnd", "JobWatch"]
 STUCK_GRACE_S = 5.0
 """How long a rank has, after the job's end was posted, to unwind by itself before its thread ends it."""
+SIGNAL_GRACE_S = 1.0
+"""How long a stop signal may wait for the main thread's handler before this rank's thread posts it."""
 
 
 class JobWatch:
@@ -91,16 +96,38 @@ class JobWatch:
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it last moved, by our clock)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="isthmus-job-watch", daemon=True)
+        self._wake: tuple[int, int, int] | None = None  # (read end, write end, the wake-up fd before)
+        self._handled: Callable[[], bool] = lambda: True
+        self._signalled: tuple[int, float] | None = None  # (signal, when this thread saw it)
 
     def start(self) -> None:
         self._beat()
         self._thread.start()
         _tell_guard(self.rank)
 
+    def take_signals(self, handled: Callable[[], bool]) -> None:
+        """From the main thread: post a stop signal that its handler could not take. Python runs signal
+        handlers between bytecodes of the main thread only, so a rank blocked in a collective on a
+        peer that stopped (a frozen host) never runs its handler: the job would wait for torch's
+        agent to kill it, with no line. The interpreter's C-level handler still writes the signal's
+        number to the wake-up fd; this rank's thread reads it there and, when ``handled()`` stays
+        false for SIGNAL_GRACE_S, posts the signal as the job's end, which then ends this rank."""
+        read, write = os.pipe()
+        os.set_blocking(read, False)
+        os.set_blocking(write, False)
+        self._wake = (read, write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+        self._handled = handled
+
     def stop(self, done: bool = True) -> None:
         """Stop beating; ``done``: this rank finished, and no watcher must take its silence for a stall."""
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._wake is not None and threading.current_thread() is threading.main_thread():
+            read, write, before = self._wake
+            signal.set_wakeup_fd(before)
+            os.close(read)
+            os.close(write)
+            self._wake = None
         if done:
             self._beat(done=True)
 
@@ -135,6 +162,8 @@ class JobWatch:
                 if self.end is None:
                     self._read_end()
                 now = time.monotonic()
+                if self.end is None:
+                    self._post_unhandled_signal(now)
                 if self.end is None and now >= next_beat:
                     next_beat = now + interval
                     self._beat()
@@ -147,6 +176,24 @@ class JobWatch:
                 if time.monotonic() - ended_at >= STUCK_GRACE_S:
                     self._end_stuck_rank(self.end)
                     return
+
+    def _post_unhandled_signal(self, now: float) -> None:
+        """A stop signal the main thread has not handled within SIGNAL_GRACE_S (`take_signals`)."""
+        if self._wake is None:
+            return
+        try:
+            got = os.read(self._wake[0], 64)
+        except (BlockingIOError, OSError):
+            got = b""
+        stops = [n for n in got if n in STOP_SIGNALS]
+        if stops and self._signalled is None:
+            self._signalled = (stops[0], now)
+        if self._signalled is None or self._handled():
+            return
+        signum, seen = self._signalled
+        if now - seen >= SIGNAL_GRACE_S:
+            cause = f"{signal.Signals(signum).name} to {where(self.rank, self.host)}"
+            self.post(JobEnd("signal", self.rank, self.host, 128 + signum, cause))
 
     def _beat(self, done: bool = False) -> None:
         self._count += 1

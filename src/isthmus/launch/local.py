@@ -146,6 +146,8 @@ def run_rank(cfg: JobConfig, launched_at: float | None = None, environ: dict[str
         watch.start()
     # From the signal on, this rank's lines go to its log file only: the launcher prints the one line.
     with stop_on_signals(on_stop=silence_console) as stop:
+        if watch is not None:
+            watch.take_signals(lambda: stop.signum is not None)
         try:
             result = train(cfg, progress)
             write_rank_done(error_dir, rank, progress.step)
