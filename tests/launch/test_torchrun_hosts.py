@@ -202,3 +202,22 @@ def test_a_frozen_host_under_torchrun_ends_in_one_line(tmp_path: Path) -> None:
         assert _all_gone(hosts) == []
         assert list(tmp.glob("isthmus-guard-*")) == []
         assert took < 25, took  # torch's agent alone would wait 30 s, then kill without a line
+
+        # The rendezvous host dies (every process on host 0 killed): host 1's agent loses the c10d
+        # store that lived in host 0's agent; host 1's rank says so.
+        headless = _job(
+            hosts, logs, "headless", [*target, "--train.steps", "2000", "--train.run_dir", str(runs / "h")], env
+        )
+        deadline = time.monotonic() + 120
+        while _last_step(runs / "h/metrics.jsonl") < 1:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in headless), "the run never trained"
+            time.sleep(0.2)
+        hosts.kill(0)
+        code = headless[1].wait(90)
+        headless[0].wait(10)
+        out = (logs / "headless-host1").read_text()
+        lines = [line for line in out.splitlines() if line.startswith("isthmus:")]
+        assert code != 0 and len(lines) == 1, (code, out[-3000:])
+        assert "rank 1 on host1 lost the job's other ranks and the job's store on " in lines[0], lines
+        assert "(the rendezvous host)" in lines[0], lines
+        assert _all_gone(hosts) == []

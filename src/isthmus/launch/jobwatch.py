@@ -91,6 +91,8 @@ class JobWatch:
         self.store = store if store is not None else _job_store()
         self.end: JobEnd | None = None
         """The job's end once any rank posted it (this one included)."""
+        self.store_lost = False
+        """Whether posting to the job's store failed (its host, the rendezvous host, is gone)."""
         self._lock = threading.RLock()
         self._count = 0
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (its counter, when it last moved, by our clock)
@@ -139,6 +141,7 @@ class JobWatch:
                 stood = self.store.compare_set(END_KEY, "", body)
             self.end = parse_end(stood) or end
         except Exception:  # the store's host is gone: this rank's own reason is what it knows
+            self.store_lost = True
             self.end = self.end or end
         return self.end
 
@@ -147,7 +150,11 @@ class JobWatch:
         the rank that knows why may be a moment behind)."""
         deadline = time.monotonic() + timeout_s
         while self.end is None and time.monotonic() < deadline:
-            self._read_end()
+            try:
+                self._read_end()
+            except Exception:  # the store's host is gone: no rank can post there any more
+                self.store_lost = True
+                break
             if self.end is None:
                 time.sleep(POLL_S)
         return self.end

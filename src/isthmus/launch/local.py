@@ -40,6 +40,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -65,7 +66,7 @@ from isthmus.launch.warm import (
     starts_local_ranks,
 )
 from isthmus.log import get_logger, redirect_stderr, route_library_warnings, setup_logging, silence_console
-from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_store_environ
+from isthmus.parallel.rendezvous import LOOPBACK, loopback_store_server, served_store_environ, store_address
 from isthmus.profile.device import resolve_device
 from isthmus.train.membership import last_logged_step
 from isthmus.train.trainer import Progress, TrainResult, init_distributed, train
@@ -225,6 +226,11 @@ def _host_rank_exit(
     if stop.signum is not None:
         cause = f"{signal.Signals(stop.signum).name} to {here}"
         end = watch.post(JobEnd("signal", rank, watch.host, 128 + stop.signum, cause))
+        if watch.store_lost and end.rank == rank:
+            # torch's agent stops its ranks when it loses the c10d store, which lives in the rendezvous
+            # host's agent: the signal is the agent's, the reason that host
+            host, _ = store_address()
+            end = replace(end, line=f"{cause}: its agent lost the job's store on {host} (the rendezvous host is gone)")
     elif isinstance(e, IsthmusError):
         try:
             write_rank_error(error_dir, rank, e)
@@ -233,16 +239,22 @@ def _host_rank_exit(
         end = watch.post(JobEnd("error", rank, watch.host, e.exit_code, f"{e} ({here})"))
     else:
         get_logger().error("%s failed", here, exc_info=e)
-        end = watch.wait_for_end(2.0) or watch.post(
-            JobEnd(
-                "lost",
-                rank,
-                watch.host,
-                EXIT_RUN_FAILED,
-                f"{here} lost the job's other ranks ({_transport_words(e)}); "
-                f"see {Path(cfg.train.run_dir) / 'logs'} on each host",
+        posted = watch.wait_for_end(2.0)
+        if posted is not None:
+            end = posted
+        else:
+            # No rank can post any more when the job's store is gone with the rendezvous host's agent.
+            head = f" and the job's store on {store_address()[0]} (the rendezvous host)" if watch.store_lost else ""
+            end = watch.post(
+                JobEnd(
+                    "lost",
+                    rank,
+                    watch.host,
+                    EXIT_RUN_FAILED,
+                    f"{here} lost the job's other ranks{head} ({_transport_words(e)}); "
+                    f"see {Path(cfg.train.run_dir) / 'logs'} on each host",
+                )
             )
-        )
     get_logger().info("the job ends: %s", end.line)
     if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return SystemExit(end.code)
