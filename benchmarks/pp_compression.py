@@ -125,17 +125,24 @@ def loss(ns: argparse.Namespace) -> dict[str, Any]:
                         "--parallel.microbatches",
                         "1",
                         "--train.grad_accum",
-                        str(MICROBATCHES),
+                        str(ns.microbatches),
                     ]
                     nproc = 1
                 else:
                     flags, nproc = ["--parallel.pp", "2", "--geo.dc_axis", "pp", *method_flags(m)], 2
-                records = train(out, [*flags, "--train.seed", seed], nproc, steps)
+                    flags += ["--parallel.microbatches", str(ns.microbatches)]  # after train()'s own: it wins
+                records = train(out, [*flags, "--train.seed", seed], nproc, steps, None, ns.batch)
                 losses = [r["loss"] for r in records if "loss" in r]
                 val = [r["val_loss"] for r in records if "val_loss" in r]
                 got[f"{m}/{seed}"] = {"losses": losses, "val_loss": val[-1] if val else None}
                 print(f"  {m} seed {seed}: last {losses[-1]:.4f}, val {val[-1] if val else '-'}", file=sys.stderr)
-    return {"steps": steps, "seeds": ns.seeds.split(","), "runs": got}
+    return {
+        "steps": steps,
+        "batch": ns.batch,
+        "microbatches": ns.microbatches,
+        "seeds": ns.seeds.split(","),
+        "runs": got,
+    }
 
 
 def joined(raws: list[dict[str, Any]]) -> dict[str, Any]:
@@ -232,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     lo.add_argument("--steps", type=int, default=150)
     lo.add_argument("--seeds", default="2,3")
     lo.add_argument("--variants", default=",".join(METHODS), help=f"of {', '.join(METHODS)}, {ONE_RANK}")
+    lo.add_argument("--batch", type=int, default=BATCH, help=f"sequences of {SEQ} tokens a step")
+    lo.add_argument("--microbatches", type=int, default=MICROBATCHES)
     lo.add_argument("--out", type=Path, required=True)
     tb = sub.add_parser("table", help="the tables (and plot) of earlier results")
     tb.add_argument("--timing", type=Path, nargs="+", required=True, help="timing results (their runs joined)")
