@@ -94,6 +94,18 @@ def _job(
     return procs
 
 
+def _training(
+    hosts: EmulatedHosts, logs: Path, name: str, target: list[str], env: dict[str, str], run_dir: Path
+) -> list[subprocess.Popen[str]]:
+    """`_job`, returned once its first step is logged in ``run_dir``."""
+    procs = _job(hosts, logs, name, [*target, "--train.run_dir", str(run_dir)], env)
+    deadline = time.monotonic() + 120
+    while _last_step(run_dir / "metrics.jsonl") < 1:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run never trained"
+        time.sleep(0.2)
+    return procs
+
+
 def _guards(hosts: EmulatedHosts, i: int) -> list[int]:
     """Host ``i``'s guard processes."""
     found = []
@@ -150,13 +162,7 @@ def test_a_frozen_host_under_torchrun_ends_in_one_line(tmp_path: Path) -> None:
         assert _all_gone(hosts) == []
         assert list(tmp.glob("isthmus-guard-*")) == []
 
-        frozen = _job(
-            hosts, logs, "frozen", [*target, "--train.steps", "2000", "--train.run_dir", str(runs / "f")], env
-        )
-        deadline = time.monotonic() + 120
-        while _last_step(runs / "f/metrics.jsonl") < 1:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in frozen), "the run never trained"
-            time.sleep(0.2)
+        frozen = _training(hosts, logs, "frozen", [*target, "--train.steps", "2000"], env, runs / "f")
         assert [len(_guards(hosts, i)) for i in range(2)] == [1, 1]  # one guard per host
         assert len(list(tmp.glob("isthmus-guard-*"))) == 2  # and its folder
         rank1 = _holder(hosts, 1, runs / "f/logs/rank1.log")
@@ -179,12 +185,8 @@ def test_a_frozen_host_under_torchrun_ends_in_one_line(tmp_path: Path) -> None:
         # Host 1 frozen, then SIGTERM to host 0's torchrun (a cancelled job), long before any stall is
         # found: host 0's rank, blocked in a collective on host 1, cannot run its handler; its thread
         # posts the signal (`JobWatch.take_signals`), ends it, and host 1's guard says the same line.
-        late = [*target, "--train.steps", "2000", "--train.run_dir", str(runs / "s"), "--parallel.timeout_s", "60"]
-        signalled = _job(hosts, logs, "signalled", late, env)
-        deadline = time.monotonic() + 120
-        while _last_step(runs / "s/metrics.jsonl") < 1:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in signalled), "the run never trained"
-            time.sleep(0.2)
+        late = [*target, "--train.steps", "2000", "--parallel.timeout_s", "60"]
+        signalled = _training(hosts, logs, "signalled", late, env, runs / "s")
         rank1 = _holder(hosts, 1, runs / "s/logs/rank1.log")
         os.kill(rank1, signal.SIGSTOP)
         time.sleep(1.0)  # host 0's rank is in its next collective by now
@@ -205,13 +207,7 @@ def test_a_frozen_host_under_torchrun_ends_in_one_line(tmp_path: Path) -> None:
 
         # The rendezvous host dies (every process on host 0 killed): host 1's agent loses the c10d
         # store that lived in host 0's agent; host 1's rank says so.
-        headless = _job(
-            hosts, logs, "headless", [*target, "--train.steps", "2000", "--train.run_dir", str(runs / "h")], env
-        )
-        deadline = time.monotonic() + 120
-        while _last_step(runs / "h/metrics.jsonl") < 1:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in headless), "the run never trained"
-            time.sleep(0.2)
+        headless = _training(hosts, logs, "headless", [*target, "--train.steps", "2000"], env, runs / "h")
         hosts.kill(0)
         code = headless[1].wait(90)
         headless[0].wait(10)
