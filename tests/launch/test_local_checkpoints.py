@@ -4,7 +4,8 @@ Two emulated hosts of one rank each (FSDP across them, `tiny`, a checkpoint ever
 its own (a folder of the test bind-mounted over the runs folder in host 1's own mount namespace),
 so neither host sees the other's checkpoint files. One uninterrupted run saves steps 4 and 8 (each
 host its own shards, its own metadata and manifest) and is stopped after step 8; a second run on the
-same hosts resumes from step 4 and must log the losses of steps 5 to 8 exactly; then its host 1's
+same hosts resumes from step 4, saving asynchronously, and must log the losses of steps 5 to 8
+exactly and commit its step-8 checkpoint in each host's folder; then its host 1's
 rank is SIGSTOPped, and both hosts must end in one line naming rank 1 on host1, exit 3, with every
 process gone. Meanwhile a single process on host 0 resuming the same checkpoint (world 1: it would
 need host 1's shards) is refused in one line, exit 2.
@@ -98,7 +99,9 @@ def test_per_host_checkpoints_resume_exactly_and_a_stopped_host_ends_in_one_line
             assert manifest["hosts"] == ["host0", "host1"] and set(manifest["files"]) == names - {"isthmus.json"}
 
         # A restart on the same hosts at the same layout: the losses of the uninterrupted run.
-        second = _start(hosts, runs, own, "b", "--checkpoint.resume", str(runs / "a/checkpoints/step-000004"))
+        # It saves asynchronously: each host's folder is committed from the checkpointer's thread.
+        resume = ["--checkpoint.resume", str(runs / "a/checkpoints/step-000004"), "--checkpoint.async_save", "true"]
+        second = _start(hosts, runs, own, "b", *resume)
         # Meanwhile one process on host 0 (world 1) resumes it too: it would need host 1's shards.
         argv = [sys.executable, "-m", "isthmus", "train", *B, "--train.run_dir", str(runs / "c")]
         argv += ["--checkpoint.resume", str(runs / "a/checkpoints/step-000004")]
@@ -108,6 +111,10 @@ def test_per_host_checkpoints_resume_exactly_and_a_stopped_host_ends_in_one_line
         assert min(resumed) == 5
         for step in range(5, 9):
             assert resumed[step] == expected[step], (step, resumed[step], expected[step])
+        b8 = "b/checkpoints/step-000008"
+        _wait(second, lambda: (runs / b8 / "isthmus.json").is_file() and (own / b8 / "isthmus.json").is_file())
+        for folder, rank in ((runs, 0), (own, 1)):
+            assert {p.name for p in (folder / b8).iterdir()} == {f"__{rank}_0.distcp", ".metadata", "isthmus.json"}
 
         # Host 1's only rank is stopped (not dead): both hosts end, each in one line naming it, exit 3.
         rank1 = holder_of(second[1].pid, runs / "b/logs/rank1.log")
